@@ -1,0 +1,13 @@
+"""stepgate's engine: a continuous-batching engine for Qwen2-family models with a paged KV pool."""
+from .config import LINEAGE, PREDECESSOR, EngineConfig, lineage_config
+from .engine import Engine, StepRecord
+from .errors import (BadBudgetError, DuplicateRequestIdError, EmptyPromptError, ExceedsMaxPositionsError,
+                     NeverFitsError, PoisonedLogitsError, RequestError, TokenOutOfVocabError)
+from .request import RequestResult
+from .scheduler import CancelResult
+from .workload import RequestSpec, Workload, get_workload
+
+__all__ = ["Engine", "EngineConfig", "StepRecord", "LINEAGE", "PREDECESSOR", "lineage_config", "RequestResult",
+           "CancelResult", "RequestSpec", "Workload", "get_workload", "RequestError", "EmptyPromptError",
+           "TokenOutOfVocabError", "ExceedsMaxPositionsError", "BadBudgetError", "NeverFitsError",
+           "DuplicateRequestIdError", "PoisonedLogitsError"]

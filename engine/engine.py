@@ -1,0 +1,220 @@
+"""The engine: submit requests, step, run to completion, read results and the per-step trace."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import errors
+from .config import EngineConfig
+from .loader import load_model
+from .pool import PagePool
+from .request import Request, RequestResult, State
+from .runner import ModelRunner
+from .scheduler import CancelResult, Chunk, Scheduler
+from .workload import RequestSpec
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+@dataclass
+class StepRecord:
+    """One line of the per-step trace."""
+    index: int
+    kind: str                 # pure-decode / loaded / chunk-only / idle
+    prompt_positions: int
+    decode_tokens: int
+    chunks: int
+    admitted: int
+    start: float              # seconds since the engine's clock started
+    duration: float           # seconds (device synchronised around the step when sync_trace is on)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None):
+        """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
+        small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines."""
+        self.config = config
+        dtype = torch_dtype(config.dtype)
+        self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
+        self.shape = self.model.shape
+        num_pages = config.num_pages
+        if num_pages is None:
+            budget = config.kv_cache_bytes or ((16 << 30) if torch.device(config.device).type == "cuda"
+                                               else (256 << 20))
+            num_pages = max(2, budget // ModelRunner.bytes_per_page(self.shape, config.page_size, dtype))
+        self.pool = PagePool(num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pool, config.max_batch, config.chunk_tokens)
+        self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
+                                  poison=config.poison, record_topk=config.record_topk)
+        self.requests: dict[str, Request] = {}
+        self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
+        self.trace: list[StepRecord] = []
+        self.t0 = time.perf_counter()
+        self._auto_id = 0
+
+    # -- clock -----------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def reset_clock(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def _sync(self) -> None:
+        if self.runner.device.type == "cuda":
+            torch.cuda.synchronize(self.runner.device)
+
+    # -- requests --------------------------------------------------------------------------------------------
+    def submit(self, prompt, budget, request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request. Bad input raises a RequestError subclass and changes nothing."""
+        if request_id is None:
+            while f"req-{self._auto_id}" in self.requests:
+                self._auto_id += 1
+            request_id = f"req-{self._auto_id}"
+        self.validate(prompt, budget, request_id)
+        r = Request(str(request_id), [int(t) for t in prompt], int(budget),
+                    self.now() if arrival_time is None else float(arrival_time))
+        self.requests[r.request_id] = r
+        self.scheduler.add(r)
+        return r.request_id
+
+    def validate(self, prompt, budget, request_id) -> None:
+        if request_id in self.requests:
+            raise errors.DuplicateRequestIdError(f"request id {request_id!r} is already in use")
+        try:
+            prompt = list(prompt)
+        except TypeError:
+            raise errors.RequestError(f"{request_id}: prompt must be a sequence of token ids") from None
+        if not prompt:
+            raise errors.EmptyPromptError(f"{request_id}: empty prompt")
+        vocab = self.shape.vocab_size
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) and not (hasattr(t, "__index__")):
+                raise errors.TokenOutOfVocabError(f"{request_id}: prompt[{i}] = {t!r} is not a token id")
+            if not 0 <= int(t) < vocab:
+                raise errors.TokenOutOfVocabError(
+                    f"{request_id}: prompt[{i}] = {int(t)} is outside the vocabulary [0, {vocab})")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise errors.BadBudgetError(f"{request_id}: generation budget must be an integer >= 1, got {budget!r}")
+        if len(prompt) + budget > self.shape.max_positions:
+            raise errors.ExceedsMaxPositionsError(
+                f"{request_id}: prompt ({len(prompt)}) + budget ({budget}) = {len(prompt) + budget} exceeds the "
+                f"model's max positions ({self.shape.max_positions})")
+        need = self.pool.pages_needed(len(prompt) + budget)
+        if need > self.pool.capacity:
+            raise errors.NeverFitsError(
+                f"{request_id}: needs {need} pages of {self.pool.page_size} slots (prompt {len(prompt)} + budget "
+                f"{budget}) but the whole pool holds {self.pool.capacity}: it could never be admitted")
+
+    def cancel(self, request_id: str) -> CancelResult:
+        """Stop a request between steps. It keeps what it emitted; its pages return at the end of the next step."""
+        res = self.scheduler.cancel(str(request_id), self.requests)
+        if res.cancelled:
+            self.requests[str(request_id)].finish_time = self.now()
+        return res
+
+    # -- the step --------------------------------------------------------------------------------------------
+    def step(self) -> StepRecord:
+        cfg = self.config
+        if cfg.sync_trace:
+            self._sync()
+        start = self.now()
+        plan = self.scheduler.schedule()
+        for r in plan.admitted:
+            r.admit_time = start
+        pages_of = self.pool.owned
+        out = self.runner.run(plan, pages_of, cfg.forward) if not plan.empty else None
+        if cfg.sync_trace:
+            self._sync()
+        end = self.now()
+        if out is not None:
+            sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
+            if cfg.poison and any(out.nonfinite):
+                self.scheduler.finish_step()   # keep the pool consistent before raising
+                raise self.poison_error(plan, sampled, out.nonfinite)
+            for c in plan.chunks:
+                c.request.num_cached += c.length
+            for r in plan.decodes:
+                r.num_cached += 1
+            for i, (r, tok) in enumerate(zip(sampled, out.tokens)):
+                self.emit(r, tok, plan.index, end)
+                if out.topk_ids:
+                    self.topk.setdefault(r.request_id, []).append((out.topk_ids[i], out.topk_vals[i]))
+        freed = self.scheduler.finish_step()
+        self.runner.poison_pages(freed)
+        rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
+                         len(plan.admitted), start, end - start)
+        self.trace.append(rec)
+        return rec
+
+    def emit(self, r: Request, token: int, step: int, t: float) -> None:
+        r.output.append(token)
+        r.token_times.append(t)
+        r.token_steps.append(step)
+        r.state = State.DECODE
+        if len(r.output) >= r.budget:
+            r.state = State.FINISHED
+            r.finish_time = t
+
+    def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
+        bad = [r.request_id for r, nf in zip(sampled, nonfinite) if nf]
+        lines = [f"step {plan.index} ({plan.kind}): non-finite logits for {bad}: a kernel read a freed or "
+                 f"never-written KV slot. Requests in this step and the pages they own:"]
+        for c in plan.chunks:
+            lines.append(f"  {c.request.request_id}: prompt chunk [{c.start}, {c.start + c.length}) of "
+                         f"{c.request.prompt_len}, pages {self.pool.owned.get(c.request.request_id)}")
+        for r in plan.decodes:
+            lines.append(f"  {r.request_id}: decode token at position {r.num_cached}, "
+                         f"pages {self.pool.owned.get(r.request_id)}")
+        return errors.PoisonedLogitsError(plan.index, bad, "\n".join(lines))
+
+    # -- running ---------------------------------------------------------------------------------------------
+    def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None) -> dict:
+        """Serve `specs` (and whatever is queued) to completion. open_loop: deliver each request at its
+        arrival_time on the engine's clock, while the engine works; otherwise all arrive now."""
+        pending = sorted(specs or [], key=lambda s: s.arrival_time)
+        if not open_loop:
+            for s in pending:
+                self.submit(s.prompt, s.budget, s.request_id, self.now())
+            pending = []
+        i = 0
+        while i < len(pending) or self.scheduler.has_work:
+            now = self.now()
+            while i < len(pending) and pending[i].arrival_time <= now:
+                s = pending[i]
+                self.submit(s.prompt, s.budget, s.request_id, s.arrival_time)
+                i += 1
+            if not self.scheduler.has_work:
+                time.sleep(max(0.0, min(pending[i].arrival_time - now, 0.01)))
+                continue
+            rec = self.step()
+            if progress is not None:
+                progress(rec)
+        return self.results()
+
+    def results(self) -> dict[str, RequestResult]:
+        return {rid: RequestResult.of(r) for rid, r in self.requests.items()}
+
+    # -- teacher forcing -------------------------------------------------------------------------------------
+    def score(self, tokens: list[int]) -> torch.Tensor:
+        """Logits [len(tokens), vocab] at every position of `tokens`, in one forward over the paged cache."""
+        owner = f"__score__{len(tokens)}"
+        self.pool.reserve(owner, len(tokens))
+        try:
+            r = Request(owner, list(tokens), 1)
+            return self.runner.score(Chunk(r, 0, len(tokens)), self.pool.owned[owner])
+        finally:
+            self.pool.release(owner)
+            if not self.pool.in_step:
+                self.runner.poison_pages(self.pool.end_step())

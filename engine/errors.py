@@ -1,0 +1,38 @@
+"""Typed errors. A bad request raises one of these at submit and nothing else changes: the engine keeps serving."""
+
+
+class RequestError(ValueError):
+    """A request was refused at submit; the engine state is unchanged."""
+
+
+class EmptyPromptError(RequestError):
+    pass
+
+
+class TokenOutOfVocabError(RequestError):
+    pass
+
+
+class ExceedsMaxPositionsError(RequestError):
+    pass
+
+
+class BadBudgetError(RequestError):
+    pass
+
+
+class NeverFitsError(RequestError):
+    """The request needs more pages than the whole pool holds: it could never be admitted."""
+
+
+class DuplicateRequestIdError(RequestError):
+    pass
+
+
+class PoisonedLogitsError(RuntimeError):
+    """In poison mode a step produced non-finite logits: some kernel read a freed or never-written slot."""
+
+    def __init__(self, step: int, rows: list, message: str):
+        super().__init__(message)
+        self.step = step
+        self.rows = rows

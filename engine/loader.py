@@ -1,0 +1,122 @@
+"""Where weights come from: a Hugging Face Qwen2 checkpoint directory, an in-memory transformers model, or
+Qwen2.5-1.5B's exact shape with seeded random weights (no weights can be downloaded)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .model import ModelShape, Qwen2
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL_MODEL_DIR = REPO / "golden" / "models" / "qwen2-small"
+RANDOM_1P5B = "qwen2.5-1.5b-random"
+
+# Qwen2.5-1.5B's config.json, less what does not change the shape.
+QWEN25_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+
+
+def qwen2_config(**kw):
+    from transformers import Qwen2Config
+    theta = kw.pop("rope_theta", 10000.0)
+    cfg = Qwen2Config(**kw)
+    # transformers 5 keeps theta in rope_parameters; 4.x in rope_theta. Set both.
+    cfg.rope_theta = theta
+    if getattr(cfg, "rope_parameters", None) is not None:
+        cfg.rope_parameters = {**cfg.rope_parameters, "rope_theta": theta}
+    return cfg
+
+
+def resolve(source) -> str | Path | object:
+    if source in (None, "small"):
+        return SMALL_MODEL_DIR
+    return source
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    single = path / "model.safetensors"
+    if single.exists():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    sd = {}
+    for f in files:
+        sd.update(load_file(str(path / f)))
+    return sd
+
+
+def random_1p5b_state(seed: int = 0, std: float = 0.02, device="cpu", dtype=torch.float16):
+    cfg = qwen2_config(**QWEN25_1P5B)
+    shape = ModelShape.of(cfg)
+    with torch.device(device):
+        m = Qwen2(shape).to(dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, std, generator=g)
+            else:
+                p.normal_(0.0, std, generator=g)
+    return cfg, m
+
+
+def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, object, str]:
+    """Returns (our model on `device` in `dtype`, the transformers config, a name for the weights)."""
+    source = resolve(source)
+    if isinstance(source, str) and source == RANDOM_1P5B:
+        cfg, m = random_1p5b_state(device=device, dtype=dtype)
+        return m.eval(), cfg, RANDOM_1P5B
+    if isinstance(source, (str, os.PathLike)):
+        from transformers import AutoConfig
+        path = Path(source)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        cfg = AutoConfig.from_pretrained(str(path))
+        sd = load_state_dict(path)
+        name = path.name
+    else:   # an in-memory transformers model
+        cfg = source.config
+        sd = source.state_dict()
+        name = getattr(cfg, "name_or_path", "") or "in-memory"
+    m = Qwen2(ModelShape.of(cfg))
+    missing, unexpected = m.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and m.shape.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+    return m.to(device=device, dtype=dtype).eval(), cfg, name
+
+
+def hf_model(source=None, dtype=torch.float32, device="cpu"):
+    """transformers' own Qwen2ForCausalLM on the same weights (eager attention: the ground truth)."""
+    from transformers import Qwen2ForCausalLM
+    source = resolve(source)
+    if isinstance(source, str) and source == RANDOM_1P5B:
+        cfg, ours = random_1p5b_state(device=device, dtype=dtype)
+        with torch.device(device):
+            m = Qwen2ForCausalLM._from_config(cfg, attn_implementation="eager", dtype=dtype)
+        m.load_state_dict(ours.state_dict(), strict=False)
+        m.tie_weights()
+        return m.eval()
+    if not isinstance(source, (str, os.PathLike)):
+        return source
+    return Qwen2ForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation="eager").to(device).eval()
+
+
+def model_checksum(source=None) -> str:
+    source = resolve(source)
+    if isinstance(source, (str, os.PathLike)) and Path(source).is_dir():
+        h = hashlib.sha256()
+        for f in sorted(Path(source).glob("*.safetensors")):
+            h.update(f.read_bytes())
+        return h.hexdigest()[:16]
+    return str(source)

@@ -1,0 +1,162 @@
+"""A Qwen2-family decoder as plain modules (gpt-fast style), run over one packed sequence per forward.
+
+Linears, norms and the MLP run once over all packed positions; only attention splits: prompt-chunk positions go to
+the backend's prefill kernel, decode positions (one row per request) to its decode kernel, and the two outputs are
+concatenated back in packed order (chunks first, decode tokens last)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.base import AttentionBackend, AttnBatch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def of(cls, hf_config) -> "ModelShape":
+        theta = getattr(hf_config, "rope_theta", None)
+        if theta is None:
+            theta = (getattr(hf_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return cls(hf_config.vocab_size, hf_config.hidden_size, hf_config.intermediate_size,
+                   hf_config.num_hidden_layers, hf_config.num_attention_heads, hf_config.num_key_value_heads,
+                   head_dim, float(theta), hf_config.rms_norm_eps, hf_config.max_position_embeddings,
+                   bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward tensors, built once by the model runner and read by every layer."""
+    slot_mapping: torch.Tensor          # [T] cache slot where each packed position's K/V is written
+    num_prefill: int                    # packed positions [0, num_prefill) are prompt-chunk positions
+    prefill: AttnBatch | None
+    decode: AttnBatch | None
+    backend: AttentionBackend
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # as transformers does it: normalise in fp32, then scale in the model's dtype
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype):
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]     # [T, d/2], fp32 as transformers
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=True)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=True)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=True)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.scale = s.head_dim ** -0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx: ForwardContext):
+        T = x.shape[0]
+        s = self.s
+        q = self.q_proj(x).view(T, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        # write this forward's K/V first: both kernels then read history and new positions from the pages alone
+        k_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = k
+        v_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = v
+        n = ctx.num_prefill
+        outs = []
+        if ctx.prefill is not None:
+            outs.append(ctx.backend.prefill(q[:n], k_cache, v_cache, ctx.prefill, self.scale))
+        if ctx.decode is not None:
+            outs.append(ctx.backend.decode(q[n:], k_cache, v_cache, ctx.decode, self.scale))
+        o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.self_attn = Attention(s)
+        self.mlp = MLP(s)
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen2(nn.Module):
+    """Parameter names follow transformers' Qwen2ForCausalLM, so its state dict loads as is."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        self.shape = s
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.model.norm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        if s.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(s.head_dim, s.rope_theta)
+
+    def forward(self, tokens, positions, kv_caches, ctx: ForwardContext, logit_rows: torch.Tensor | None):
+        """tokens, positions: [T]; returns fp32 logits [len(logit_rows), vocab] (all rows if None)."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, (kc, vc) in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kc, vc, ctx)
+        if logit_rows is not None:
+            x = x[logit_rows]
+        return self.lm_head(self.model.norm(x)).float()

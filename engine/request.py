@@ -1,0 +1,78 @@
+"""Per-request bookkeeping: what a request asked for, where it is, what it emitted. No tensors."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class State(enum.Enum):
+    WAITING = "waiting"      # submitted, not yet admitted (owns no pages)
+    PREFILL = "prefill"      # admitted, still reading its prompt in prompt chunks
+    DECODE = "decode"        # prompt done, generating one decode token per step
+    FINISHED = "finished"    # emitted its whole budget
+    CANCELLED = "cancelled"  # stopped by cancel(); keeps what it emitted
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    budget: int                     # generation budget: tokens to emit
+    arrival_time: float = 0.0
+    arrival_index: int = 0          # submit order; strict FCFS admits in this order
+    state: State = State.WAITING
+    num_cached: int = 0             # positions whose K/V are in the cache
+    output: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)   # step index at which each token was emitted
+    admit_time: float | None = None
+    admit_step: int | None = None
+    finish_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def prompt_left(self) -> int:
+        return max(0, self.prompt_len - self.num_cached)
+
+    @property
+    def done(self) -> bool:
+        return self.state in (State.FINISHED, State.CANCELLED)
+
+    @property
+    def slots_needed(self) -> int:
+        """Reserve on admit: the whole prompt plus the whole budget."""
+        return self.prompt_len + self.budget
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def queue_wait(self) -> float | None:
+        return None if self.admit_time is None else self.admit_time - self.arrival_time
+
+
+@dataclass
+class RequestResult:
+    request_id: str
+    prompt: list[int]
+    tokens: list[int]
+    state: str
+    arrival_time: float
+    admit_time: float | None
+    first_token_time: float | None
+    token_times: list[float]
+    token_steps: list[int]
+    finish_time: float | None
+
+    @property
+    def queue_wait(self) -> float | None:
+        return None if self.admit_time is None else self.admit_time - self.arrival_time
+
+    @classmethod
+    def of(cls, r: Request) -> "RequestResult":
+        return cls(r.request_id, list(r.prompt), list(r.output), r.state.value, r.arrival_time, r.admit_time,
+                   r.first_token_time, list(r.token_times), list(r.token_steps), r.finish_time)

@@ -1,0 +1,153 @@
+"""The model runner: the only place that touches the KV cache. It turns a step plan into packed tensors, runs one
+forward (`fused`) or two (`chunked`), and samples greedily with ONE host readback per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels import AttnBatch, get_backend
+from kernels.base import AttentionBackend
+
+from .model import ForwardContext, Qwen2
+from .pool import NULL_PAGE
+from .scheduler import Chunk, StepPlan
+
+
+@dataclass
+class StepOutput:
+    """Host lists, one entry per sampled row: completing prompt chunks first, then decode tokens (plan order)."""
+    tokens: list[int]
+    nonfinite: list[bool] = field(default_factory=list)      # poison mode only
+    topk_ids: list[list[int]] = field(default_factory=list)  # record mode only
+    topk_vals: list[list[float]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
+                 poison: bool = False, record_topk: int = 0):
+        self.model = model
+        self.shape = model.shape
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.poison = poison
+        self.record_topk = record_topk
+        self.backend: AttentionBackend = get_backend(backend, self.device, page_size)
+        s = self.shape
+        fill = float("nan") if poison else 0.0
+        self.kv_caches = []
+        for _ in range(s.num_layers):
+            k = torch.full((num_pages, page_size, s.num_kv_heads, s.head_dim), fill, dtype=dtype, device=self.device)
+            v = torch.full_like(k, fill)
+            k[NULL_PAGE] = 0   # padding of every gather points here: it must stay finite
+            v[NULL_PAGE] = 0
+            self.kv_caches.append((k, v))
+
+    @staticmethod
+    def bytes_per_page(shape, page_size: int, dtype) -> int:
+        return 2 * shape.num_layers * page_size * shape.num_kv_heads * shape.head_dim * \
+            torch.tensor([], dtype=dtype).element_size()
+
+    # -- poison ----------------------------------------------------------------------------------------------
+    def poison_pages(self, pages: list[int]) -> None:
+        """Freed pages hold NaN until written again: a kernel that reads one turns the logits into NaN."""
+        if not self.poison or not pages:
+            return
+        idx = torch.tensor(pages, device=self.device)
+        for k, v in self.kv_caches:
+            k[idx] = float("nan")
+            v[idx] = float("nan")
+
+    # -- per-step tensors ------------------------------------------------------------------------------------
+    def _slot(self, pages: list[int], pos: int) -> int:
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+
+    def _attn_batch(self, q_lens, kv_lens, tables) -> AttnBatch:
+        width = max(len(t) for t in tables)
+        bt = torch.tensor([t + [NULL_PAGE] * (width - len(t)) for t in tables], dtype=torch.int32,
+                          device=self.device)
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        return AttnBatch(list(q_lens), list(kv_lens), bt,
+                         torch.tensor(kv_lens, dtype=torch.int32, device=self.device),
+                         torch.tensor(cu, dtype=torch.int32, device=self.device), self.page_size)
+
+    def build(self, chunks: list[Chunk], decodes, pages_of: dict[str, list[int]], all_logits: bool = False):
+        """Packed inputs for one forward: chunk positions first, decode tokens last."""
+        tokens, positions, slots, logit_rows = [], [], [], []
+        for c in chunks:
+            r, pages = c.request, pages_of[c.request.request_id]
+            for p in range(c.start, c.start + c.length):
+                tokens.append(r.prompt[p])
+                positions.append(p)
+                slots.append(self._slot(pages, p))
+            if all_logits:
+                logit_rows.extend(range(len(tokens) - c.length, len(tokens)))
+            elif c.completes_prompt:
+                logit_rows.append(len(tokens) - 1)
+        num_prefill = len(tokens)
+        for r in decodes:
+            tokens.append(r.output[-1])
+            positions.append(r.num_cached)
+            slots.append(self._slot(pages_of[r.request_id], r.num_cached))
+            logit_rows.append(len(tokens) - 1)
+        prefill = decode = None
+        if chunks:
+            prefill = self._attn_batch([c.length for c in chunks], [c.start + c.length for c in chunks],
+                                       [pages_of[c.request.request_id] for c in chunks])
+            self.backend.prepare(prefill, "prefill")
+        if decodes:
+            decode = self._attn_batch([1] * len(decodes), [r.num_cached + 1 for r in decodes],
+                                      [pages_of[r.request_id] for r in decodes])
+            self.backend.prepare(decode, "decode")
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        ctx = ForwardContext(t(slots), num_prefill, prefill, decode, self.backend)
+        return t(tokens), t(positions), ctx, t(logit_rows)
+
+    @torch.inference_mode()
+    def forward(self, chunks, decodes, pages_of, all_logits=False) -> torch.Tensor:
+        tokens, positions, ctx, rows = self.build(chunks, decodes, pages_of, all_logits)
+        return self.model(tokens, positions, self.kv_caches, ctx, rows)
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str) -> StepOutput:
+        if forward_mode == "fused":
+            logits = self.forward(plan.chunks, plan.decodes, pages_of)
+        else:   # chunked: prompt chunks, then the decode batch, as two forwards
+            parts = []
+            if plan.chunks:
+                parts.append(self.forward(plan.chunks, [], pages_of))
+            if plan.decodes:
+                parts.append(self.forward([], plan.decodes, pages_of))
+            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self.sample(logits)
+
+    def sample(self, logits: torch.Tensor) -> StepOutput:
+        """Greedy. One host readback carries the tokens (and, in poison mode, which rows were not finite)."""
+        if logits.shape[0] == 0:
+            return StepOutput([])
+        tokens = logits.argmax(-1)
+        if self.poison:
+            both = torch.stack([tokens, (~torch.isfinite(logits).all(-1)).long()]).tolist()
+            out = StepOutput(both[0], [bool(x) for x in both[1]])
+        else:
+            out = StepOutput(tokens.tolist())
+        if self.record_topk:
+            vals, ids = logits.topk(self.record_topk, dim=-1)
+            out.topk_ids, out.topk_vals = ids.tolist(), vals.tolist()
+        return out
+
+    @torch.inference_mode()
+    def score(self, chunk: Chunk, pages: list[int]) -> torch.Tensor:
+        """Teacher forcing: logits at every position of one whole sequence, in one forward (fp32, on the host)."""
+        return self.forward([chunk], [], {chunk.request.request_id: pages}, all_logits=True).cpu()
+
+    def perturb_page(self, page: int, scale: float = 1.0, seed: int = 0) -> None:
+        """Add noise to one page's K and V in every layer (the small model's history-dependence probe)."""
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        for k, v in self.kv_caches:
+            for t in (k, v):
+                t[page] += (torch.randn(t[page].shape, generator=g) * scale).to(t.device, t.dtype)

@@ -1,0 +1,82 @@
+"""Workloads as in the seeds: the mixed draw, the uniform control, Poisson arrivals; scaled variants for the small
+model on CPU. Prompts are token ids from a seeded generator, so a workload is named by its parameters and seed."""
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+
+SEED = 1234
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt: list[int]
+    budget: int
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_lengths: tuple[int, ...]      # drawn uniformly per request
+    budget_range: tuple[int, int]        # inclusive
+    num_requests: int
+    seed: int = SEED
+    token_range: tuple[int, int] = (3, 4000)   # prompt token ids drawn from [lo, hi)
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
+        rng = random.Random(self.seed)
+        lo, hi = self.token_range
+        if vocab_size is not None:
+            hi = min(hi, vocab_size)
+        out = []
+        for i in range(self.num_requests):
+            n = rng.choice(self.prompt_lengths)
+            budget = rng.randint(*self.budget_range)
+            prompt = [rng.randrange(lo, hi) for _ in range(n)]
+            out.append(RequestSpec(f"{self.name}-{i:04d}", prompt, budget))
+        return out
+
+    def describe(self) -> dict:
+        d = asdict(self)
+        d.pop("meta")
+        return d
+
+    def with_budget(self, budget: int) -> "Workload":
+        return Workload(self.name, self.prompt_lengths, (budget, budget), self.num_requests, self.seed,
+                        self.token_range)
+
+    def scaled(self, num_requests: int) -> "Workload":
+        return Workload(self.name, self.prompt_lengths, self.budget_range, num_requests, self.seed, self.token_range)
+
+
+# The seeds' draws, for the 1.5B-shaped model.
+MIXED = Workload("mixed", (16, 64, 256, 1024, 4096), (64, 256), 32)
+UNIFORM = Workload("uniform", (256,), (64, 256), 256)
+
+# Scaled for the small model on CPU: prompts / 4 (so several prompt chunks at chunk_tokens 128), budgets / 4, and
+# more requests than rows (48 requests, 32 rows) so admission is continuous.
+MIXED_CPU = Workload("mixed-cpu", (4, 16, 64, 256, 1024), (16, 64), 48)
+UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48)
+
+WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU)}
+
+
+def get_workload(name: str) -> Workload:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise KeyError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}") from None
+
+
+def poisson_arrivals(specs: list[RequestSpec], rate: float, seed: int = SEED) -> list[RequestSpec]:
+    """The same requests with Poisson arrival times at `rate` requests/s, from a fixed seed."""
+    rng = random.Random(seed)
+    t = 0.0
+    out = []
+    for s in specs:
+        t += rng.expovariate(rate)
+        out.append(RequestSpec(s.request_id, s.prompt, s.budget, t))
+    return out

@@ -1,0 +1,61 @@
+"""The `torch` backend: plain PyTorch, any device, any page size. It is also the reference.
+
+It gathers exactly the slots each sequence owns up to its length; padding points at the null page (page 0, always
+zero, never owned), so it never touches a freed slot, another request's page or a page tail beyond the length."""
+from __future__ import annotations
+
+import torch
+
+from .base import AttentionBackend, AttnBatch
+
+
+def gather_slots(block_tables: torch.Tensor, kv_lens: torch.Tensor, max_kv: int, page_size: int) -> torch.Tensor:
+    """[B, max_kv] flat cache slot of each history position; positions at or past the length map to slot 0."""
+    j = torch.arange(max_kv, device=block_tables.device)
+    pages = block_tables.long().gather(1, (j // page_size).expand(block_tables.shape[0], -1))
+    slots = pages * page_size + j % page_size
+    return torch.where(j < kv_lens.long()[:, None], slots, torch.zeros_like(slots))
+
+
+class TorchBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, batch: AttnBatch, kind: str) -> None:
+        dev = batch.block_tables.device
+        B, max_q, max_kv = batch.num_seqs, batch.max_q, batch.max_kv
+        slots = gather_slots(batch.block_tables, batch.kv_lens_t, max_kv, batch.page_size)
+        q_lens = torch.tensor(batch.q_lens, device=dev)
+        kv_lens = batch.kv_lens_t.long()
+        i = torch.arange(max_q, device=dev)
+        j = torch.arange(max_kv, device=dev)
+        # query i of sequence b sits at history position kv_len - q_len + i and sees keys up to it (causal)
+        qpos = (kv_lens - q_lens)[:, None] + i[None, :]                              # [B, max_q]
+        mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
+        # packed row -> (sequence, index in sequence), to pad queries and unpad outputs
+        seq_of_row = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=batch.num_queries)
+        idx_in_seq = torch.arange(batch.num_queries, device=dev) - batch.cu_q_t.long()[seq_of_row]
+        batch.prepared[kind] = (slots, mask, seq_of_row, idx_in_seq)
+
+    def attend(self, q, k_cache, v_cache, batch: AttnBatch, scale: float, kind: str) -> torch.Tensor:
+        slots, mask, seq_of_row, idx_in_seq = batch.prepared[kind]
+        B, max_q = batch.num_seqs, batch.max_q
+        H, d = q.shape[1], q.shape[2]
+        kvh = k_cache.shape[2]
+        g = H // kvh
+        k = k_cache.view(-1, kvh, d)[slots]                          # [B, max_kv, kvh, d]
+        v = v_cache.view(-1, kvh, d)[slots]
+        qp = q.new_zeros(B, max_q, H, d)
+        qp[seq_of_row, idx_in_seq] = q
+        qp = qp.view(B, max_q, kvh, g, d).permute(0, 2, 3, 1, 4)     # [B, kvh, g, max_q, d]
+        s = torch.matmul(qp, k.permute(0, 2, 3, 1).unsqueeze(2)) * scale   # [B, kvh, g, max_q, max_kv]
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(p, v.permute(0, 2, 1, 3).unsqueeze(2))       # [B, kvh, g, max_q, d]
+        o = o.permute(0, 3, 1, 2, 4).reshape(B, max_q, H, d)
+        return o[seq_of_row, idx_in_seq]
+
+    def prefill(self, q, k_cache, v_cache, batch, scale):
+        return self.attend(q, k_cache, v_cache, batch, scale, "prefill")
+
+    def decode(self, q, k_cache, v_cache, batch, scale):
+        return self.attend(q, k_cache, v_cache, batch, scale, "decode")

@@ -14,6 +14,13 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def pytest_configure(config):
+    # The small model's steps are far too small to gain from intra-op threads, and on a shared 2-core runner
+    # they lose badly to oversubscription (seen: 5-20 ms a step with 1 thread, 700-1000 ms with 2 under load).
+    import torch
+    torch.set_num_threads(int(os.environ.get("STEPGATE_THREADS", "1")))
+
 try:    # hypothesis profiles: bounded in CI, longer locally with HYPOTHESIS_PROFILE=long
     from hypothesis import HealthCheck, settings
 

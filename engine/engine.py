@@ -1,6 +1,7 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace."""
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ class StepRecord:
     admitted: int
     start: float              # seconds since the engine's clock started
     duration: float           # seconds (device synchronised around the step when sync_trace is on)
+    admission_blocked: bool = False   # the queue's head waited for pages while a row was free
 
 
 class Engine:
@@ -82,8 +84,9 @@ class Engine:
             while f"req-{self._auto_id}" in self.requests:
                 self._auto_id += 1
             request_id = f"req-{self._auto_id}"
-        self.validate(prompt, budget, request_id)
-        r = Request(str(request_id), [int(t) for t in prompt], int(budget),
+        request_id = str(request_id)
+        budget = self.validate(prompt, budget, request_id)
+        r = Request(request_id, [int(t) for t in prompt], budget,
                     self.now() if arrival_time is None else float(arrival_time))
         self.requests[r.request_id] = r
         self.scheduler.add(r)
@@ -105,8 +108,13 @@ class Engine:
             if not 0 <= int(t) < vocab:
                 raise errors.TokenOutOfVocabError(
                     f"{request_id}: prompt[{i}] = {int(t)} is outside the vocabulary [0, {vocab})")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        try:
+            n = operator.index(budget) if not isinstance(budget, bool) else None
+        except TypeError:
+            n = None
+        if n is None or n < 1:
             raise errors.BadBudgetError(f"{request_id}: generation budget must be an integer >= 1, got {budget!r}")
+        budget = n
         if len(prompt) + budget > self.shape.max_positions:
             raise errors.ExceedsMaxPositionsError(
                 f"{request_id}: prompt ({len(prompt)}) + budget ({budget}) = {len(prompt) + budget} exceeds the "
@@ -116,6 +124,7 @@ class Engine:
             raise errors.NeverFitsError(
                 f"{request_id}: needs {need} pages of {self.pool.page_size} slots (prompt {len(prompt)} + budget "
                 f"{budget}) but the whole pool holds {self.pool.capacity}: it could never be admitted")
+        return budget
 
     def cancel(self, request_id: str) -> CancelResult:
         """Stop a request between steps. It keeps what it emitted; its pages return at the end of the next step."""
@@ -133,6 +142,7 @@ class Engine:
         plan = self.scheduler.schedule()
         for r in plan.admitted:
             r.admit_time = start
+        blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
         pages_of = self.pool.owned
         out = self.runner.run(plan, pages_of, cfg.forward) if not plan.empty else None
         if cfg.sync_trace:
@@ -154,7 +164,7 @@ class Engine:
         freed = self.scheduler.finish_step()
         self.runner.poison_pages(freed)
         rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
-                         len(plan.admitted), start, end - start)
+                         len(plan.admitted), start, end - start, blocked)
         self.trace.append(rec)
         return rec
 

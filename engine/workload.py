@@ -3,7 +3,7 @@ model on CPU. Prompts are token ids from a seeded generator, so a workload is na
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 
 SEED = 1234
 
@@ -24,7 +24,7 @@ class Workload:
     num_requests: int
     seed: int = SEED
     token_range: tuple[int, int] = (3, 4000)   # prompt token ids drawn from [lo, hi)
-    meta: dict = field(default_factory=dict, compare=False)
+    chunk_tokens: int = 512              # the chunk budget this workload is served with (scaled on CPU)
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
         rng = random.Random(self.seed)
@@ -40,16 +40,13 @@ class Workload:
         return out
 
     def describe(self) -> dict:
-        d = asdict(self)
-        d.pop("meta")
-        return d
+        return asdict(self)
 
     def with_budget(self, budget: int) -> "Workload":
-        return Workload(self.name, self.prompt_lengths, (budget, budget), self.num_requests, self.seed,
-                        self.token_range)
+        return replace(self, budget_range=(budget, budget))
 
     def scaled(self, num_requests: int) -> "Workload":
-        return Workload(self.name, self.prompt_lengths, self.budget_range, num_requests, self.seed, self.token_range)
+        return replace(self, num_requests=num_requests)
 
 
 # The seeds' draws, for the 1.5B-shaped model.
@@ -58,8 +55,8 @@ UNIFORM = Workload("uniform", (256,), (64, 256), 256)
 
 # Scaled for the small model on CPU: prompts / 4 (so several prompt chunks at chunk_tokens 128), budgets / 4, and
 # more requests than rows (48 requests, 32 rows) so admission is continuous.
-MIXED_CPU = Workload("mixed-cpu", (4, 16, 64, 256, 1024), (16, 64), 48)
-UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48)
+MIXED_CPU = Workload("mixed-cpu", (4, 16, 64, 256, 1024), (16, 64), 48, chunk_tokens=128)
+UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48, chunk_tokens=128)
 
 WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU)}
 

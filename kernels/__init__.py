@@ -4,9 +4,11 @@ from __future__ import annotations
 import torch
 
 from .base import AttentionBackend, AttnBatch, Unavailable
+from .flash_backend import FlashBackend
+from .flex_backend import FlexBackend
 from .torch_backend import TorchBackend
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend}
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchBackend, "flex": FlexBackend, "flash": FlashBackend}
 
 
 def backend_class(name: str) -> type[AttentionBackend]:

@@ -5,6 +5,7 @@ zero, never owned), so it never touches a freed slot, another request's page or 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .base import AttentionBackend, AttnBatch
 
@@ -41,18 +42,13 @@ class TorchBackend(AttentionBackend):
         B, max_q = batch.num_seqs, batch.max_q
         H, d = q.shape[1], q.shape[2]
         kvh = k_cache.shape[2]
-        g = H // kvh
-        k = k_cache.view(-1, kvh, d)[slots]                          # [B, max_kv, kvh, d]
-        v = v_cache.view(-1, kvh, d)[slots]
+        k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)         # [B, kvh, max_kv, d]: only owned slots
+        v = v_cache.view(-1, kvh, d)[slots].transpose(1, 2)
         qp = q.new_zeros(B, max_q, H, d)
         qp[seq_of_row, idx_in_seq] = q
-        qp = qp.view(B, max_q, kvh, g, d).permute(0, 2, 3, 1, 4)     # [B, kvh, g, max_q, d]
-        s = torch.matmul(qp, k.permute(0, 2, 3, 1).unsqueeze(2)) * scale   # [B, kvh, g, max_q, max_kv]
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(p, v.permute(0, 2, 1, 3).unsqueeze(2))       # [B, kvh, g, max_q, d]
-        o = o.permute(0, 3, 1, 2, 4).reshape(B, max_q, H, d)
-        return o[seq_of_row, idx_in_seq]
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                           enable_gqa=True)           # [B, H, max_q, d]
+        return o.transpose(1, 2)[seq_of_row, idx_in_seq]
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
         return self.attend(q, k_cache, v_cache, batch, scale, "prefill")

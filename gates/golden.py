@@ -1,0 +1,197 @@
+"""The golden store: one golden per (model, workload, reference engine, device, dtype) under golden/.
+
+Each golden is two files: `<ref>-<device>-<dtype>.meta.json` (pretty JSON, diff-friendly: model checksum, engine
+config, library versions, device, dtype, schema version, and the data's sha256) and `<ref>-<device>-<dtype>.json.gz`
+(per request: prompt, emitted tokens, top-k ids and raw logits per position, steps for engine configurations).
+Gates only read goldens. Regeneration is deliberate and atomic, and prints what moved:
+
+    python -m gates.golden regen [--model small] [--workload mixed-cpu] [--reference hf] [--device cpu] [--dtype float32]
+    python -m gates.golden show  golden/qwen2-small/mixed-cpu/hf-cpu-float32
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+from engine.loader import REPO, model_checksum
+from engine.workload import Workload, get_workload
+
+from .compare import GateReport, compare
+from .records import GenRecord
+
+SCHEMA_VERSION = 1
+GOLDEN_DIR = REPO / "golden"
+REFERENCES = ("hf", "chunked", "fused", "flash")
+
+
+class GoldenError(RuntimeError):
+    """A golden is missing, corrupt or stale; the message names the file and how to regenerate it."""
+
+
+def model_key(model) -> str:
+    if model in (None, "small"):
+        return "qwen2-small"
+    return Path(str(model)).name
+
+
+def golden_path(golden_dir, model, workload: str, reference: str, device: str, dtype: str) -> Path:
+    dev = "cuda" if str(device).startswith("cuda") else str(device)
+    return Path(golden_dir or GOLDEN_DIR) / model_key(model) / workload / f"{reference}-{dev}-{dtype}"
+
+
+def regen_command(model, workload, reference, device, dtype) -> str:
+    m = "" if model in (None, "small") else f" --model {model}"
+    return (f"python -m gates.golden regen{m} --workload {workload} --reference {reference} --device {device} "
+            f"--dtype {dtype}   (or: pytest gates/ --regen-golden)")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def device_name(device: str) -> str:
+    if str(device).startswith("cuda"):
+        import torch
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"cpu ({platform.machine()})"
+
+
+def library_versions() -> dict:
+    import torch
+    import transformers
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def write_golden(base: Path, records: dict[str, GenRecord], meta: dict) -> None:
+    """Data first, then the metadata that names the data's checksum: a reader never sees a half-written pair as
+    whole (a crash in between leaves a checksum mismatch, reported as such)."""
+    payload = json.dumps({"requests": [r.to_json() for r in records.values()]}, separators=(",", ":")).encode()
+    data = gzip.compress(payload, mtime=0)
+    meta = {**meta, "schema_version": SCHEMA_VERSION, "data_sha256": hashlib.sha256(data).hexdigest()}
+    _atomic_write(base.with_suffix(".json.gz"), data)
+    _atomic_write(base.with_suffix(".meta.json"), (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_golden(base: Path, how_to_regen: str = "") -> tuple[dict[str, GenRecord], dict]:
+    base = Path(base)
+    meta_p, data_p = base.with_suffix(".meta.json"), base.with_suffix(".json.gz")
+    hint = f"; regenerate it with: {how_to_regen}" if how_to_regen else ""
+    if not meta_p.exists() or not data_p.exists():
+        raise GoldenError(f"golden {base} is missing ({meta_p.name} / {data_p.name}){hint}")
+    try:
+        meta = json.loads(meta_p.read_text())
+    except ValueError as e:
+        raise GoldenError(f"golden metadata {meta_p} is corrupt ({e}){hint}") from None
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise GoldenError(f"golden {meta_p} has schema {meta.get('schema_version')}, this code reads "
+                          f"{SCHEMA_VERSION}{hint}")
+    data = data_p.read_bytes()
+    if hashlib.sha256(data).hexdigest() != meta.get("data_sha256"):
+        raise GoldenError(f"golden {data_p} does not match the checksum in {meta_p.name}: it was edited by hand or "
+                          f"is corrupt{hint}")
+    try:
+        reqs = json.loads(gzip.decompress(data))["requests"]
+        records = {r["request_id"]: GenRecord.from_json(r) for r in reqs}
+    except (OSError, ValueError, KeyError) as e:
+        raise GoldenError(f"golden {data_p} is corrupt ({e}){hint}") from None
+    return records, meta
+
+
+def generate(reference, workload: Workload, model, device, dtype, progress=True):
+    """Run a reference engine over a workload; returns (records, metadata)."""
+    from tqdm import tqdm
+    specs = workload.requests()
+    bar = tqdm(total=len(specs), desc=f"{reference.name} on {workload.name}", disable=None if progress else True, leave=False)
+    records = reference.generate(specs, progress=lambda n: bar.update(n))
+    bar.close()
+    meta = {"model": model_key(model), "model_checksum": model_checksum(model), "workload": workload.describe(),
+            "reference": reference.describe(), "device": str(device), "device_name": device_name(device),
+            "dtype": dtype, "libraries": library_versions(), "topk": len(next(iter(records.values())).topk_ids[0]),
+            "created": datetime.date.today().isoformat()}
+    return records, meta
+
+
+def regenerate(model, workload_name: str, reference_name: str, device: str, dtype: str, golden_dir=None,
+               threshold: float = 0.02, out=print) -> GateReport | None:
+    """Write a golden anew and print what changed against the previous one."""
+    from .reference import make_reference
+    wl = get_workload(workload_name)
+    ref = make_reference(reference_name, None if model == "small" else model, device, dtype,
+                         chunk_tokens=wl.chunk_tokens) if reference_name != "hf" else \
+        make_reference("hf", None if model == "small" else model, device, dtype)
+    base = golden_path(golden_dir, model, workload_name, reference_name, device, dtype)
+    records, meta = generate(ref, wl, model, device, dtype)
+    old = None
+    try:
+        old, _ = read_golden(base)
+    except GoldenError as e:
+        out(f"{base}: no usable previous golden ({e})")
+    write_golden(base, records, meta)
+    out(f"wrote {base}.meta.json / .json.gz ({len(records)} requests)")
+    if old is None:
+        return None
+    # what moved: the old golden is the reference, the new one the candidate; teacher-force with the new engine
+    report = compare(f"regen {base.name}", old, records, ref.score, threshold, flip_cap=10 ** 9, check_steps=True)
+    out(describe_changes(report))
+    return report
+
+
+def describe_changes(report: GateReport) -> str:
+    c = report.counts()
+    lines = [f"against the previous golden: {c['identical']} identical, {c['flipped']} flipped, {c['failed']} changed "
+             f"beyond tolerance, {len(report.schedule_diffs)} tokens emitted at another step"]
+    for f in report.flips:
+        lines.append(f"  flipped {f.request_id}@{f.position}: {f.ref_token} -> {f.cand_token} "
+                     f"(gaps {f.ref_gap:.4f} / {f.cand_gap:.4f})")
+    for f in report.failures:
+        lines.append(f"  changed {f.message()}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gates.golden", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("regen", help="write goldens (atomically) and print what changed")
+    r.add_argument("--model", default="small")
+    r.add_argument("--workload", action="append", help="repeatable; default: mixed-cpu and uniform-cpu")
+    r.add_argument("--reference", action="append", choices=REFERENCES, help="repeatable; default: hf")
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--dtype", default="float32")
+    r.add_argument("--golden-dir", default=None)
+    r.add_argument("--tie-threshold", type=float, default=0.02)
+    s = sub.add_parser("show", help="print a golden's metadata and per-request summary")
+    s.add_argument("base")
+    a = ap.parse_args(argv)
+    if a.cmd == "show":
+        records, meta = read_golden(Path(a.base))
+        print(json.dumps(meta, indent=2, sort_keys=True))
+        for rec in records.values():
+            print(f"{rec.request_id}: prompt {len(rec.prompt)}, {len(rec.tokens)} tokens {rec.tokens[:8]}...")
+        return 0
+    for wl in a.workload or ["mixed-cpu", "uniform-cpu"]:
+        for ref in a.reference or ["hf"]:
+            regenerate(a.model, wl, ref, a.device, a.dtype, a.golden_dir, a.tie_threshold)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Reference engines. Each can (a) generate a workload greedily with top-k logits recorded at every emitted
+position, and (b) score a given token sequence in one forward (teacher forcing): the logits at every position.
+
+`hf` is transformers' own model, eager and greedy: ground truth, not our engine. The lineage configurations
+(`chunked`, `fused`, `flash`) are our engine with a given forward mode, backend and page size."""
+from __future__ import annotations
+
+import torch
+
+from engine import Engine, EngineConfig, lineage_config
+from engine.engine import torch_dtype
+from engine.loader import hf_model, load_model
+from engine.workload import RequestSpec
+
+from .records import GenRecord
+
+TOPK = 8
+
+
+class Reference:
+    name: str
+
+    def generate(self, specs: list[RequestSpec]) -> dict[str, GenRecord]:
+        raise NotImplementedError
+
+    def score(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """fp32 logits [len(tokens), vocab]: row i is what the model predicts for tokens[i] given prompt +
+        tokens[:i], from one forward over prompt + tokens[:-1]."""
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"name": self.name}
+
+
+class HFReference(Reference):
+    name = "hf"
+
+    def __init__(self, model=None, device="cpu", dtype="float32"):
+        self.device = torch.device(device)
+        self.dtype = torch_dtype(dtype)
+        self.model = hf_model(model, self.dtype, self.device)
+        self.model.generation_config.eos_token_id = None   # greedy ignores EOS: budgets are honoured
+        self.model.generation_config.pad_token_id = 0
+
+    @torch.inference_mode()
+    def generate(self, specs, progress=None) -> dict[str, GenRecord]:
+        out = {}
+        for s in specs:
+            ids = torch.tensor([s.prompt], device=self.device)
+            g = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=s.budget,
+                                    min_new_tokens=s.budget, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
+            tokens = g.sequences[0, len(s.prompt):].tolist()
+            logits = torch.stack([x[0] for x in g.logits]).float()      # raw logits, before any processor
+            vals, idx = logits.topk(TOPK, dim=-1)
+            out[s.request_id] = GenRecord(s.request_id, list(s.prompt), tokens, idx.tolist(), vals.tolist())
+            if progress:
+                progress(1)
+        return out
+
+    @torch.inference_mode()
+    def score(self, prompt, tokens):
+        seq = torch.tensor([list(prompt) + list(tokens[:-1])], device=self.device)
+        logits = self.model(seq).logits[0].float()
+        return logits[len(prompt) - 1:].cpu()
+
+    def describe(self):
+        return {"name": self.name, "implementation": "transformers Qwen2ForCausalLM, eager attention, generate()",
+                "dtype": str(self.dtype), "device": str(self.device)}
+
+
+class EngineReference(Reference):
+    """One of our engine configurations. Records the step at which each token was emitted."""
+
+    def __init__(self, name: str, model=None, device="cpu", dtype="float32", loaded=None, **overrides):
+        self.name = name
+        kw = dict(device=device, dtype=dtype, record_topk=TOPK)
+        kw.update(overrides)
+        self.config = lineage_config(name, **kw) if name in ("chunked", "fused", "flash") else EngineConfig(**kw)
+        self.model = model
+        self.loaded = loaded or load_model(model, torch_dtype(dtype), device)
+
+    def engine(self) -> Engine:
+        return Engine(self.config, loaded=self.loaded)
+
+    def generate(self, specs, progress=None) -> dict[str, GenRecord]:
+        e = self.engine()
+        res = e.run(specs, progress=(lambda rec: progress(0)) if progress else None)
+        self.last_engine = e
+        out = {}
+        for rid, r in res.items():
+            tk = e.topk.get(rid, [])
+            out[rid] = GenRecord(rid, r.prompt, r.tokens, [t[0] for t in tk], [t[1] for t in tk], r.token_steps)
+        return out
+
+    def score(self, prompt, tokens):
+        e = self.engine() if not hasattr(self, "_scorer") else self._scorer
+        self._scorer = e
+        logits = e.score(list(prompt) + list(tokens[:-1]))
+        return logits[len(prompt) - 1:]
+
+    def describe(self):
+        return {"name": self.name, "config": self.config.describe()}
+
+
+def make_reference(name: str, model=None, device="cpu", dtype="float32", loaded=None, **overrides) -> Reference:
+    if name == "hf":
+        return HFReference(model, device, dtype)
+    return EngineReference(name, model, device, dtype, loaded=loaded, **overrides)

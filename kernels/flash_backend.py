@@ -1,0 +1,128 @@
+"""The `flash` backend: flash-attn 2's paged kernels over 256-slot pages (GPU only; optional install).
+
+- decode: `flash_attn_with_kvcache(q[B, 1, H, d], k_cache, v_cache, cache_seqlens=int32[B], block_table=int32[B, W],
+  softmax_scale, causal=True)`: one query row per request, split-KV over each request's pages;
+- prefill: `flash_attn_varlen_func(q[Tq, H, d], k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+  max_seqlen_k, softmax_scale, causal=True, block_table=...)`, the paged varlen kernel (flash-attn >= 2.5); causal is
+  aligned bottom-right, so each chunk sees its request's history and itself. A flash-attn without paged varlen
+  delegates prefill to the `torch` backend.
+
+Both read the pages in place through the block table and stop at each sequence's length (cache_seqlens /
+cu_seqlens_k), so they never load a slot past it. Paged KV in flash-attn 2 needs pages whose size is a multiple of 256
+slots and fp16 / bf16 caches.
+
+flash-attn is imported lazily. Where it is built rather than installed (../shared/tools/flash_attn/build_flash_attn.py
+prints two directories), set STEPGATE_FLASH_ATTN_PATH to them, separated by os.pathsep: they are put at the front of
+sys.path before the import.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+
+import torch
+
+from .base import AttentionBackend, AttnBatch, Unavailable
+
+NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build it with "
+                 "../shared/tools/flash_attn/build_flash_attn.py)")
+PATH_ENV = "STEPGATE_FLASH_ATTN_PATH"
+
+
+@functools.lru_cache(maxsize=None)
+def _import_flash():
+    """(module, None) or (None, reason). Cached: the import is tried once per process."""
+    extra = [p for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p]
+    for p in reversed(extra):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        import flash_attn  # noqa: F401
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name == "flash_attn":
+            return None, NOT_INSTALLED
+        return None, f"flash-attn does not import ({type(e).__name__}: {e}); {NOT_INSTALLED}"
+    except Exception as e:  # an extension built for another torch / CUDA, a missing symbol, ...
+        return None, f"flash-attn does not import ({type(e).__name__}: {e})"
+    return flash_attn, None
+
+
+class FlashBackend(AttentionBackend):
+    name = "flash"
+    page_sizes = (256,)
+    dtypes = (torch.float16, torch.bfloat16)
+
+    def __init__(self):
+        fa, reason = _import_flash()
+        if fa is None:
+            raise Unavailable(reason)
+        from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+        self._with_kvcache = flash_attn_with_kvcache
+        self._varlen = flash_attn_varlen_func
+        self.paged_prefill = "block_table" in inspect.signature(flash_attn_varlen_func).parameters
+        self._fallback = None
+        if not self.paged_prefill:
+            from .torch_backend import TorchBackend
+            self._fallback = TorchBackend()
+
+    @classmethod
+    def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return "flash-attn needs a CUDA device"
+        if not torch.cuda.is_available():
+            return "flash-attn needs a CUDA device (none is visible)"
+        _, reason = _import_flash()
+        if reason:
+            return reason
+        return super().why_unavailable(device, page_size)
+
+    @classmethod
+    def why_unsupported_dtype(cls, dtype: torch.dtype) -> str | None:
+        if dtype not in cls.dtypes:
+            return f"flash-attn 2 runs fp16 and bf16 only, not {dtype}"
+        return None
+
+    def _check(self, k_cache):
+        reason = self.why_unsupported_dtype(k_cache.dtype)
+        if reason:
+            raise Unavailable(reason)
+        if k_cache.shape[1] % 256:
+            raise Unavailable(f"flash-attn 2's paged kernels need pages of a multiple of 256 slots, "
+                              f"got {k_cache.shape[1]}")
+
+    def prepare(self, batch: AttnBatch, kind: str) -> None:
+        bt = batch.block_tables
+        if bt.dtype != torch.int32 or not bt.is_contiguous():
+            bt = bt.to(torch.int32).contiguous()
+        seqlens = batch.kv_lens_t.to(torch.int32).contiguous()
+        if kind == "decode":
+            batch.prepared[kind] = ("decode", bt, seqlens)
+            return
+        if self._fallback is not None:
+            self._fallback.prepare(batch, kind)
+            return
+        cu_k = torch.zeros(batch.num_seqs + 1, dtype=torch.int32, device=bt.device)
+        cu_k[1:] = torch.cumsum(seqlens, 0)
+        batch.prepared[kind] = ("prefill", bt, batch.cu_q_t.to(torch.int32).contiguous(), cu_k)
+
+    def decode(self, q, k_cache, v_cache, batch, scale):
+        self._check(k_cache)
+        tag, bt, seqlens = batch.prepared["decode"]
+        out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens, block_table=bt,
+                                 softmax_scale=scale, causal=True)
+        return out.squeeze(1)
+
+    def prefill(self, q, k_cache, v_cache, batch, scale):
+        if self._fallback is not None:
+            return self._fallback.prefill(q, k_cache, v_cache, batch, scale)
+        self._check(k_cache)
+        tag, bt, cu_q, cu_k = batch.prepared["prefill"]
+        return self._varlen(q, k_cache, v_cache, cu_q, cu_k, batch.max_q, batch.max_kv, softmax_scale=scale,
+                            causal=True, block_table=bt)
+
+
+__all__ = ["FlashBackend", "NOT_INSTALLED", "PATH_ENV"]

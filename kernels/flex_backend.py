@@ -1,0 +1,319 @@
+"""The `flex` backend: FlexAttention (torch.nn.attention.flex_attention) with block masks, over the paged cache.
+
+How it reads the pages. FlexAttention loads whole KV blocks and applies the mask to the scores afterwards, so it
+cannot run on the paged cache in place: the tail of a request's last page (never written, NaN in poison mode) would
+be loaded, and `0 * NaN = NaN` poisons the output however well the scores are masked. So once per step `prepare`
+builds gather indices of exactly the slots each sequence owns below its length, padding pointing at the null slot 0
+(page 0, always zero), and per layer the K/V are gathered into a dense, zero-padded tensor that flex reads:
+
+- prefill (packed): every sequence's valid history is packed back to back, [1, kv_heads, Tk, d]; the queries are the
+  packed chunk positions, [1, heads, Tq, d]; the block mask is the document mask (same sequence) and causal (key
+  position <= query position);
+- decode (rows): one query row per request, [R, heads, 1, d], each against its own gathered history,
+  [R, kv_heads, L, d]; the block mask is the length mask. Block sparsity skips every padded KV block.
+
+GQA goes through `enable_gqa=True`; the softmax scale is passed as is.
+
+Compiled shapes. `flex_attention` is compiled once per process (`torch.compile(flex_attention, dynamic=False)`), and a
+static compile specialises on every shape. To keep the set of shapes finite, each step's dims are padded to a ladder:
+- key dims (Tk for prefill, L for decode): 128 x {1, 2, 3, 4, 6, 8, 12, 16, ...} (powers of two and 1.5x powers of
+  two, at least one flex block of 128), so padding wastes at most a third of the gathered keys;
+- query dim (Tq for prefill): the next power of two, at least 128;
+- decode rows R: the next multiple of 32 (the default max batch); padding rows own no key (no block is computed).
+`warmup(...)` compiles every shape of that ladder an engine configuration can reach (see `ladder_shapes`), so that no
+measured step includes a compile; `compiled_shapes` lists what this process has run. A new (heads, kv_heads,
+head_dim, dtype, device, scale) compiles anew. Dynamo's recompile limit is raised so that it never falls back to
+eager flex_attention after 8 shapes.
+
+Block masks are built per step at block granularity from the dense mask (partial blocks get the mask_mod, full blocks
+skip it), which costs a few elementwise ops rather than create_block_mask's vmap.
+
+Costs: the gather writes K and V once more per layer, padding included (decode: every row to the longest history),
+which is why this backend is the portable/correctness kernel and `flash` is the decode kernel for speed.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+import torch
+import torch._dynamo
+
+from .base import AttentionBackend, AttnBatch
+
+BLOCK = 128          # FlexAttention's default block size (both Q and KV)
+ROWS = 32            # decode rows are padded to a multiple of this
+
+
+def q_bucket(n: int) -> int:
+    """The padded query length: the next power of two, at least one block."""
+    return max(BLOCK, 1 << max(0, int(n) - 1).bit_length())
+
+
+def kv_bucket(n: int) -> int:
+    """The padded key length: the smallest of 128 x {1, 2, 3, 4, 6, 8, 12, ...} that holds n."""
+    blocks = max(1, -(-int(n) // BLOCK))
+    p = 1 << (blocks - 1).bit_length()          # next power of two >= blocks
+    if p >= 4 and blocks <= 3 * p // 4:
+        p = 3 * p // 4
+    return p * BLOCK
+
+
+def rows_bucket(n: int) -> int:
+    return max(ROWS, -(-int(n) // ROWS) * ROWS)
+
+
+def ladder(max_len: int, bucket=kv_bucket) -> list[int]:
+    """Every padded length a dim of at most `max_len` can take under `bucket`."""
+    out, n = [], 1
+    while True:
+        b = bucket(n)
+        out.append(b)
+        if b >= max_len:
+            return out
+        n = b + 1
+
+
+def _sparse(flags: torch.Tensor):
+    """[B, nq, nk] bool block flags -> (num [B, 1, nq] int32, indices [B, 1, nq, nk] int32), listed blocks first."""
+    num = flags.sum(-1, dtype=torch.int32)
+    idx = torch.argsort(flags.to(torch.int32), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None].contiguous(), idx[:, None].contiguous()
+
+
+def block_mask_from_dense(dense: torch.Tensor, mask_mod, q_len: int, kv_len: int):
+    """A BlockMask from a dense [B, q_len, kv_len] bool mask (kv_len a multiple of BLOCK): blocks with some but not
+    all entries allowed are partial (mask_mod applied), blocks with all allowed are full; rows past q_len (padding of
+    the last query block) do not exist for the kernel, so they count as allowed for 'full' and not for 'partial'."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B = dense.shape[0]
+    nq, nk = -(-q_len // BLOCK), kv_len // BLOCK
+    assert kv_len % BLOCK == 0 and tuple(dense.shape) == (B, q_len, kv_len), (dense.shape, q_len, kv_len)
+    pad = nq * BLOCK - q_len
+    if pad:
+        lo = torch.cat([dense, dense.new_zeros(B, pad, kv_len)], 1)
+        hi = torch.cat([dense, dense.new_ones(B, pad, kv_len)], 1)
+    else:
+        lo = hi = dense
+    any_ = lo.view(B, nq, BLOCK, nk, BLOCK).any(4).any(2)
+    all_ = hi.view(B, nq, BLOCK, nk, BLOCK).all(4).all(2)
+    kv_num, kv_idx = _sparse(any_ & ~all_)
+    full_num, full_idx = _sparse(all_)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, kv_len))
+
+
+@functools.lru_cache(maxsize=None)
+def _flex():
+    """The compiled flex_attention, created once per process (its compiled shapes are shared by every instance)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    # every ladder shape is one more compiled entry of flex_attention's code object: past dynamo's recompile limit
+    # (8 by default) it would silently fall back to the eager, unfused flex_attention. Raise it (both spellings).
+    cfg = torch._dynamo.config
+    for name, at_least in (("recompile_limit", 1024), ("cache_size_limit", 1024),
+                           ("accumulated_recompile_limit", 8192), ("accumulated_cache_size_limit", 8192)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), at_least))
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_import_error() -> str | None:
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: F401
+    except Exception as e:  # pragma: no cover - torch < 2.5
+        return f"torch {torch.__version__} has no FlexAttention ({type(e).__name__}: {e})"
+    return None
+
+
+class FlexBackend(AttentionBackend):
+    name = "flex"
+
+    def __init__(self):
+        self.compiled_shapes: set[tuple] = set()
+
+    # -- availability ----------------------------------------------------------------------------------------
+    @classmethod
+    def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:
+        reason = super().why_unavailable(device, page_size)
+        if reason:
+            return reason
+        reason = _flex_import_error()
+        if reason:
+            return reason
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                return "FlexAttention needs CUDA here: no CUDA device is visible"
+            try:
+                from torch.utils._triton import has_triton
+                if not has_triton():
+                    return "FlexAttention on CUDA needs Triton, which is not installed"
+            except ImportError:  # pragma: no cover
+                pass
+            return None
+        if device.type == "cpu":
+            # Inductor compiles flex to C++ on CPU (measured here: ~10-25 s per new shape cold, ~2 s from its cache)
+            if os.environ.get("STEPGATE_FLEX_CPU", "1") == "0":
+                return "FlexAttention needs CUDA here: CPU runs are switched off (STEPGATE_FLEX_CPU=0)"
+            if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+                return "FlexAttention needs CUDA here: compiling it on CPU needs a C++ compiler and none was found"
+            return None
+        return f"FlexAttention needs CUDA here: device type {device.type!r} is not supported"
+
+    # -- per step ----------------------------------------------------------------------------------------------
+    def prepare(self, batch: AttnBatch, kind: str) -> None:
+        # all flex inputs (block masks included) are made in inference mode, whatever the caller's mode: dynamo
+        # guards on a tensor's dispatch keys, so mixing modes would compile every shape twice
+        with torch.inference_mode():
+            self._prepare(batch, kind)
+
+    def _prepare(self, batch: AttnBatch, kind: str) -> None:
+        dev = batch.block_tables.device
+        P = batch.page_size
+        bt = batch.block_tables.long()
+        B = batch.num_seqs
+        kv_lens = batch.kv_lens_t.long()
+        if kind == "decode":
+            assert all(n == 1 for n in batch.q_lens), "decode takes one query row per request"
+            R, L = rows_bucket(B), kv_bucket(batch.max_kv)
+            j = torch.arange(L, device=dev)
+            width = bt.shape[1]
+            pages = bt.gather(1, (j // P).clamp(max=width - 1).expand(B, -1))
+            slots = torch.where(j < kv_lens[:, None], pages * P + j % P, torch.zeros_like(pages))
+            slots = torch.cat([slots, slots.new_zeros(R - B, L)]) if R > B else slots       # [R, L]
+            lens = torch.cat([kv_lens, kv_lens.new_zeros(R - B)]) if R > B else kv_lens      # [R]
+
+            def length_mask(b, h, q_idx, kv_idx):
+                return kv_idx < lens[b]
+
+            mask = block_mask_from_dense((j[None, :] < lens[:, None])[:, None, :], length_mask, 1, L)
+            batch.prepared[kind] = ("decode", slots, mask, R, L)
+            return
+        # prefill: packed queries, packed valid histories, document + causal mask
+        Tq, Tk = batch.num_queries, sum(batch.kv_lens)
+        Tq_p, Tk_p = q_bucket(Tq), kv_bucket(Tk)
+        seqs = torch.arange(B, device=dev)
+        q_lens = torch.tensor(batch.q_lens, device=dev)
+        cu_k = torch.zeros(B + 1, dtype=torch.long, device=dev)
+        cu_k[1:] = torch.cumsum(kv_lens, 0)
+        kv_doc = torch.repeat_interleave(seqs, kv_lens, output_size=Tk)
+        kv_pos = torch.arange(Tk, device=dev) - cu_k[kv_doc]
+        kv_slot = bt[kv_doc, kv_pos // P] * P + kv_pos % P
+        q_doc = torch.repeat_interleave(seqs, q_lens, output_size=Tq)
+        q_pos = (kv_lens - q_lens)[q_doc] + torch.arange(Tq, device=dev) - batch.cu_q_t.long()[q_doc]
+        pad_k, pad_q = Tk_p - Tk, Tq_p - Tq
+        kv_slot = torch.cat([kv_slot, kv_slot.new_zeros(pad_k)])          # padding: the null slot
+        kv_doc = torch.cat([kv_doc, kv_doc.new_full((pad_k,), -1)])       # padding keys belong to no sequence
+        kv_pos = torch.cat([kv_pos, kv_pos.new_zeros(pad_k)])
+        q_doc = torch.cat([q_doc, q_doc.new_full((pad_q,), -2)])          # padding queries see nothing
+        q_pos = torch.cat([q_pos, q_pos.new_zeros(pad_q)])
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return (q_doc[q_idx] == kv_doc[kv_idx]) & (kv_pos[kv_idx] <= q_pos[q_idx])
+
+        dense = (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
+        mask = block_mask_from_dense(dense[None], document_causal, Tq_p, Tk_p)
+        batch.prepared[kind] = ("prefill", kv_slot, mask, Tq_p, Tk_p)
+
+    # -- per layer ---------------------------------------------------------------------------------------------
+    def _attend(self, q, k, v, mask, scale):
+        key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, float(scale))
+        self.compiled_shapes.add(key)
+        return _flex()(q, k, v, block_mask=mask, scale=float(scale), enable_gqa=True)
+
+    def prefill(self, q, k_cache, v_cache, batch, scale):
+        return self._in_inference_mode(self._prefill, q, k_cache, v_cache, batch, scale)
+
+    def decode(self, q, k_cache, v_cache, batch, scale):
+        return self._in_inference_mode(self._decode, q, k_cache, v_cache, batch, scale)
+
+    @staticmethod
+    def _in_inference_mode(fn, *args):
+        """Gather, pad and attend in inference mode (see prepare); a caller outside it gets a normal tensor back."""
+        if torch.is_inference_mode_enabled():
+            return fn(*args)
+        with torch.inference_mode():
+            out = fn(*args)
+        return out.clone()
+
+    def _prefill(self, q, k_cache, v_cache, batch, scale):
+        tag, kv_slot, mask, Tq_p, Tk_p = batch.prepared["prefill"]
+        assert tag == "prefill"
+        Tq, H, d = q.shape
+        kvh = k_cache.shape[2]
+        k = k_cache.view(-1, kvh, d)[kv_slot].transpose(0, 1).unsqueeze(0)     # [1, kvh, Tk_p, d]
+        v = v_cache.view(-1, kvh, d)[kv_slot].transpose(0, 1).unsqueeze(0)
+        qp = q.new_zeros(Tq_p, H, d)
+        qp[:Tq] = q
+        o = self._attend(qp.transpose(0, 1).unsqueeze(0), k, v, mask, scale)   # [1, H, Tq_p, d]
+        return o[0, :, :Tq].transpose(0, 1)
+
+    def _decode(self, q, k_cache, v_cache, batch, scale):
+        tag, slots, mask, R, L = batch.prepared["decode"]
+        assert tag == "decode"
+        B, H, d = q.shape
+        kvh = k_cache.shape[2]
+        k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)                    # [R, kvh, L, d]
+        v = v_cache.view(-1, kvh, d)[slots].transpose(1, 2)
+        qp = q.new_zeros(R, H, 1, d)
+        qp[:B, :, 0] = q
+        o = self._attend(qp, k, v, mask, scale)                                # [R, H, 1, d]
+        return o[:B, :, 0]
+
+    # -- compile up front --------------------------------------------------------------------------------------
+    @staticmethod
+    def ladder_shapes(max_kv: int, max_prefill_tokens: int, max_prefill_kv: int | None = None,
+                      max_rows: int = ROWS) -> dict[str, list[tuple[int, ...]]]:
+        """The padded shapes an engine can reach: decode (rows, L) and prefill (Tq, Tk) with Tk >= Tq.
+
+        max_kv: the longest history a request can have (prompt + budget); max_prefill_tokens: the most query
+        positions in one prefill call (chunk_tokens, or the longest teacher-forced sequence); max_prefill_kv: the
+        most history slots in one prefill call (defaults to max_kv + max_prefill_tokens)."""
+        if max_prefill_kv is None:
+            max_prefill_kv = max_kv + max_prefill_tokens
+        rows = sorted({rows_bucket(r) for r in range(1, max_rows + 1)})
+        decode = [(r, L) for r in rows for L in ladder(max_kv)]
+        prefill = [(tq, tk) for tq in ladder(max_prefill_tokens, q_bucket) for tk in ladder(max_prefill_kv)
+                   if tk >= tq]
+        return {"decode": decode, "prefill": prefill}
+
+    def warmup(self, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+               max_kv: int, max_prefill_tokens: int, max_prefill_kv: int | None = None, max_rows: int = ROWS,
+               scale: float | None = None, page_size: int = 64, kinds=("decode", "prefill")) -> int:
+        """Compile every shape of the ladder (see `ladder_shapes`) for this model shape; returns how many calls ran.
+
+        Runs each shape once through prepare + prefill/decode on a two-page cache whose page 1 stands for every
+        page, so the compiled graphs are exactly those the engine's steps hit."""
+        device = torch.device(device)
+        scale = head_dim ** -0.5 if scale is None else scale
+        shapes = self.ladder_shapes(max_kv, max_prefill_tokens, max_prefill_kv, max_rows)
+        kc = torch.zeros(2, page_size, kv_heads, head_dim, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        n = 0
+
+        def batch_of(q_lens, kv_lens):
+            width = max(-(-k // page_size) for k in kv_lens)
+            bt = torch.ones(len(kv_lens), width, dtype=torch.int32, device=device)
+            cu = [0]
+            for x in q_lens:
+                cu.append(cu[-1] + x)
+            return AttnBatch(list(q_lens), list(kv_lens), bt, torch.tensor(kv_lens, dtype=torch.int32, device=device),
+                             torch.tensor(cu, dtype=torch.int32, device=device), page_size)
+
+        if "decode" in kinds:
+            for rows, L in shapes["decode"]:
+                b = batch_of([1] * rows, [L] * rows)
+                self.prepare(b, "decode")
+                self.decode(torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device), kc, vc, b, scale)
+                n += 1
+        if "prefill" in kinds:
+            for tq, tk in shapes["prefill"]:
+                b = batch_of([tq], [tk])
+                self.prepare(b, "prefill")
+                self.prefill(torch.zeros(tq, num_heads, head_dim, dtype=dtype, device=device), kc, vc, b, scale)
+                n += 1
+        return n
+
+
+__all__ = ["FlexBackend", "q_bucket", "kv_bucket", "rows_bucket", "ladder", "block_mask_from_dense", "BLOCK", "ROWS"]

@@ -1,0 +1,111 @@
+"""Planted kernel bugs that the kernel gates (gates/test_kernels.py) must catch, each by name.
+
+Each plant is the torch backend with one mistake; the gate's checking function must raise an AssertionError that
+names the backend, the kernel, the shape and the error. The unplanted torch backend passes the same checks, so it is
+the plant that fails them."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gates.test_kernels import check_kernel, compare_decode_kernels, make_case
+from kernels.base import AttnBatch
+from kernels.torch_backend import TorchBackend
+
+SHAPE = dict(device="cpu", dtype=torch.float32, num_heads=4, kv_heads=2, head_dim=64, page_size=64)
+DECODE_LENS = [1, 63, 64, 65, 100, 255, 256, 257]
+PREFILL = dict(q_lens=[1, 5, 64, 7, 33], kv_lens=[1, 5, 64, 257, 100])
+
+
+def _with(batch: AttnBatch, **changes) -> AttnBatch:
+    return dataclasses.replace(batch, prepared={}, **changes)
+
+
+class ReadsPastLength(TorchBackend):
+    """Decode gathers kv_len + 1 slots: one slot past each request's length (its page tail, or the next page)."""
+    name = "planted-reads-past-length"
+
+    def prepare(self, batch, kind):
+        if kind != "decode":
+            return super().prepare(batch, kind)
+        bt = batch.block_tables
+        bt = torch.cat([bt, bt.new_zeros(bt.shape[0], 1)], dim=1)      # room for the extra slot
+        longer = _with(batch, kv_lens=[n + 1 for n in batch.kv_lens], kv_lens_t=batch.kv_lens_t + 1,
+                       block_tables=bt)
+        super().prepare(longer, kind)
+        batch.prepared[kind] = longer.prepared[kind]
+
+
+class NextRequestsPages(TorchBackend):
+    """Prefill reads each sequence's history through the NEXT sequence's block table row (rows shifted by one)."""
+    name = "planted-next-request-pages"
+
+    def prepare(self, batch, kind):
+        if kind != "prefill":
+            return super().prepare(batch, kind)
+        shifted = _with(batch, block_tables=torch.roll(batch.block_tables, -1, dims=0))
+        super().prepare(shifted, kind)
+        batch.prepared[kind] = shifted.prepared[kind]
+
+
+class MasksAfterLoading(TorchBackend):
+    """Decode gathers whole pages (the tail past the length comes from the request's own page, not the null page)
+    and masks the scores afterwards: 0 * NaN = NaN, so masking after the fact is not enough."""
+    name = "planted-masks-after-loading"
+
+    def prepare(self, batch, kind):
+        super().prepare(batch, kind)
+        if kind != "decode":
+            return
+        slots, mask, *rest = batch.prepared[kind]
+        P = batch.page_size
+        width = batch.block_tables.shape[1] * P
+        j = torch.arange(width)
+        whole = batch.block_tables.long().gather(1, (j // P).expand(batch.num_seqs, -1)) * P + j % P
+        mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], width - mask.shape[-1])], dim=-1)
+        batch.prepared[kind] = (whole, mask, *rest)
+
+
+def test_unplanted_torch_backend_passes_the_same_checks():
+    check_kernel(TorchBackend(), "decode", kv_lens=DECODE_LENS, **SHAPE)
+    check_kernel(TorchBackend(), "prefill", **PREFILL, **SHAPE)
+
+
+def test_gate_catches_decode_reading_one_slot_past_the_length():
+    with pytest.raises(AssertionError, match=r"backend 'planted-reads-past-length' decode kernel, heads 4/2 .*"
+                                             r"head_dim 64, page_size 64.*max error (inf|nan).*non-finite outputs"):
+        check_kernel(ReadsPastLength(), "decode", kv_lens=DECODE_LENS, **SHAPE)
+
+
+def test_gate_catches_decode_reading_past_the_length_on_a_page_boundary():
+    """Histories that end exactly on a page edge: the extra slot is the null page (zero, finite), so no NaN;
+    the gate still fails, on the values."""
+    with pytest.raises(AssertionError, match=r"planted-reads-past-length' decode kernel.*max error \d.*"
+                                             r"exceeds 2 x 0.000e\+00.*wrong values"):
+        check_kernel(ReadsPastLength(), "decode", kv_lens=[64, 128, 256], **SHAPE)
+
+
+def test_gate_catches_prefill_attending_to_the_next_requests_pages():
+    with pytest.raises(AssertionError, match=r"backend 'planted-next-request-pages' prefill kernel, heads 4/2.*"
+                                             r"q_lens \[1,5,64,7,33\].*max error .* exceeds"):
+        check_kernel(NextRequestsPages(), "prefill", **PREFILL, **SHAPE)
+
+
+def test_gate_catches_masking_after_loading_a_poisoned_slot():
+    with pytest.raises(AssertionError, match=r"planted-masks-after-loading' decode kernel.*non-finite outputs"):
+        check_kernel(MasksAfterLoading(), "decode", kv_lens=DECODE_LENS, **SHAPE)
+
+
+def test_masking_after_loading_passes_only_without_poison():
+    """The same plant is invisible on a zero-filled cache: this is why the gates poison."""
+    check_kernel(MasksAfterLoading(), "decode", kv_lens=DECODE_LENS, poison=False, **SHAPE)
+
+
+def test_decode_comparison_catches_the_plant():
+    case = make_case(kv_lens=DECODE_LENS, seed=5, **SHAPE)
+    assert compare_decode_kernels([TorchBackend()], case)["torch"] == 0.0
+    with pytest.raises(AssertionError, match=r"planted-reads-past-length' decode kernel.*differs from the torch "
+                                             r"decode kernel"):
+        compare_decode_kernels([ReadsPastLength()], case)

@@ -1,0 +1,182 @@
+"""A planted slowdown is caught: by the alert report (two synthetic pytest-benchmark JSONs), by pytest-benchmark's
+own compare against a stored baseline (the step-timing benchmarks run twice in a subprocess, the second time with a
+sleep planted inside the timed step), and by the fused-vs-chunked ratio gate (the fused step planted slower)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gates import alert
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- (a) the alert report ------------------------------------------------------------------------------------------
+def bench_json(medians: dict[str, float], tokens_per_s: dict[str, float] | None = None) -> dict:
+    """A minimal pytest-benchmark JSON: one benchmark per name, with the given median (seconds)."""
+    out = []
+    for name, m in medians.items():
+        b = {"group": "step", "name": name, "fullname": f"gates/test_step_timings.py::{name}", "params": None,
+             "stats": {"min": m * 0.9, "max": m * 1.2, "mean": m * 1.02, "stddev": m * 0.05, "median": m,
+                       "rounds": 5, "iterations": 1, "ops": 1 / (m * 1.02)},
+             "extra_info": {}}
+        if tokens_per_s and name in tokens_per_s:
+            b["extra_info"]["tokens_per_s"] = tokens_per_s[name]
+        out.append(b)
+    return {"machine_info": {"node": "synthetic"}, "commit_info": {}, "benchmarks": out,
+            "datetime": "2026-01-01T00:00:00", "version": "5.2.3"}
+
+
+BASE = {"test_step_time[cpu-small-fused-loaded]": 0.200, "test_step_time[cpu-small-fused-pure-decode]": 0.100,
+        "test_step_time[cpu-small-chunked-loaded]": 0.250}
+
+
+def write(tmp_path: Path, name: str, data: dict) -> Path:
+    p = tmp_path / name
+    p.write_text(json.dumps(data))
+    return p
+
+
+def test_alert_names_a_planted_regression_and_fails(tmp_path, capsys):
+    slow = dict(BASE)
+    slow["test_step_time[cpu-small-fused-loaded]"] *= 1.5          # the planted slowdown
+    slow["test_step_time[cpu-small-chunked-loaded]"] *= 0.95       # noise within threshold
+    base = write(tmp_path, "0001_base.json", bench_json(BASE))
+    cur = write(tmp_path, "0002_cur.json", bench_json(slow))
+    md = tmp_path / "summary.md"
+    rc = alert.main(["--baseline", str(base), "--current", str(cur), "--markdown", str(md)])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    lines = [ln for ln in out.splitlines() if "REGRESSION" in ln]
+    assert len(lines) == 1 and "cpu-small-fused-loaded" in lines[0] and "1.50x" in lines[0], out
+    assert "1 regression(s): gates/test_step_timings.py::test_step_time[cpu-small-fused-loaded]" in out
+    text = md.read_text()
+    assert "**REGRESSION**" in text and "cpu-small-fused-loaded" in text and "| benchmark |" in text
+
+
+def test_alert_passes_within_threshold(tmp_path, capsys):
+    near = {k: v * 1.15 for k, v in BASE.items()}                  # 15% slower: under the 1.2x rule
+    base = write(tmp_path, "0001_base.json", bench_json(BASE))
+    cur = write(tmp_path, "0002_cur.json", bench_json(near))
+    assert alert.main(["--baseline", str(base), "--current", str(cur)]) == 0
+    out = capsys.readouterr().out
+    assert "REGRESSION" not in out and "no regression" in out
+    # the threshold is an option: at 1.1x the same run regresses
+    assert alert.main(["--baseline", str(base), "--current", str(cur), "--latency-threshold", "1.1"]) == 1
+
+
+def test_alert_throughput_rule(tmp_path, capsys):
+    name = "test_step_time[cpu-small-fused-loaded]"
+    base = write(tmp_path, "0001_base.json", bench_json({name: 0.2}, {name: 1000.0}))
+    cur = write(tmp_path, "0002_cur.json", bench_json({name: 0.2}, {name: 700.0}))   # latency same, 0.7x tokens/s
+    assert alert.main(["--baseline", str(base), "--current", str(cur)]) == 1
+    out = capsys.readouterr().out
+    assert any("tokens_per_s" in ln and "REGRESSION" in ln for ln in out.splitlines()), out
+
+
+def test_alert_cli_defaults_to_newest_two_runs(tmp_path):
+    """`python -m gates.alert --storage DIR`: the newest two runs of one machine's folder, as pytest-benchmark
+    saves them (NNNN_*.json); a missing input exits 2."""
+    machine = tmp_path / "Linux-CPython-3.11-64bit"
+    machine.mkdir()
+    write(machine, "0001_aaa.json", bench_json(BASE))
+    time.sleep(0.01)
+    slow = {k: v * 1.5 for k, v in BASE.items()}
+    write(machine, "0002_bbb.json", bench_json(slow))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    p = subprocess.run([sys.executable, "-m", "gates.alert", "--storage", f"file://{tmp_path}"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "0002_bbb.json against baseline" in p.stdout and p.stdout.count("REGRESSION") >= 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = subprocess.run([sys.executable, "-m", "gates.alert", "--storage", str(empty)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "no pytest-benchmark JSON" in p.stderr
+
+
+# -- (b) pytest-benchmark's compare against a stored baseline ------------------------------------------------------
+CASE = "cpu-small-fused-chunk-only"     # the smallest step: needs no decoding rows, only the cached first chunk
+
+
+def run_bench(storage: Path, *extra: str, plant_ms: float = 0.0) -> subprocess.CompletedProcess:
+    env = dict(os.environ, STEPGATE_BENCH_ROUNDS="3", PYTHONPATH=str(REPO))
+    env.pop("STEPGATE_PLANT_SLOWDOWN_MS", None)
+    if plant_ms:
+        env["STEPGATE_PLANT_SLOWDOWN_MS"] = str(plant_ms)
+    cmd = [sys.executable, "-m", "pytest", "gates/test_step_timings.py", "-k", f"test_step_time and {CASE}",
+           "-q", "-p", "no:cacheprovider", "--device", "cpu", f"--benchmark-storage=file://{storage}",
+           "--benchmark-autosave", *extra]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_planted_sleep_in_the_timed_step_fails_benchmark_compare(tmp_path):
+    storage = tmp_path / "benchmarks"
+    first = run_bench(storage)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "1 passed" in first.stdout, first.stdout[-3000:]
+    saved = list(storage.rglob("*.json"))
+    assert len(saved) == 1, saved
+    median = max(b["stats"]["median"] for b in json.loads(saved[0].read_text())["benchmarks"])
+    plant = max(300.0, 2000.0 * median)                 # ms: far beyond the baseline's noise
+    second = run_bench(storage, "--benchmark-compare", "--benchmark-compare-fail=median:10%", plant_ms=plant)
+    out = second.stdout + second.stderr
+    assert second.returncode != 0, f"a {plant:.0f} ms sleep in the timed step went unnoticed:\n{out[-3000:]}"
+    assert "Performance has regressed" in out and CASE in out, out[-3000:]
+    # and the report command names it too
+    rc = alert.main(["--storage", str(storage)])
+    assert rc == 1
+
+
+# -- (c) the ratio gate --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ratio_state():
+    import torch
+
+    from gates.test_step_timings import FixedState, ModelCase, States, ratio_case_for
+    states = States("cpu", "float32")
+    case = ratio_case_for(ModelCase("small", states_workload()), "cpu")
+    st = FixedState(case, "torch", 64, "cpu", "float32", states.loaded("small"))
+    st.decodes, st.chunk                                     # build it now, not inside a timing
+    yield st
+    del st
+    states.close()
+    torch.set_num_threads(torch.get_num_threads())
+
+
+def states_workload():
+    from engine.workload import MIXED_CPU
+    return MIXED_CPU
+
+
+def test_ratio_gate_fails_when_the_fused_step_is_planted_slower(ratio_state):
+    from gates.test_step_timings import fused_vs_chunked
+
+    def run_twice(step):            # the plant: the fused step's forward runs twice
+        def planted():
+            step()
+            return step()
+        return planted
+    with pytest.raises(AssertionError) as e:
+        fused_vs_chunked(ratio_state, reps=5, warmup=1, plant=run_twice)
+    msg = str(e.value)
+    assert "fused loaded step (one forward) is not cheaper than chunked loaded step (two forwards)" in msg, msg
+    assert msg.count(" ms") >= 2 and "median" in msg, msg
+
+
+def test_ratio_check_passes_and_fails_by_the_medians():
+    """The checking function itself, on callables with known costs: it passes the cheap one, fails the dear one."""
+    from gates.test_step_timings import check_faster
+
+    def cost(ms):
+        return lambda: time.sleep(ms / 1000)
+    r = check_faster("cheap", cost(2), "dear", cost(12), reps=5, warmup=1)
+    assert r.fast_median < r.slow_median and r.ratio < 0.5
+    with pytest.raises(AssertionError, match=r"dear is not cheaper than cheap: .*median .* ms"):
+        check_faster("dear", cost(12), "cheap", cost(2), reps=5, warmup=1)

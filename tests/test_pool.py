@@ -1,0 +1,132 @@
+"""Unit tests for engine/pool.py: rounding, reserve on admit, eviction at the end of the step, the null page."""
+from __future__ import annotations
+
+import pytest
+
+from engine.pool import NULL_PAGE, PagePool, pages_for
+
+
+@pytest.mark.parametrize("slots, page_size, pages", [
+    (0, 64, 0), (1, 64, 1), (63, 64, 1), (64, 64, 1), (65, 64, 2), (128, 64, 2), (129, 64, 3),
+    (1, 256, 1), (255, 256, 1), (256, 256, 1), (257, 256, 2), (4096 + 256, 256, 17), (7, 1, 7),
+])
+def test_pages_for_rounds_up(slots, page_size, pages):
+    assert pages_for(slots, page_size) == pages
+    assert PagePool(4, page_size).pages_needed(slots) == pages
+
+
+@pytest.mark.parametrize("num_pages, page_size", [(1, 64), (0, 64), (4, 0), (4, -64)])
+def test_bad_pool_shape_is_refused(num_pages, page_size):
+    with pytest.raises(ValueError, match="at least 2 pages|page_size must be >= 1"):
+        PagePool(num_pages, page_size)
+
+
+def test_fresh_pool():
+    pool = PagePool(5, 64)
+    assert pool.capacity == 4
+    assert pool.num_free == 4
+    assert pool.num_owned == 0
+    assert sorted(pool.free) == [1, 2, 3, 4]
+    assert NULL_PAGE not in pool.free
+    pool.check()
+
+
+def test_reserve_gives_whole_prompt_plus_budget_rounded_up():
+    pool = PagePool(8, 64)
+    pages = pool.reserve("a", 129)             # 3 pages
+    assert len(pages) == 3 and len(set(pages)) == 3
+    assert NULL_PAGE not in pages
+    assert pool.owned["a"] == pages
+    assert pool.num_free == 4 and pool.num_owned == 3
+    assert not set(pages) & set(pool.free)
+    pool.check()
+
+
+def test_can_reserve_boundary():
+    pool = PagePool(4, 64)                     # 3 pages, 192 slots
+    assert pool.can_reserve(192)
+    assert not pool.can_reserve(193)
+    pool.reserve("a", 64)
+    assert pool.can_reserve(128) and not pool.can_reserve(129)
+
+
+def test_reserve_beyond_free_or_twice_is_refused():
+    pool = PagePool(4, 64)
+    with pytest.raises(AssertionError, match="reserve of 4 pages with 3 free"):
+        pool.reserve("a", 193)
+    assert pool.num_free == 3 and not pool.owned          # nothing taken
+    pool.reserve("a", 1)
+    with pytest.raises(AssertionError, match="a already owns pages"):
+        pool.reserve("a", 1)
+    assert pool.num_free == 2
+
+
+def test_release_returns_pages_only_at_the_end_of_the_step():
+    pool = PagePool(6, 64)
+    a = pool.reserve("a", 100)
+    pool.reserve("b", 10)
+    pool.begin_step()
+    assert pool.in_step
+    pool.release("a")
+    assert "a" not in pool.owned
+    assert pool.num_free == 2                  # not yet: pending until end_step
+    assert not set(a) & set(pool.free)
+    assert pool.num_owned == 3                 # pending pages still count as owned
+    pool.check()
+    freed = pool.end_step()
+    assert sorted(freed) == sorted(a)          # exactly the released pages (the runner poisons them)
+    assert pool.num_free == 4 and not pool.in_step and not pool.pending
+    pool.check()
+    assert pool.end_step() == []               # nothing twice
+
+
+def test_release_outside_a_step_waits_for_the_next_end_step():
+    pool = PagePool(3, 64)
+    pool.reserve("a", 64)
+    pool.release("a")
+    assert pool.num_free == 1
+    assert not pool.can_reserve(128)
+    assert len(pool.end_step()) == 1
+    assert pool.num_free == 2
+
+
+def test_release_of_an_unknown_owner_raises():
+    pool = PagePool(3, 64)
+    with pytest.raises(KeyError):
+        pool.release("nobody")
+
+
+def test_the_null_page_is_never_handed_out():
+    pool = PagePool(9, 64)
+    for cycle in range(5):
+        pool.begin_step()
+        got = [p for i in range(4) for p in pool.reserve(f"c{cycle}-{i}", 128)]
+        assert sorted(got) == list(range(1, 9))       # the whole pool, null page excluded
+        assert not pool.can_reserve(1)
+        for i in range(4):
+            pool.release(f"c{cycle}-{i}")
+        assert pool.num_free == 0
+        assert sorted(pool.end_step()) == list(range(1, 9))
+        pool.check()
+
+
+def test_check_catches_corruption():
+    pool = PagePool(4, 64)
+    pool.reserve("a", 64)
+    pool.free.append(pool.owned["a"][0])            # free and owned at once
+    with pytest.raises(AssertionError, match="free \\+ owned = 4 pages, capacity 3"):
+        pool.check()
+    pool.free.pop()
+    pool.free[0] = pool.owned["a"][0]               # the right count, but a page twice
+    with pytest.raises(AssertionError, match="two owners"):
+        pool.check()
+
+    pool = PagePool(4, 64)
+    pool.free[0] = NULL_PAGE
+    with pytest.raises(AssertionError, match="null page"):
+        pool.check()
+
+    pool = PagePool(4, 64)
+    pool.free.pop()                                 # a page lost
+    with pytest.raises(AssertionError, match="free \\+ owned = 2 pages, capacity 3"):
+        pool.check()

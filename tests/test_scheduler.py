@@ -1,0 +1,276 @@
+"""Unit tests for engine/scheduler.py: strict FCFS admission, max batch rows, prompt-chunk picking, step kinds,
+eviction at the end of the step, and cancel outcomes. No model: a step is advanced as Engine.step does."""
+from __future__ import annotations
+
+import pytest
+
+from engine.pool import PagePool
+from engine.request import Request, State
+from engine.scheduler import CancelResult, Chunk, Scheduler
+
+
+def make(num_pages=9, page_size=64, max_batch=32, chunk_tokens=512):
+    pool = PagePool(num_pages, page_size)
+    return pool, Scheduler(pool, max_batch=max_batch, chunk_tokens=chunk_tokens)
+
+
+def req(rid, prompt_len, budget):
+    return Request(rid, [1] * prompt_len, budget)
+
+
+def advance(plan):
+    """Apply a plan's work exactly as Engine.step does (chunks, then decode tokens, then the sampled tokens)."""
+    sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
+    for c in plan.chunks:
+        c.request.num_cached += c.length
+    for r in plan.decodes:
+        r.num_cached += 1
+    for r in sampled:
+        r.output.append(0)
+        r.state = State.DECODE
+        if len(r.output) >= r.budget:
+            r.state = State.FINISHED
+
+
+def full_step(sched):
+    plan = sched.schedule()
+    advance(plan)
+    sched.finish_step()
+    return plan
+
+
+def ids(rs):
+    return [r.request_id for r in rs]
+
+
+def test_bad_scheduler_shape_is_refused():
+    pool = PagePool(4, 64)
+    with pytest.raises(ValueError, match="max_batch and chunk_tokens must be >= 1"):
+        Scheduler(pool, max_batch=0)
+    with pytest.raises(ValueError, match="max_batch and chunk_tokens must be >= 1"):
+        Scheduler(pool, chunk_tokens=0)
+
+
+def test_add_numbers_arrivals_and_queues_in_order():
+    _, sched = make()
+    rs = [req(f"r{i}", 10, 2) for i in range(3)]
+    for r in rs:
+        sched.add(r)
+    assert [r.arrival_index for r in rs] == [0, 1, 2]
+    assert ids(sched.waiting) == ["r0", "r1", "r2"]
+    assert sched.has_work
+
+
+def test_strict_fcfs_the_head_blocks_a_later_request_that_fits():
+    pool, sched = make(num_pages=5)                 # 4 pages of 64
+    big, blocked, small = req("big", 150, 20), req("blocked", 100, 20), req("small", 10, 5)   # 3, 2, 1 pages
+    for r in (big, blocked, small):
+        sched.add(r)
+    plan = sched.schedule()
+    assert ids(plan.admitted) == ["big"]
+    assert pool.num_free == 1                       # "small" would fit, but "blocked" is ahead of it
+    assert ids(sched.waiting) == ["blocked", "small"]
+    assert small.state is State.WAITING and "small" not in pool.owned
+    advance(plan)
+    sched.finish_step()
+    while big.state is not State.FINISHED:          # the head stays blocked while big holds its pages
+        plan = sched.schedule()
+        assert plan.admitted == []
+        advance(plan)
+        sched.finish_step()
+    assert pool.num_free == 4                       # big's pages came back at the end of its last step
+    plan = sched.schedule()
+    assert ids(plan.admitted) == ["blocked", "small"]   # arrival order
+    assert [r.admit_step for r in plan.admitted] == [plan.index] * 2
+    assert len(pool.owned["blocked"]) == 2 and len(pool.owned["small"]) == 1
+
+
+def test_admission_is_reserve_on_admit_rounded_up():
+    pool, sched = make(num_pages=9)
+    for rid, p, b in [("a", 64, 1), ("b", 63, 1), ("c", 100, 29)]:    # 65 slots -> 2, 64 -> 1, 129 -> 3
+        sched.add(req(rid, p, b))
+    sched.schedule()
+    assert {rid: len(pages) for rid, pages in pool.owned.items()} == {"a": 2, "b": 1, "c": 3}
+    assert pool.num_free == 2
+
+
+def test_max_batch_rows():
+    pool, sched = make(num_pages=9, max_batch=2)
+    rs = [req(f"r{i}", 5, 1 + i) for i in range(4)]
+    for r in rs:
+        sched.add(r)
+    plan = sched.schedule()
+    assert ids(plan.admitted) == ["r0", "r1"]          # pages for all four, rows for two
+    assert pool.num_free == 6
+    advance(plan)                                       # r0 (budget 1) finishes in this step...
+    assert rs[0].state is State.FINISHED
+    sched.finish_step()
+    plan = sched.schedule()                             # ...and its row is free only at the next step
+    assert ids(plan.admitted) == ["r2"]
+    assert ids(sched.running) == ["r1", "r2"]
+    assert len(sched.running) <= sched.max_batch
+
+
+def test_max_batch_row_of_a_finished_request_is_held_until_the_end_of_the_step():
+    pool, sched = make(max_batch=1)
+    a, b = req("a", 5, 1), req("b", 5, 1)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    advance(plan)
+    assert a.state is State.FINISHED
+    assert ids(sched.running) == ["a"]                  # retired only by finish_step
+    sched.finish_step()
+    assert ids(sched.schedule().admitted) == ["b"]
+
+
+def test_chunks_fcfs_across_prefilling_requests_within_chunk_tokens():
+    _, sched = make(num_pages=9, chunk_tokens=100)
+    r0, r1, r2 = req("r0", 150, 2), req("r1", 30, 2), req("r2", 80, 2)
+    for r in (r0, r1, r2):
+        sched.add(r)
+
+    def chunks(plan):
+        return [(c.request.request_id, c.start, c.length) for c in plan.chunks]
+
+    plan = sched.schedule()
+    assert chunks(plan) == [("r0", 0, 100)]             # the earliest takes the whole budget
+    assert plan.prompt_positions == 100 and plan.kind == "chunk-only"
+    assert not plan.chunks[0].completes_prompt
+    advance(plan)
+    sched.finish_step()
+
+    plan = sched.schedule()
+    assert chunks(plan) == [("r0", 100, 50), ("r1", 0, 30), ("r2", 0, 20)]
+    assert [c.completes_prompt for c in plan.chunks] == [True, True, False]
+    assert plan.prompt_positions == 100
+    advance(plan)
+    sched.finish_step()
+    assert r0.output == [0] and r1.output == [0] and r2.output == []
+
+    plan = sched.schedule()
+    assert chunks(plan) == [("r2", 20, 60)]
+    assert ids(plan.decodes) == ["r0", "r1"]            # admission order
+    assert plan.kind == "loaded"
+
+
+def test_chunk_budget_exhausted_exactly():
+    _, sched = make(chunk_tokens=64)
+    for rid in ("a", "b"):
+        sched.add(req(rid, 64, 2))
+    plan = sched.schedule()
+    assert [(c.request.request_id, c.length) for c in plan.chunks] == [("a", 64)]
+    assert plan.chunks[0] == Chunk(plan.chunks[0].request, 0, 64)
+
+
+def test_step_kinds():
+    _, sched = make(chunk_tokens=512)
+    assert sched.schedule().kind == "idle"
+    sched.finish_step()
+    a = req("a", 10, 5)
+    sched.add(a)
+    plan = sched.schedule()
+    assert plan.kind == "chunk-only" and not plan.decodes and not plan.empty
+    advance(plan)
+    sched.finish_step()
+    plan = sched.schedule()
+    assert plan.kind == "pure-decode" and ids(plan.decodes) == ["a"] and not plan.chunks
+    assert plan.prompt_positions == 0
+    advance(plan)
+    sched.finish_step()
+    sched.add(req("b", 20, 2))
+    plan = sched.schedule()
+    assert plan.kind == "loaded"
+    assert ids(plan.decodes) == ["a"] and [c.request.request_id for c in plan.chunks] == ["b"]
+
+
+def test_finish_step_returns_exactly_the_retired_pages_and_counts_steps():
+    pool, sched = make(num_pages=5)
+    a, b = req("a", 5, 1), req("b", 5, 3)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert pool.in_step
+    pages_a = list(pool.owned["a"])
+    advance(plan)
+    free_mid = pool.num_free
+    freed = sched.finish_step()
+    assert sorted(freed) == sorted(pages_a)
+    assert pool.num_free == free_mid + len(pages_a)
+    assert sched.step_index == 1 and not pool.in_step
+    while sched.has_work:
+        full_step(sched)
+    assert pool.num_free == pool.capacity and not pool.owned
+    assert b.state is State.FINISHED and len(b.output) == 3
+
+
+# -- cancel ---------------------------------------------------------------------------------------------------
+def test_cancel_unknown():
+    _, sched = make()
+    res = sched.cancel("nobody", {})
+    assert res == CancelResult("nobody", "unknown", 0)
+    assert not res.cancelled
+
+
+def test_cancel_waiting_request_leaves_the_queue_and_takes_no_pages():
+    pool, sched = make(num_pages=3)
+    a, b, c = req("a", 100, 20), req("b", 10, 2), req("c", 10, 2)   # a takes the whole pool
+    reqs = {r.request_id: r for r in (a, b, c)}
+    for r in (a, b, c):
+        sched.add(r)
+    sched.schedule()
+    res = sched.cancel("b", reqs)
+    assert res.outcome == "cancelled" and res.cancelled and res.emitted == 0
+    assert b.state is State.CANCELLED
+    assert ids(sched.waiting) == ["c"]
+    sched.finish_step()
+    assert "b" not in pool.owned
+    assert sched.cancel("b", reqs).outcome == "already-cancelled"
+    while sched.has_work:
+        plan = full_step(sched)
+        assert "b" not in ids(plan.admitted)
+    assert b.output == [] and b.admit_step is None and c.state is State.FINISHED
+
+
+def test_cancel_running_request_keeps_its_tokens_and_frees_its_pages_at_the_end_of_the_step():
+    pool, sched = make(num_pages=5)
+    a = req("a", 10, 10)
+    reqs = {"a": a}
+    sched.add(a)
+    full_step(sched)
+    full_step(sched)                                     # prompt + one decode: 2 tokens
+    plan = sched.schedule()                              # mid-step cancellation
+    advance(plan)
+    free_mid = pool.num_free
+    res = sched.cancel("a", reqs)
+    assert (res.outcome, res.emitted) == ("cancelled", 3)
+    assert a.state is State.CANCELLED and a.output == [0, 0, 0]
+    assert pool.num_free == free_mid and "a" in pool.owned   # not during the step
+    assert len(sched.finish_step()) == 1
+    assert pool.num_free == pool.capacity and not sched.running and not sched.has_work
+    assert sched.cancel("a", reqs) == CancelResult("a", "already-cancelled", 3)
+
+
+def test_cancel_between_steps_stops_the_request_before_its_next_chunk():
+    pool, sched = make(num_pages=9, chunk_tokens=64)
+    a = req("a", 200, 4)
+    sched.add(a)
+    full_step(sched)
+    assert sched.cancel("a", {"a": a}).cancelled
+    plan = sched.schedule()
+    assert plan.empty and plan.kind == "idle"           # no chunk for a cancelled request
+    assert "a" in pool.owned                            # its pages return at the end of this step
+    sched.finish_step()
+    assert not pool.owned and a.num_cached == 64
+
+
+def test_cancel_already_finished():
+    _, sched = make()
+    a = req("a", 5, 2)
+    sched.add(a)
+    full_step(sched)
+    full_step(sched)
+    assert a.state is State.FINISHED
+    res = sched.cancel("a", {"a": a})
+    assert (res.outcome, res.emitted, res.cancelled) == ("already-finished", 2, False)
+    assert a.state is State.FINISHED

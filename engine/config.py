@@ -20,7 +20,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     sync_trace: bool = False        # synchronise the device around each step for the trace's timings
-    prefill_share: float = 1.0
+    prefill_share: float = 1.0      # share p of wall time for long-prompt work while others decode (1: no debt)
+    short_prompt_positions: int = 512   # a prompt with at most this many positions left never waits, goes first
 
     def __post_init__(self):
         if self.forward not in FORWARD_MODES:

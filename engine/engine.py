@@ -41,6 +41,7 @@ class StepRecord:
     start: float              # seconds since the engine's clock started
     duration: float           # seconds (device synchronised around the step when sync_trace is on)
     admission_blocked: bool = False   # the queue's head waited for pages while a row was free
+    withheld: int = 0         # long prompts whose next prompt chunk waited for the decoders (prefill share)
 
 
 class Engine:
@@ -57,7 +58,7 @@ class Engine:
                                                else (256 << 20))
             num_pages = max(2, budget // ModelRunner.bytes_per_page(self.shape, config.page_size, dtype))
         self.pool = PagePool(num_pages, config.page_size)
-        self.scheduler = Scheduler(self.pool, config.max_batch, config.chunk_tokens)
+        self.scheduler = Scheduler.from_config(self.pool, config)
         self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
                                   poison=config.poison, record_topk=config.record_topk)
         self.requests: dict[str, Request] = {}
@@ -127,7 +128,10 @@ class Engine:
         return budget
 
     def cancel(self, request_id: str) -> CancelResult:
-        """Stop a request between steps. It keeps what it emitted; its pages return at the end of the next step."""
+        """Stop a request between steps (between its prompt chunks or decode tokens). It keeps what it emitted; its
+        pages return at the end of the next step; nobody else's tokens change. An unknown, finished or already
+        cancelled id is a no-op: CancelResult.outcome says which ("unknown", "already-finished",
+        "already-cancelled"), .noop is True."""
         res = self.scheduler.cancel(str(request_id), self.requests)
         if res.cancelled:
             self.requests[str(request_id)].finish_time = self.now()
@@ -161,10 +165,10 @@ class Engine:
                 self.emit(r, tok, plan.index, end)
                 if out.topk_ids:
                     self.topk.setdefault(r.request_id, []).append((out.topk_ids[i], out.topk_vals[i]))
-        freed = self.scheduler.finish_step()
+        freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
         self.runner.poison_pages(freed)
         rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
-                         len(plan.admitted), start, end - start, blocked)
+                         len(plan.admitted), start, end - start, blocked, plan.withheld)
         self.trace.append(rec)
         return rec
 

@@ -28,6 +28,7 @@ class Request:
     admit_time: float | None = None
     admit_step: int | None = None
     finish_time: float | None = None
+    chunks: list[tuple[int, int]] = field(default_factory=list)   # (start, length) of each prompt chunk, in order
 
     @property
     def prompt_len(self) -> int:
@@ -67,6 +68,7 @@ class RequestResult:
     token_times: list[float]
     token_steps: list[int]
     finish_time: float | None
+    chunks: list[tuple[int, int]] = field(default_factory=list)   # the prompt's chunk boundaries: (start, length)
 
     @property
     def queue_wait(self) -> float | None:
@@ -75,4 +77,5 @@ class RequestResult:
     @classmethod
     def of(cls, r: Request) -> "RequestResult":
         return cls(r.request_id, list(r.prompt), list(r.output), r.state.value, r.arrival_time, r.admit_time,
-                   r.first_token_time, list(r.token_times), list(r.token_steps), r.finish_time)
+                   r.first_token_time, list(r.token_times), list(r.token_steps), r.finish_time,
+                   list(r.chunks))

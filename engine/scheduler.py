@@ -1,10 +1,36 @@
 """The scheduler: strict FCFS admission under reserve on admit, and the choice of each step's work. No tensors.
 
 Each step carries every decode token of the requests that are generating, plus up to `chunk_tokens` prompt
-positions taken first-come-first-served across the requests still reading their prompt.
+positions in prompt chunks.
+
+Prompt chunks are cut at FIXED boundaries: request i's prompt of L positions is read in pieces
+[k*C, min((k+1)*C, L)) with C = chunk_tokens, whatever else shares the step and whatever `prefill_share` is. A step
+takes whole pieces while their total fits in chunk_tokens: first the prompts with at most `short_prompt_positions`
+(512) positions left ("short", first-come-first-served among them), then the other ("long") prompts, FCFS; a piece
+that does not fit in what is left of the budget waits for a later step (it is never cut). So the chunk boundaries
+of every request are the same for every p, and only the order of whole steps changes (docs/DESIGN.md, "Prefill
+share").
+
+Prefill share p (0 < p <= 1; p below 0.01, above 1 or not finite falls back to 1): while runnable requests decode, a
+step that carried long-prompt work and took t seconds owes the decoders (t - t_d) (1 - p) / p seconds of pure decode
+steps (`debt`) before the next long-prompt piece, where t_d is a running estimate (EWMA) of a pure decode step's
+duration. So pure decode time : prompt work's extra time = (1 - p) : p, and decoders keep about (1 - p) of their
+token rate while a long prompt fills.
+- The debt saturates at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t) (t: the loaded step that just ran), so that even a
+  tiny p never starves a long prompt for long: a loaded step of t owes at most 8 t (or 1 s) of decoding, which is
+  exact for every p >= 1/9 and, for fast steps, down to p = 0.01.
+- While debt > 0 and runnable decoders exist, long-prompt pieces are withheld; short prompts' pieces never wait.
+- A pure decode step pays off its duration; a step with decode tokens and short-prompt pieces (no long work) pays
+  off the decode part of it (min(t, t_d)). No credit: the debt never goes below 0.
+- Debt counts only runnable decoders: a step with no decode tokens (nobody decoding, or every decoder finished or
+  cancelled) clears it; a step that carried long work but no decode tokens owes nothing.
+- p = 1 owes nothing, ever: exactly the scheduler without the feature.
+Time is injected: Engine.step passes each step's measured duration to finish_step(duration=...); tests pass
+synthetic durations. finish_step() without a duration changes no debt.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,6 +56,8 @@ class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)
     decodes: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
+    long_chunks: int = 0        # chunks of long prompts (more than short_prompt_positions left when picked)
+    withheld: int = 0           # long prompts whose next piece was withheld for the decoders' debt
 
     @property
     def kind(self) -> str:
@@ -60,18 +88,55 @@ class CancelResult:
     def cancelled(self) -> bool:
         return self.outcome == "cancelled"
 
+    @property
+    def noop(self) -> bool:
+        """Nothing happened: the id is unknown, or the request had already finished or been cancelled."""
+        return not self.cancelled
+
+
+DEBT_CAP_SECONDS = 1.0      # the debt saturates at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * the loaded step's time)
+DEBT_CAP_STEPS = 8
+DEBT_EPS = 1e-9             # seconds: a debt at or under this is paid (float dust)
+DECODE_EWMA = 0.25          # weight of the newest pure decode step in the running estimate of its duration
+MIN_SHARE = 0.01
+
+
+def normalise_share(p) -> float:
+    """prefill_share as used: p in [0.01, 1]; below 0.01, above 1, not finite or not a number: 1 (no debt)."""
+    try:
+        p = float(p)
+    except (TypeError, ValueError):
+        return 1.0
+    if not math.isfinite(p) or p < MIN_SHARE or p > 1.0:
+        return 1.0
+    return p
+
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = 512):
+    def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = 512, prefill_share: float = 1.0,
+                 short_prompt_positions: int = 512):
         if max_batch < 1 or chunk_tokens < 1:
             raise ValueError(f"max_batch and chunk_tokens must be >= 1, got {max_batch}, {chunk_tokens}")
+        if short_prompt_positions < 0:
+            raise ValueError(f"short_prompt_positions must be >= 0, got {short_prompt_positions}")
         self.pool = pool
         self.max_batch = max_batch
         self.chunk_tokens = chunk_tokens
+        self.prefill_share = normalise_share(prefill_share)
+        self.short_prompt_positions = short_prompt_positions
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []     # admitted, in admission (= arrival) order
         self.step_index = 0
         self.next_arrival = 0
+        self.debt = 0.0                      # seconds of pure decode steps owed to the decoders
+        self.decode_estimate: float | None = None   # running estimate of a pure decode step's duration (s)
+        self.withheld_steps = 0              # steps that withheld a long-prompt piece for the debt
+        self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
+
+    @classmethod
+    def from_config(cls, pool: PagePool, config) -> "Scheduler":
+        return cls(pool, config.max_batch, config.chunk_tokens, prefill_share=config.prefill_share,
+                   short_prompt_positions=config.short_prompt_positions)
 
     # -- admission -------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -93,28 +158,77 @@ class Scheduler:
         return admitted
 
     # -- the step's work -------------------------------------------------------------------------------------
-    def pick_chunks(self) -> list[Chunk]:
+    def is_short(self, r: Request) -> bool:
+        """A prompt with at most short_prompt_positions positions left: it never waits, and goes first."""
+        return r.prompt_left <= self.short_prompt_positions
+
+    def next_piece(self, r: Request) -> Chunk:
+        """The request's next piece: from num_cached to the next multiple of chunk_tokens (or the prompt's end)."""
+        start = r.num_cached
+        end = min((start // self.chunk_tokens + 1) * self.chunk_tokens, r.prompt_len)
+        return Chunk(r, start, end - start)
+
+    def pick_chunks(self, withhold_long: bool = False) -> tuple[list[Chunk], list[Request]]:
+        """Whole pieces while they fit in chunk_tokens: short prompts first (FCFS), then long ones (FCFS), unless
+        `withhold_long`. Returns (chunks, long prompts withheld)."""
+        prefilling = [r for r in self.running if r.state is State.PREFILL]
+        short = [r for r in prefilling if self.is_short(r)]
+        long = [r for r in prefilling if not self.is_short(r)]
         budget = self.chunk_tokens
         chunks = []
-        for r in self.running:
-            if budget == 0:
-                break
-            if r.state is State.PREFILL:
-                n = min(r.prompt_left, budget)
-                chunks.append(Chunk(r, r.num_cached, n))
-                budget -= n
-        return chunks
+        for r in short + ([] if withhold_long else long):
+            c = self.next_piece(r)
+            if c.length <= budget:
+                chunks.append(c)
+                budget -= c.length
+        return chunks, (long if withhold_long else [])
+
+    @property
+    def owes(self) -> bool:
+        return self.debt > DEBT_EPS
 
     def schedule(self) -> StepPlan:
         """Admit, then pick this step's prompt chunks and decode tokens. Opens the step in the pool."""
         self.pool.begin_step()
         plan = StepPlan(self.step_index, admitted=self.admit())
         plan.decodes = [r for r in self.running if r.state is State.DECODE]
-        plan.chunks = self.pick_chunks()
+        if not plan.decodes:
+            self.debt = 0.0                  # debt counts only runnable decoders
+        plan.chunks, withheld = self.pick_chunks(withhold_long=self.owes)
+        plan.long_chunks = sum(not self.is_short(c.request) for c in plan.chunks)
+        plan.withheld = len(withheld)
+        self.withheld_steps += bool(withheld)
+        for c in plan.chunks:
+            c.request.chunks.append((c.start, c.length))
+        self.plan = plan
         return plan
 
-    def finish_step(self) -> list[int]:
-        """Retire finished and cancelled requests; their pages return to the free list now, at the step's end."""
+    def account(self, plan: StepPlan, duration: float) -> None:
+        """The debt rule, after a step of `duration` seconds (see the module docstring)."""
+        p = self.prefill_share
+        t = max(0.0, float(duration))
+        if not plan.decodes:
+            self.debt = 0.0
+            return
+        if not plan.chunks:                  # a pure decode step: it pays, and teaches the estimate
+            self.decode_estimate = t if self.decode_estimate is None else \
+                (1 - DECODE_EWMA) * self.decode_estimate + DECODE_EWMA * t
+            self.debt = max(0.0, self.debt - t)
+            return
+        t_d = self.decode_estimate or 0.0
+        if plan.long_chunks:
+            if p < 1.0:
+                cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t)
+                self.debt = min(self.debt + max(0.0, t - t_d) * (1.0 - p) / p, cap)
+        else:                                # decode tokens and short pieces only
+            self.debt = max(0.0, self.debt - min(t, t_d))
+
+    def finish_step(self, duration: float | None = None) -> list[int]:
+        """Retire finished and cancelled requests; their pages return to the free list now, at the step's end.
+        `duration`: the step's measured seconds, for the prefill-share debt (None: the debt is left as it is)."""
+        plan, self.plan = self.plan, None
+        if duration is not None and plan is not None and self.prefill_share < 1.0:
+            self.account(plan, duration)
         for r in [r for r in self.running if r.done]:
             self.running.remove(r)
             self.pool.release(r.request_id)

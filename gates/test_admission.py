@@ -310,20 +310,24 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
             self.free_at_schedule = self.pool.num_free
             # the step's work, as the model predicts it
             decodes = [rid for rid in self.running if self.model[rid].phase == "decode"]
-            chunks, budget = [], self.chunk_tokens
-            for rid in self.running:
-                if budget == 0:
-                    break
+            # prompt chunks: whole pieces [k*C, (k+1)*C) of each prompt (never cut), short prompts (at most
+            # short_prompt_positions left) first, then long ones, FCFS within each, while they fit in C
+            C, short = self.chunk_tokens, getattr(self.sched, "short_prompt_positions", 512)
+            prefilling = [rid for rid in self.running if self.model[rid].phase == "prefill"]
+            is_short = {rid: self.model[rid].prompt_len - self.model[rid].cached <= short for rid in prefilling}
+            chunks, budget = [], C
+            for rid in [r for r in prefilling if is_short[r]] + [r for r in prefilling if not is_short[r]]:
                 m = self.model[rid]
-                if m.phase == "prefill":
-                    n = min(m.prompt_len - m.cached, budget)
+                n = min((m.cached // C + 1) * C, m.prompt_len) - m.cached
+                if n <= budget:
                     chunks.append((rid, m.cached, n))
                     budget -= n
             got_chunks = [(c.request.request_id, c.start, c.length) for c in plan.chunks]
             got_decodes = [r.request_id for r in plan.decodes]
             check(got_chunks == chunks and got_decodes == decodes, PLAN,
                   lambda: f"step {i}: chunks {got_chunks}, decodes {got_decodes}; expected chunks {chunks} "
-                          f"(first-come-first-served within chunk_tokens={self.chunk_tokens}), decodes {decodes}")
+                          f"(whole pieces at multiples of chunk_tokens={C}, prompts with at most {short} positions "
+                          f"left first, FCFS within each), decodes {decodes}")
             # apply it exactly as Engine.step does
             sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
             for c in plan.chunks:
@@ -357,8 +361,9 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
             self.step_index += 1
 
         def outstanding_steps(self) -> int:
-            """An upper bound on the steps that finish everything: FCFS chunk picking and reserve on admit
-            guarantee progress for the earliest unfinished request every step."""
+            """An upper bound on the steps that finish everything: every step with work left takes at least one
+            whole prompt piece or decode token (the first piece always fits: a piece is at most chunk_tokens), and
+            reserve on admit guarantees that admitted requests can always proceed."""
             n = 0
             for m in self.model.values():
                 if not m.done:

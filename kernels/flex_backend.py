@@ -9,17 +9,22 @@ builds gather indices of exactly the slots each sequence owns below its length, 
 - prefill (packed): every sequence's valid history is packed back to back, [1, kv_heads, Tk, d]; the queries are the
   packed chunk positions, [1, heads, Tq, d]; the block mask is the document mask (same sequence) and causal (key
   position <= query position);
-- decode (rows): one query row per request, [R, heads, 1, d], each against its own gathered history,
-  [R, kv_heads, L, d]; the block mask is the length mask. Block sparsity skips every padded KV block.
+- decode, 'packed' layout (the default): the decode rows are the queries of one call, [1, heads, R, d], against
+  every request's valid history packed back to back, [1, kv_heads, Tk, d], with the document mask. R (32) is under
+  flex's 128-row block, so on CUDA flex runs its split-KV decoding kernel: the keys are cut into slices computed in
+  parallel for all rows, each key block is read once, and the gather copies each valid slot once;
+- decode, 'rows' layout (`FlexBackend('rows')` or STEPGATE_FLEX_DECODE=rows): one query row per request as a batch,
+  [R, heads, 1, d], each against its own history padded to the longest, [R, kv_heads, L, d], with the length mask.
+  Block sparsity skips the padded blocks, but the gather writes R x L slots.
 
 GQA goes through `enable_gqa=True`; the softmax scale is passed as is.
 
 Compiled shapes. `flex_attention` is compiled once per process (`torch.compile(flex_attention, dynamic=False)`), and a
 static compile specialises on every shape. To keep the set of shapes finite, each step's dims are padded to a ladder:
-- key dims (Tk for prefill, L for decode): 128 x {1, 2, 3, 4, 6, 8, 12, 16, ...} (powers of two and 1.5x powers of
+- key dims (Tk, L): 128 x {1, 2, 3, 4, 6, 8, 12, 16, ...} (powers of two and 1.5x powers of
   two, at least one flex block of 128), so padding wastes at most a third of the gathered keys;
 - query dim (Tq for prefill): the next power of two, at least 128;
-- decode rows R: the next multiple of 32 (the default max batch); padding rows own no key (no block is computed).
+- decode rows R: the next multiple of 32 (the default max batch); padding rows own no key.
 `warmup(...)` compiles every shape of that ladder an engine configuration can reach (see `ladder_shapes`), so that no
 measured step includes a compile; `compiled_shapes` lists what this process has run. A new (heads, kv_heads,
 head_dim, dtype, device, scale) compiles anew. Dynamo's recompile limit is raised so that it never falls back to
@@ -28,8 +33,8 @@ eager flex_attention after 8 shapes.
 Block masks are built per step at block granularity from the dense mask (partial blocks get the mask_mod, full blocks
 skip it), which costs a few elementwise ops rather than create_block_mask's vmap.
 
-Costs: the gather writes K and V once more per layer, padding included (decode: every row to the longest history),
-which is why this backend is the portable/correctness kernel and `flash` is the decode kernel for speed.
+Costs: the gather writes K and V once more per layer (padding included), which is why this backend is the portable
+kernel and `flash` the decode kernel for speed. Measured numbers: scripts/kernel_bench.py.
 """
 from __future__ import annotations
 
@@ -129,7 +134,17 @@ def _flex_import_error() -> str | None:
 class FlexBackend(AttentionBackend):
     name = "flex"
 
-    def __init__(self):
+    DECODE_LAYOUTS = ("packed", "rows")
+
+    def __init__(self, decode_layout: str | None = None):
+        """decode_layout: 'packed' (default; STEPGATE_FLEX_DECODE overrides): the decode rows as the queries of one
+        flex call over all requests' histories packed back to back (Q_LEN < 128, so flex's split-KV decoding
+        kernel; the gather reads each valid slot once); 'rows': one flex batch entry per request, each against its
+        own history padded to the longest one."""
+        layout = decode_layout or os.environ.get("STEPGATE_FLEX_DECODE", "packed")
+        if layout not in self.DECODE_LAYOUTS:
+            raise ValueError(f"flex decode layout must be one of {self.DECODE_LAYOUTS}, got {layout!r}")
+        self.decode_layout = layout
         self.compiled_shapes: set[tuple] = set()
 
     # -- availability ----------------------------------------------------------------------------------------
@@ -169,30 +184,40 @@ class FlexBackend(AttentionBackend):
             self._prepare(batch, kind)
 
     def _prepare(self, batch: AttnBatch, kind: str) -> None:
-        dev = batch.block_tables.device
-        P = batch.page_size
-        bt = batch.block_tables.long()
-        B = batch.num_seqs
-        kv_lens = batch.kv_lens_t.long()
         if kind == "decode":
             assert all(n == 1 for n in batch.q_lens), "decode takes one query row per request"
-            R, L = rows_bucket(B), kv_bucket(batch.max_kv)
-            j = torch.arange(L, device=dev)
-            width = bt.shape[1]
-            pages = bt.gather(1, (j // P).clamp(max=width - 1).expand(B, -1))
-            slots = torch.where(j < kv_lens[:, None], pages * P + j % P, torch.zeros_like(pages))
-            slots = torch.cat([slots, slots.new_zeros(R - B, L)]) if R > B else slots       # [R, L]
-            lens = torch.cat([kv_lens, kv_lens.new_zeros(R - B)]) if R > B else kv_lens      # [R]
+            if self.decode_layout == "rows":
+                return self._prepare_rows(batch)
+            return self._prepare_packed(batch, kind, rows_bucket(batch.num_seqs))
+        return self._prepare_packed(batch, kind, q_bucket(batch.num_queries))
 
-            def length_mask(b, h, q_idx, kv_idx):
-                return kv_idx < lens[b]
+    def _prepare_rows(self, batch: AttnBatch) -> None:
+        """Decode as a batch of rows: row b is request b's query against its own gathered history [L]."""
+        dev = batch.block_tables.device
+        P, bt, B = batch.page_size, batch.block_tables.long(), batch.num_seqs
+        kv_lens = batch.kv_lens_t.long()
+        R, L = rows_bucket(B), kv_bucket(batch.max_kv)
+        j = torch.arange(L, device=dev)
+        width = bt.shape[1]
+        pages = bt.gather(1, (j // P).clamp(max=width - 1).expand(B, -1))
+        slots = torch.where(j < kv_lens[:, None], pages * P + j % P, torch.zeros_like(pages))
+        slots = torch.cat([slots, slots.new_zeros(R - B, L)]) if R > B else slots       # [R, L]
+        lens = torch.cat([kv_lens, kv_lens.new_zeros(R - B)]) if R > B else kv_lens      # [R]
 
-            mask = block_mask_from_dense((j[None, :] < lens[:, None])[:, None, :], length_mask, 1, L)
-            batch.prepared[kind] = ("decode", slots, mask, R, L)
-            return
-        # prefill: packed queries, packed valid histories, document + causal mask
+        def length_mask(b, h, q_idx, kv_idx):
+            return kv_idx < lens[b]
+
+        mask = block_mask_from_dense((j[None, :] < lens[:, None])[:, None, :], length_mask, 1, L)
+        batch.prepared["decode"] = ("rows", slots, mask, R, L)
+
+    def _prepare_packed(self, batch: AttnBatch, kind: str, Tq_p: int) -> None:
+        """Packed queries (Tq_p rows) against all sequences' valid histories packed back to back, with the document
+        mask (same sequence) and causal (key position <= query position)."""
+        dev = batch.block_tables.device
+        P, bt, B = batch.page_size, batch.block_tables.long(), batch.num_seqs
+        kv_lens = batch.kv_lens_t.long()
         Tq, Tk = batch.num_queries, sum(batch.kv_lens)
-        Tq_p, Tk_p = q_bucket(Tq), kv_bucket(Tk)
+        Tk_p = kv_bucket(Tk)
         seqs = torch.arange(B, device=dev)
         q_lens = torch.tensor(batch.q_lens, device=dev)
         cu_k = torch.zeros(B + 1, dtype=torch.long, device=dev)
@@ -214,7 +239,7 @@ class FlexBackend(AttentionBackend):
 
         dense = (q_doc[:, None] == kv_doc[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
         mask = block_mask_from_dense(dense[None], document_causal, Tq_p, Tk_p)
-        batch.prepared[kind] = ("prefill", kv_slot, mask, Tq_p, Tk_p)
+        batch.prepared[kind] = ("packed", kv_slot, mask, Tq_p, Tk_p)
 
     # -- per layer ---------------------------------------------------------------------------------------------
     def _attend(self, q, k, v, mask, scale):
@@ -238,8 +263,17 @@ class FlexBackend(AttentionBackend):
         return out.clone()
 
     def _prefill(self, q, k_cache, v_cache, batch, scale):
-        tag, kv_slot, mask, Tq_p, Tk_p = batch.prepared["prefill"]
-        assert tag == "prefill"
+        return self._packed(q, k_cache, v_cache, batch.prepared["prefill"], scale)
+
+    def _decode(self, q, k_cache, v_cache, batch, scale):
+        prepared = batch.prepared["decode"]
+        if prepared[0] == "packed":
+            return self._packed(q, k_cache, v_cache, prepared, scale)
+        return self._rows(q, k_cache, v_cache, prepared, scale)
+
+    def _packed(self, q, k_cache, v_cache, prepared, scale):
+        tag, kv_slot, mask, Tq_p, Tk_p = prepared
+        assert tag == "packed"
         Tq, H, d = q.shape
         kvh = k_cache.shape[2]
         k = k_cache.view(-1, kvh, d)[kv_slot].transpose(0, 1).unsqueeze(0)     # [1, kvh, Tk_p, d]
@@ -249,9 +283,9 @@ class FlexBackend(AttentionBackend):
         o = self._attend(qp.transpose(0, 1).unsqueeze(0), k, v, mask, scale)   # [1, H, Tq_p, d]
         return o[0, :, :Tq].transpose(0, 1)
 
-    def _decode(self, q, k_cache, v_cache, batch, scale):
-        tag, slots, mask, R, L = batch.prepared["decode"]
-        assert tag == "decode"
+    def _rows(self, q, k_cache, v_cache, prepared, scale):
+        tag, slots, mask, R, L = prepared
+        assert tag == "rows"
         B, H, d = q.shape
         kvh = k_cache.shape[2]
         k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)                    # [R, kvh, L, d]
@@ -262,18 +296,22 @@ class FlexBackend(AttentionBackend):
         return o[:B, :, 0]
 
     # -- compile up front --------------------------------------------------------------------------------------
-    @staticmethod
-    def ladder_shapes(max_kv: int, max_prefill_tokens: int, max_prefill_kv: int | None = None,
-                      max_rows: int = ROWS) -> dict[str, list[tuple[int, ...]]]:
-        """The padded shapes an engine can reach: decode (rows, L) and prefill (Tq, Tk) with Tk >= Tq.
+    def ladder_shapes(self, max_kv: int, max_prefill_tokens: int, max_prefill_kv: int | None = None,
+                      max_rows: int = ROWS) -> dict[str, list[tuple[int, int]]]:
+        """The padded (query rows, keys) shapes an engine can reach, per kind.
 
         max_kv: the longest history a request can have (prompt + budget); max_prefill_tokens: the most query
         positions in one prefill call (chunk_tokens, or the longest teacher-forced sequence); max_prefill_kv: the
-        most history slots in one prefill call (defaults to max_kv + max_prefill_tokens)."""
+        most history slots in one prefill call, all its sequences together (default max_kv + max_prefill_tokens:
+        first-come-first-served chunking puts at most one request with history in a step beside fresh prompts);
+        max_rows: the most decode requests in a step (max_batch)."""
         if max_prefill_kv is None:
             max_prefill_kv = max_kv + max_prefill_tokens
         rows = sorted({rows_bucket(r) for r in range(1, max_rows + 1)})
-        decode = [(r, L) for r in rows for L in ladder(max_kv)]
+        if self.decode_layout == "rows":     # (rows, longest history)
+            decode = [(r, L) for r in rows for L in ladder(max_kv)]
+        else:                                # (rows, all histories together)
+            decode = [(r, tk) for r in rows for tk in ladder(min(r, max_rows) * max_kv)]
         prefill = [(tq, tk) for tq in ladder(max_prefill_tokens, q_bucket) for tk in ladder(max_prefill_kv)
                    if tk >= tq]
         return {"decode": decode, "prefill": prefill}
@@ -284,7 +322,8 @@ class FlexBackend(AttentionBackend):
         """Compile every shape of the ladder (see `ladder_shapes`) for this model shape; returns how many calls ran.
 
         Runs each shape once through prepare + prefill/decode on a two-page cache whose page 1 stands for every
-        page, so the compiled graphs are exactly those the engine's steps hit."""
+        page, so the compiled graphs are exactly those the engine's steps hit. Call it after building the engine
+        (num_heads etc. from its ModelShape, scale = head_dim ** -0.5) and before any measured step."""
         device = torch.device(device)
         scale = head_dim ** -0.5 if scale is None else scale
         shapes = self.ladder_shapes(max_kv, max_prefill_tokens, max_prefill_kv, max_rows)
@@ -301,17 +340,20 @@ class FlexBackend(AttentionBackend):
             return AttnBatch(list(q_lens), list(kv_lens), bt, torch.tensor(kv_lens, dtype=torch.int32, device=device),
                              torch.tensor(cu, dtype=torch.int32, device=device), page_size)
 
-        if "decode" in kinds:
-            for rows, L in shapes["decode"]:
-                b = batch_of([1] * rows, [L] * rows)
-                self.prepare(b, "decode")
-                self.decode(torch.zeros(rows, num_heads, head_dim, dtype=dtype, device=device), kc, vc, b, scale)
-                n += 1
-        if "prefill" in kinds:
-            for tq, tk in shapes["prefill"]:
-                b = batch_of([tq], [tk])
-                self.prepare(b, "prefill")
-                self.prefill(torch.zeros(tq, num_heads, head_dim, dtype=dtype, device=device), kc, vc, b, scale)
+        def run(kind, q_lens, kv_lens):
+            b = batch_of(q_lens, kv_lens)
+            self.prepare(b, kind)
+            q = torch.zeros(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
+            (self.decode if kind == "decode" else self.prefill)(q, kc, vc, b, scale)
+
+        for kind in kinds:
+            for rows, tk in shapes[kind]:
+                if kind == "prefill":
+                    run(kind, [rows], [tk])
+                elif self.decode_layout == "rows":
+                    run(kind, [1] * rows, [tk] * rows)
+                else:     # histories summing to tk: one long, the rest one slot each
+                    run(kind, [1] * rows, [tk - (rows - 1)] + [1] * (rows - 1))
                 n += 1
         return n
 

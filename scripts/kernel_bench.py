@@ -7,7 +7,8 @@ lengths from {16, 64, 256, 1024, 4096}) plus decode progress drawn in [1, budget
 (12 query / 2 KV heads, head dim 128), fp16, 256-slot pages in shuffled order, on CUDA.
 
 For each kernel:
-- rows: the decode kernel, one query row per request (what a fused step sends it);
+- rows: the decode kernel, one query row per request (what a fused step sends it); flex is shown in both its decode
+  layouts ('flex': the rows as queries of one split-KV call over packed histories; 'flex-rows': a batch of rows);
 - packed: the same 32 tokens sent as ONE prefill-style call, each a sequence of one query (what a kernel that tiles
   query rows gets if decode tokens stay packed with the chunks);
 - floor: bytes of K and V the step must read (sum of histories x kv heads x head dim x 2 bytes x 2) divided by the
@@ -177,7 +178,7 @@ def main(argv=None) -> int:
           f"sum {sum(hist)} slots; K+V read per layer {kv_bytes / 2**20:.2f} MiB; copy bandwidth "
           f"{bw / 1e12:.2f} TB/s (read + written); floor {floor_ms * 1000:.1f} us")
 
-    rows, ref = [], None
+    variants = []
     for name in names:
         cls = kernels.backend_class(name)
         reason = cls.why_unavailable(device, P)
@@ -186,7 +187,13 @@ def main(argv=None) -> int:
         if reason:
             print(f"  {name}: skipped: {reason}")
             continue
-        be = kernels.get_backend(name, device, P)
+        if name == "flex":    # both decode layouts (kernels/flex_backend.py)
+            variants += [("flex", cls("packed")), ("flex-rows", cls("rows"))]
+        else:
+            variants.append((name, kernels.get_backend(name, device, P)))
+
+    rows, ref = [], None
+    for name, be in variants:
         with torch.inference_mode():
             dec = attn_batch([1] * B, hist, tables, P, device)
             t0 = time.perf_counter()
@@ -225,12 +232,12 @@ def main(argv=None) -> int:
     print()
     print("per-layer decode attention, median (us); floor = K+V bytes / copy bandwidth; diff = max |out - first "
           "kernel's out|")
-    hdr = f"{'kernel':<8}{'rows':>10}{'packed':>10}{'packed/rows':>13}{'floor':>9}{'rows/floor':>12}" \
+    hdr = f"{'kernel':<10}{'rows':>10}{'packed':>10}{'packed/rows':>13}{'floor':>9}{'rows/floor':>12}" \
           f"{'prepare':>10}{'diff':>11}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
-        print(f"{r['kernel']:<8}{r['rows_ms'] * 1000:>10.1f}{r['packed_ms'] * 1000:>10.1f}"
+        print(f"{r['kernel']:<10}{r['rows_ms'] * 1000:>10.1f}{r['packed_ms'] * 1000:>10.1f}"
               f"{r['packed_over_rows']:>12.2f}x{r['floor_ms'] * 1000:>9.1f}{r['rows_over_floor']:>11.2f}x"
               f"{r['prepare_ms'] * 1000:>10.1f}{r['max_diff_vs_first']:>11.2e}")
     return 0

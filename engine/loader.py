@@ -53,7 +53,9 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def random_1p5b_state(seed: int = 0, std: float = 0.02, device="cpu", dtype=torch.float16):
+def random_1p5b_state(seed: int = 0, std: float = 0.02, embed_std: float = 0.2, device="cpu", dtype=torch.float16):
+    """Qwen2.5-1.5B's shape, seeded random weights. The (tied) embedding is drawn 10x wider than the rest so that
+    logits are decisive (std ~8, like the small model's) and greedy gates on this model are not all near ties."""
     cfg = qwen2_config(**QWEN25_1P5B)
     shape = ModelShape.of(cfg)
     with torch.device(device):
@@ -63,8 +65,8 @@ def random_1p5b_state(seed: int = 0, std: float = 0.02, device="cpu", dtype=torc
         for name, p in m.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.normal_(0.0, std, generator=g)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, embed_std, generator=g)
             else:
                 p.normal_(0.0, std, generator=g)
     return cfg, m

@@ -58,7 +58,12 @@ UNIFORM = Workload("uniform", (256,), (64, 256), 256)
 MIXED_CPU = Workload("mixed-cpu", (4, 16, 64, 256, 1024), (16, 64), 48, chunk_tokens=128)
 UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48, chunk_tokens=128)
 
-WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU)}
+# The gate workloads for a large model (the 1.5B shape on GPU): the seeds' prompt lengths, short budgets so that the
+# hf reference (one request at a time) stays quick, and more requests than rows.
+MIXED_GATE = Workload("mixed-gate", (16, 64, 256, 1024, 4096), (16, 32), 40)
+UNIFORM_GATE = Workload("uniform-gate", (256,), (16, 32), 40)
+
+WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU, MIXED_GATE, UNIFORM_GATE)}
 
 
 def get_workload(name: str) -> Workload:

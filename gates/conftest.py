@@ -52,6 +52,11 @@ def opts(request) -> GateOptions:
                        tuple(kernels.BACKENDS) + ("flex", "flash") if be == "all" else tuple(be.split(",")))
 
 
+def workload_for(opts: GateOptions, name: str) -> str:
+    """The CPU-scaled workloads serve the small model on every device; a large model gets the gate workloads."""
+    return name if opts.model == "small" else name.replace("-cpu", "-gate")
+
+
 def skip_unless_runs(opts: GateOptions, engine: str, backend: str):
     """Skip (with the reason) a candidate that was not selected or cannot run here."""
     if opts.device.startswith("cuda") and not torch.cuda.is_available():

@@ -11,17 +11,14 @@ from engine.workload import RequestSpec, Workload, get_workload
 
 from . import summary
 from .compare import compare, compare_request
-from .conftest import CANDIDATES, skip_unless_runs
+from .conftest import CANDIDATES, skip_unless_runs, workload_for
 from .records import GenRecord
 from .reference import EngineReference
 
 # The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
 # largest requests. The CPU workloads are scaled by 4, so the small model gets 4,608 slots.
-TINY_POOL_SLOTS = 4608
-
-
-def admission_blocked_steps(engine) -> int:
-    return engine.admission_blocked
+TINY_POOL_SLOTS = {"small": 4608}
+TINY_POOL_BYTES = 1 << 29
 
 
 @pytest.mark.parametrize("page_size", [64, 256])
@@ -30,9 +27,13 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
     skip_unless_runs(opts, engine, backend)
     if engine == "flash" and page_size != 256:
         pytest.skip("flash decodes only 256-slot pages")
-    workload = "mixed-cpu"
+    workload = workload_for(opts, "mixed-cpu")
     full, _ = runs.candidate(engine, backend, workload)
-    num_pages = TINY_POOL_SLOTS // page_size + 1
+    from engine.engine import torch_dtype
+    from engine.runner import ModelRunner
+    slots = TINY_POOL_SLOTS.get(opts.model) or \
+        TINY_POOL_BYTES // ModelRunner.bytes_per_page(runs.loaded[0].shape, 1, torch_dtype(opts.dtype))
+    num_pages = slots // page_size + 1
     tiny, eng = runs.candidate(engine, backend, workload, page_size=page_size, num_pages=num_pages)
     blocked = sum(1 for s in eng.trace if s.admission_blocked)
     assert blocked > 0, "the capped pool never held admission back: the gate is not testing admission"

@@ -10,7 +10,7 @@ from engine.workload import RequestSpec
 
 from . import summary
 from .compare import compare
-from .conftest import CANDIDATES, skip_unless_runs
+from .conftest import CANDIDATES, skip_unless_runs, workload_for
 
 WORKLOADS = ["mixed-cpu", "uniform-cpu"]
 
@@ -20,15 +20,12 @@ def assert_gate(report):
     assert report.ok, f"gate {report.gate} failed:\n  " + "\n  ".join(report.problems())
 
 
-def workload_for(opts, name: str) -> str:
-    return name   # the CPU-scaled workloads serve the small model on every device
-
-
 @pytest.mark.parametrize("workload", WORKLOADS)
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
 def test_against_hf(runs, opts, engine, backend, workload):
     """The engine's greedy tokens equal transformers' own, or differ only at near ties (0.02 rule)."""
     skip_unless_runs(opts, engine, backend)
+    workload = workload_for(opts, workload)
     golden = runs.golden("hf", workload)
     cand, eng = runs.candidate(engine, backend, workload)
     assert eng.pool.num_free == eng.pool.capacity, "pages leaked: the pool is not whole after the run"
@@ -44,7 +41,7 @@ def test_against_predecessor(runs, opts, engine, backend):
     steps (they share a scheduler), flips only at near ties."""
     skip_unless_runs(opts, engine, backend)
     pred = PREDECESSOR[engine]
-    workload = "mixed-cpu"
+    workload = workload_for(opts, "mixed-cpu")
     golden = runs.golden(pred, workload)
     cand, _ = runs.candidate(engine, backend, workload)
     # the same scheduler only when the page size matches; otherwise admission (and so the steps) may differ
@@ -92,8 +89,9 @@ def test_loaded_step(runs, opts, engine, backend):
 def test_determinism(runs, opts, engine, backend):
     """The same run twice gives identical tokens at identical steps."""
     skip_unless_runs(opts, engine, backend)
-    first, _ = runs.candidate(engine, backend, "mixed-cpu")
-    again, _ = runs.candidate(engine, backend, "mixed-cpu", repeat=1)
+    workload = workload_for(opts, "mixed-cpu")
+    first, _ = runs.candidate(engine, backend, workload)
+    again, _ = runs.candidate(engine, backend, workload, repeat=1)
     diffs = [(rid, r.tokens, again[rid].tokens) for rid, r in first.items()
              if r.tokens != again[rid].tokens or r.steps != again[rid].steps]
     assert not diffs, (f"{engine}[{backend}]: {len(diffs)} requests differ between two identical runs, first "

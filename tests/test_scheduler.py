@@ -124,14 +124,16 @@ def test_max_batch_row_of_a_finished_request_is_held_until_the_end_of_the_step()
     assert ids(sched.schedule().admitted) == ["b"]
 
 
-def test_chunks_fcfs_across_prefilling_requests_within_chunk_tokens():
+def chunks(plan):
+    return [(c.request.request_id, c.start, c.length) for c in plan.chunks]
+
+
+def test_chunks_are_whole_pieces_fcfs_within_chunk_tokens():
+    """Pieces [k*C, (k+1)*C) of each prompt, taken FCFS while they fit; a piece that does not fit waits (never cut)."""
     _, sched = make(num_pages=9, chunk_tokens=100)
     r0, r1, r2 = req("r0", 150, 2), req("r1", 30, 2), req("r2", 80, 2)
     for r in (r0, r1, r2):
         sched.add(r)
-
-    def chunks(plan):
-        return [(c.request.request_id, c.start, c.length) for c in plan.chunks]
 
     plan = sched.schedule()
     assert chunks(plan) == [("r0", 0, 100)]             # the earliest takes the whole budget
@@ -141,17 +143,58 @@ def test_chunks_fcfs_across_prefilling_requests_within_chunk_tokens():
     sched.finish_step()
 
     plan = sched.schedule()
-    assert chunks(plan) == [("r0", 100, 50), ("r1", 0, 30), ("r2", 0, 20)]
-    assert [c.completes_prompt for c in plan.chunks] == [True, True, False]
-    assert plan.prompt_positions == 100
+    assert chunks(plan) == [("r0", 100, 50), ("r1", 0, 30)]    # r2's piece (80) does not fit in the 20 left
+    assert [c.completes_prompt for c in plan.chunks] == [True, True]
+    assert plan.prompt_positions == 80
     advance(plan)
     sched.finish_step()
     assert r0.output == [0] and r1.output == [0] and r2.output == []
 
     plan = sched.schedule()
-    assert chunks(plan) == [("r2", 20, 60)]
+    assert chunks(plan) == [("r2", 0, 80)]
     assert ids(plan.decodes) == ["r0", "r1"]            # admission order
     assert plan.kind == "loaded"
+    assert (r0.chunks, r1.chunks, r2.chunks) == ([(0, 100), (100, 50)], [(0, 30)], [(0, 80)])
+
+
+def test_short_prompts_go_before_a_long_prompts_next_piece():
+    """A prompt with at most short_prompt_positions left goes first, even if it arrived later; admission stays FCFS."""
+    pool = PagePool(40, 64)
+    sched = Scheduler(pool, chunk_tokens=128, short_prompt_positions=200)
+    long_, chat = req("long", 1000, 2), req("chat", 40, 2)
+    sched.add(long_)
+    full_step(sched)
+    sched.add(chat)
+    plan = sched.schedule()
+    assert chunks(plan) == [("chat", 0, 40)]            # the long piece (128) no longer fits in the 88 left
+    advance(plan)
+    sched.finish_step()
+    plan = sched.schedule()
+    assert chunks(plan) == [("long", 128, 128)]
+    advance(plan)
+    sched.finish_step()
+    while long_.state is State.PREFILL:
+        full_step(sched)
+    assert long_.chunks == [(k * 128, min(128, 1000 - k * 128)) for k in range(8)]
+    assert all(c[0] % 128 == 0 for c in long_.chunks)
+
+
+def test_chunk_boundaries_do_not_depend_on_what_shares_the_step():
+    def boundaries(companions):
+        pool = PagePool(60, 64)
+        sched = Scheduler(pool, chunk_tokens=96, short_prompt_positions=100)
+        target = req("target", 700, 1)
+        sched.add(target)
+        for i, n in enumerate(companions):
+            sched.add(req(f"c{i}", n, 3))
+        while sched.has_work:
+            full_step(sched)
+        return target.chunks
+
+    alone = boundaries([])
+    assert alone == [(k * 96, min(96, 700 - k * 96)) for k in range(8)]
+    assert boundaries([5, 90, 300, 7]) == alone
+    assert boundaries([200, 200, 33]) == alone
 
 
 def test_chunk_budget_exhausted_exactly():
@@ -274,3 +317,88 @@ def test_cancel_already_finished():
     res = sched.cancel("a", {"a": a})
     assert (res.outcome, res.emitted, res.cancelled) == ("already-finished", 2, False)
     assert a.state is State.FINISHED
+
+
+# -- prefill share: the debt ----------------------------------------------------------------------------------
+def timed_step(sched, duration):
+    plan = sched.schedule()
+    advance(plan)
+    sched.finish_step(duration=duration)
+    return plan
+
+
+def decoding_with_long_prompt(p, n_decoders=2, long_len=2000, chunk_tokens=128):
+    pool = PagePool(200, 64)
+    sched = Scheduler(pool, chunk_tokens=chunk_tokens, prefill_share=p)
+    decoders = [req(f"d{i}", 4, 500) for i in range(n_decoders)]
+    for r in decoders:
+        sched.add(r)
+    timed_step(sched, 1.0)                              # their prompts: chunk-only, nobody decoding, no debt
+    long_ = req("long", long_len, 2)
+    sched.add(long_)
+    return sched, decoders, long_
+
+
+@pytest.mark.parametrize("p", [0.0, 0.005, -0.5, 1.5, float("nan"), float("inf"), "x", None])
+def test_prefill_share_out_of_range_falls_back_to_1(p):
+    assert Scheduler(PagePool(4, 64), prefill_share=p).prefill_share == 1.0
+
+
+def test_prefill_share_1_never_owes():
+    sched, _, long_ = decoding_with_long_prompt(1.0)
+    for _ in range(5):
+        plan = timed_step(sched, 10.0)
+        assert plan.long_chunks == 1 and plan.withheld == 0
+        assert sched.debt == 0.0
+    assert sched.withheld_steps == 0
+
+
+def test_debt_withholds_long_pieces_for_pure_decode_steps():
+    sched, decoders, long_ = decoding_with_long_prompt(0.5)
+    plan = timed_step(sched, 1.0)                       # a pure decode step teaches the estimate: 1 s
+    assert plan.kind == "loaded" and plan.long_chunks == 1   # (the first long piece: debt 0 so far)
+    # no estimate yet when that loaded step ran: its whole second counts as extra
+    assert sched.debt == pytest.approx(1.0)
+    plan = timed_step(sched, 1.0)
+    assert plan.kind == "pure-decode" and plan.withheld == 1 and sched.decode_estimate == 1.0
+    assert sched.debt == 0.0
+    plan = timed_step(sched, 4.0)                       # loaded: 3 s beyond a decode step, owes 3 (1 - p) / p = 3
+    assert plan.long_chunks == 1 and sched.debt == pytest.approx(3.0)
+    kinds = [timed_step(sched, 1.0).kind for _ in range(4)]
+    assert kinds == ["pure-decode"] * 3 + ["loaded"]
+    assert sched.withheld_steps == 4
+
+
+def test_debt_saturates():
+    sched, _, _ = decoding_with_long_prompt(0.01)
+    plan = timed_step(sched, 0.5)                       # loaded: owes 0.5 * 99 = 49.5 s, capped at max(1, 8 * 0.5)
+    assert plan.long_chunks == 1 and sched.debt == pytest.approx(4.0)
+    n = 0
+    while timed_step(sched, 0.01).kind == "pure-decode":
+        n += 1
+    assert n == 400                                     # 4 s of 10 ms decode steps, then the next long piece
+    timed_step(sched, 0.05)                             # a fast loaded step owes 3.96 s: the cap is 1 s
+    assert sched.debt == pytest.approx(1.0)
+
+
+def test_debt_counts_only_runnable_decoders():
+    sched, decoders, long_ = decoding_with_long_prompt(0.25, n_decoders=1)
+    timed_step(sched, 5.0)
+    assert sched.debt > 0
+    sched.cancel("d0", {"d0": decoders[0]})             # the only decoder goes: nobody is owed anything
+    plan = timed_step(sched, 0.1)
+    assert plan.kind == "chunk-only" and plan.long_chunks == 1 and sched.debt == 0.0
+    timed_step(sched, 5.0)                              # long work with nobody decoding owes nothing
+    assert sched.debt == 0.0
+
+
+def test_short_prompts_never_wait_for_the_debt():
+    sched, _, long_ = decoding_with_long_prompt(0.25)
+    timed_step(sched, 1.0)
+    timed_step(sched, 1.0)
+    timed_step(sched, 1.0)
+    assert sched.debt > 0
+    chat = req("chat", 100, 3)
+    sched.add(chat)
+    plan = timed_step(sched, 1.2)
+    assert chunks(plan) == [("chat", 0, 100)] and plan.withheld == 1 and plan.long_chunks == 0

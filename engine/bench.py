@@ -1,7 +1,7 @@
 """Serving benchmark: closed runs, open (Poisson) arrivals, the step trace by kind, token gaps, the capped-pool control
 and transformers' own continuous batching side by side (the peer).
 
-    python -m engine.bench --model small --device cpu --engine fused --quick --out results/
+    python -m engine.bench --model small --device cpu --engine fused --quick --threads 1 --out results/
     python -m engine.bench --model qwen2.5-1.5b-random --device cuda --engine flash --out results/ \\
         --closed --peer --batches 8,32,64 --uniform 256
     python -m engine.bench --model qwen2.5-1.5b-random --device cuda --engine flash --out results/ --open \\
@@ -195,7 +195,8 @@ class Bench:
                     chunk_tokens=s.chunk_tokens, max_batch=s.max_batch, mixed=s.mixed.name, uniform=s.uniform.name,
                     torch=torch.__version__, python=platform.python_version(), host=platform.node(),
                     gpu=torch.cuda.get_device_name() if torch.device(s.device).type == "cuda" else None,
-                    warmups=self.a.warmups, reps=self.a.reps, quick=self.a.quick, started=time.strftime("%F %T"))
+                    threads=torch.get_num_threads(), warmups=self.a.warmups, reps=self.a.reps, quick=self.a.quick,
+                    started=time.strftime("%F %T"))
 
     def base_row(self, part, workload, **kw) -> dict:
         s = self.s
@@ -215,12 +216,6 @@ class Bench:
         out += [(f"{self.s.uniform.name}-{n}", self.s.uniform.scaled(n)) for n in self.a.uniform]
         return out
 
-    def warmup_specs(self, specs):
-        """--quick: a short warm-up (4 requests, budgets <= 8) instead of whole discarded runs."""
-        if not self.a.quick:
-            return specs
-        return [RequestSpec(f"{s.request_id}-w", s.prompt, min(s.budget, 8)) for s in specs[:4]]
-
     def closed(self):
         vocab = self.s.loaded[0].shape.vocab_size
         res = {}
@@ -229,7 +224,7 @@ class Bench:
             times = []
             for i in range(self.a.warmups + self.a.reps):
                 warm = i < self.a.warmups
-                run_specs = self.warmup_specs(specs) if warm else specs
+                run_specs = specs
                 desc = f"closed {name} {'warm-up' if warm else 'rep'} {i + 1 if warm else i - self.a.warmups + 1}"
                 m, results, trace = run_engine(self.s, run_specs, False, desc, self.a.no_progress)
                 self.run_no += 1
@@ -335,8 +330,7 @@ class Bench:
         vocab = self.s.loaded[0].shape.vocab_size
         for name, wl in self.closed_workloads():
             specs = wl.requests(vocab)
-            times, info = peer.closed(specs, name, self.a.warmups, self.a.reps, self.warmup_specs, self,
-                                      self.closed_tokens.get(name, {}))
+            times, info = peer.closed(specs, name, self.a.warmups, self.a.reps, self, self.closed_tokens.get(name, {}))
             ours = closed[name]["time_to_last_median_s"]
             p = median(times)
             res[name] = dict(peer_time_to_last_median_s=p, peer_times_s=times,
@@ -440,6 +434,9 @@ class Peer:
                 setattr(gen, k, v)
         mgr = init(**kw)
         mgr.start()
+        # the implementation it serves with (transformers may switch sdpa to paged|sdpa or to flash-attn; it
+        # restores the original at stop)
+        self.impl = getattr(self.model.config, "_attn_implementation", None)
         return mgr
 
     def serve(self, mgr, specs, tag, quiet, desc):
@@ -473,13 +470,13 @@ class Peer:
         tokens = {ids[k].request_id: list(r.generated_tokens) for k, r in out.items()}
         return t, tokens
 
-    def closed(self, specs, name, warmups, reps, warmup_specs, bench: Bench, ours: dict[str, list[int]]):
+    def closed(self, specs, name, warmups, reps, bench: Bench, ours: dict[str, list[int]]):
         mgr = self.manager(specs)
         times, tokens = [], {}
         try:
             for i in range(warmups + reps):
                 warm = i < warmups
-                run_specs = warmup_specs(specs) if warm else specs
+                run_specs = specs
                 t, tokens = self.serve(mgr, run_specs, f"-p{i}", self.a.no_progress,
                                        f"peer {name} {'warm-up' if warm else 'rep'} {i + 1}")
                 bench.run_no += 1
@@ -499,8 +496,7 @@ class Peer:
                 except Exception:   # noqa: BLE001 (cleanup only)
                     pass
         same = sum(ours.get(s.request_id) == tokens.get(s.request_id) for s in specs)
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        return times, dict(attn_implementation=impl, transformers=self.version,
+        return times, dict(attn_implementation=self.impl, transformers=self.version,
                            budgets_honoured=f"{sum(len(tokens[s.request_id]) == s.budget for s in specs)}"
                                             f"/{len(specs)}", same_tokens=same)
 
@@ -629,8 +625,8 @@ def parse_args(argv=None):
     ap.add_argument("--peer", action="store_true", help="transformers' continuous batching on the closed runs")
     ap.add_argument("--no-capped", action="store_true", help="skip the capped-pool control of the open runs")
     ap.add_argument("--quick", action="store_true",
-                    help="1 short warm-up + 1 rep, and (unless given) small sizes: batches 8, uniform 32, "
-                         "arrivals 24, at most 3 rates")
+                    help="1 warm-up + 1 rep, and (unless given) small sizes: batches 8, uniform 32, arrivals 24, "
+                         "at most 3 rates")
     ap.add_argument("--batches", default=None, help="closed mixed batch sizes (default 8,32,64)")
     ap.add_argument("--uniform", default=None, help="closed uniform-control sizes (default 256)")
     ap.add_argument("--warmups", type=int, default=None, help="discarded warm-up runs per closed workload (2)")
@@ -648,6 +644,9 @@ def parse_args(argv=None):
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds before a peer run is abandoned")
     ap.add_argument("--append", action="store_true", help="add to the files in <out>/<engine>/ instead of rewriting")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
+                         "waiting on a descheduled sibling, which can make a step 50x slower")
     a = ap.parse_args(argv)
     if not (a.closed or a.open or a.peer):
         a.closed = a.open = a.peer = True
@@ -666,6 +665,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
     dtype = a.dtype or ("float16" if dev.type == "cuda" else "float32")
     cpu_scaled = a.model == "small"

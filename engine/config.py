@@ -22,6 +22,8 @@ class EngineConfig:
     sync_trace: bool = False        # synchronise the device around each step for the trace's timings
     prefill_share: float = 1.0      # share p of wall time for long-prompt work while others decode (1: no debt)
     short_prompt_positions: int = 512   # a prompt with at most this many positions left never waits, goes first
+    compile_warmup: bool | None = None   # compile the backend's every reachable shape at construction (None: on CUDA)
+    max_model_len: int | None = None     # longest prompt + budget served (None: the model's max positions)
 
     def __post_init__(self):
         if self.forward not in FORWARD_MODES:

@@ -56,11 +56,24 @@ class Engine:
         if num_pages is None:
             budget = config.kv_cache_bytes or ((16 << 30) if torch.device(config.device).type == "cuda"
                                                else (256 << 20))
-            num_pages = max(2, budget // ModelRunner.bytes_per_page(self.shape, config.page_size, dtype))
+            per_row = -(-min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
+                        // config.page_size)
+            # no more than max_batch rows of the longest request can ever use, plus the null page
+            num_pages = max(2, min(budget // ModelRunner.bytes_per_page(self.shape, config.page_size, dtype),
+                                   config.max_batch * per_row + 1))
         self.pool = PagePool(num_pages, config.page_size)
         self.scheduler = Scheduler.from_config(self.pool, config)
         self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
                                   poison=config.poison, record_topk=config.record_topk)
+        self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
+        warm = config.compile_warmup if config.compile_warmup is not None else self.runner.device.type == "cuda"
+        if warm and hasattr(self.runner.backend, "warmup"):
+            # compile every shape a step can reach now, so that no measured step includes a compile
+            s = self.shape
+            self.runner.backend.warmup(s.num_heads, s.num_kv_heads, s.head_dim, dtype, config.device,
+                                       max_kv=min(self.max_model_len, self.pool.capacity * config.page_size),
+                                       max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
+                                       page_size=config.page_size)
         self.requests: dict[str, Request] = {}
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []
@@ -116,10 +129,10 @@ class Engine:
         if n is None or n < 1:
             raise errors.BadBudgetError(f"{request_id}: generation budget must be an integer >= 1, got {budget!r}")
         budget = n
-        if len(prompt) + budget > self.shape.max_positions:
+        if len(prompt) + budget > self.max_model_len:
             raise errors.ExceedsMaxPositionsError(
                 f"{request_id}: prompt ({len(prompt)}) + budget ({budget}) = {len(prompt) + budget} exceeds the "
-                f"model's max positions ({self.shape.max_positions})")
+                f"max positions served ({self.max_model_len}; the model's: {self.shape.max_positions})")
         need = self.pool.pages_needed(len(prompt) + budget)
         if need > self.pool.capacity:
             raise errors.NeverFitsError(

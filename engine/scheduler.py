@@ -3,7 +3,7 @@
 Each step carries every decode token of the requests that are generating, plus up to `chunk_tokens` prompt
 positions in prompt chunks.
 
-Prompt chunks are cut at FIXED boundaries: request i's prompt of L positions is read in pieces
+Prompt chunks are cut at FIXED boundaries: a request's prompt of L positions is read in pieces
 [k*C, min((k+1)*C, L)) with C = chunk_tokens, whatever else shares the step and whatever `prefill_share` is. A step
 takes whole pieces while their total fits in chunk_tokens: first the prompts with at most `short_prompt_positions`
 (512) positions left ("short", first-come-first-served among them), then the other ("long") prompts, FCFS; a piece
@@ -24,7 +24,7 @@ token rate while a long prompt fills.
   off the decode part of it (min(t, t_d)). No credit: the debt never goes below 0.
 - Debt counts only runnable decoders: a step with no decode tokens (nobody decoding, or every decoder finished or
   cancelled) clears it; a step that carried long work but no decode tokens owes nothing.
-- p = 1 owes nothing, ever: exactly the scheduler without the feature.
+- p = 1 owes nothing, ever: the steps are exactly those of the piece picking above, without the feature.
 Time is injected: Engine.step passes each step's measured duration to finish_step(duration=...); tests pass
 synthetic durations. finish_step() without a duration changes no debt.
 """

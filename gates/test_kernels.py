@@ -17,6 +17,9 @@ bf16 on CUDA (or just --dtype). Backends: kernels.BACKENDS (or --backend); one t
 reason. On CPU the long histories, bf16 FlexAttention and FlexAttention's other shapes (each compiles ~5-25 s on
 CPU) are marked slow; `-m slow` runs them.
 
+Beside the grid: a cache of thousands of pages; on CUDA a cache tensor over 2^31 elements (gpu marker); flex's
+second decode layout (FlexBackend('packed')); and every decode kernel against the torch one on the same pages.
+
 `check_kernel(...)` is the gate's checking function: it raises AssertionError with a message naming the backend, the
 kernel, the shape and the error (tests/test_planted_kernels.py plants bugs and expects exactly that).
 """
@@ -283,6 +286,8 @@ def _backends(config) -> list[str]:
 def _dtypes(config) -> list[torch.dtype]:
     want = _opt(config, "--dtype")
     if want:
+        if want not in DTYPES:
+            raise pytest.UsageError(f"--dtype {want}: known {sorted(DTYPES)}")
         return [DTYPES[want]]
     return [torch.float16, torch.bfloat16] if _is_cuda(config) else [torch.float32, torch.bfloat16]
 
@@ -318,7 +323,7 @@ def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ == "test_kernel_gate":
         metafunc.parametrize("backend,kind,heads,kv_heads,head_dim,page_size,dtype,lens_name",
                              _grid_params(metafunc.config))
-    elif metafunc.function.__name__ == "test_flex_rows_layout":
+    elif metafunc.function.__name__ == "test_flex_packed_decode_layout":
         dts = _dtypes(metafunc.config)
         marks = [] if _is_cuda(metafunc.config) else [pytest.mark.slow]
         metafunc.parametrize("dtype", [pytest.param(dt, marks=marks, id=SHORT[dt]) for dt in dts])
@@ -369,7 +374,7 @@ def test_kernel_large_page_count(backend, kind, device, request):
     P = min(sizes) if sizes else 64           # flash runs 256-slot pages only
     skip_unless_runs(backend, device, P, dtype)
     if kind == "decode":
-        kv_lens, q_lens = [1, 64, 65, 200, 256, 257, 300, 129, 400], None
+        kv_lens, q_lens = [1, 64, 65, 200, 256, 257, 300, 129, 380], None
     else:
         q_lens, kv_lens = zip(*PREFILL_LENS["edges"])
     num_pages = 3000 if P == 64 else 1000
@@ -423,19 +428,20 @@ def test_decode_kernels_agree(backend, device, request):
         kv_lens = _mixed_histories(32)
     else:
         H, kvh, d = CPU_FLEX_SHAPE
-        kv_lens = [1, 17, 255, 256, 257, 300, 129, 64, 400]
+        kv_lens = [1, 17, 255, 256, 257, 300, 129, 64, 380]
     case = make_case(device=device, dtype=dtype, num_heads=H, kv_heads=kvh, head_dim=d, page_size=P,
                      kv_lens=kv_lens, seed=3)
     compare_decode_kernels([backend], case)
 
 
 @pytest.mark.parametrize("kind_lens", ["edges", "long"])
-def test_flex_rows_layout(dtype, kind_lens, device, request):
-    """flex's other decode layout (one batch entry per request, FlexBackend('rows')) under the same gate."""
+def test_flex_packed_decode_layout(dtype, kind_lens, device, request):
+    """flex's other decode layout (the rows as queries of one call over packed histories, FlexBackend('packed'))
+    under the same gate."""
     from kernels.flex_backend import FlexBackend
     if not _is_cuda(request.config) and kind_lens == "long":
-        pytest.skip("long histories of the rows layout run on CUDA only (CPU compile and memory)")
+        pytest.skip("long histories of the packed decode layout run on CUDA only (CPU compile time)")
     skip_unless_runs("flex", device, 64, dtype)
     H, kvh, d = CPU_FLEX_SHAPE if not _is_cuda(request.config) else (12, 2, 128)
-    check_kernel(FlexBackend("rows"), "decode", device=device, dtype=dtype, num_heads=H, kv_heads=kvh, head_dim=d,
+    check_kernel(FlexBackend("packed"), "decode", device=device, dtype=dtype, num_heads=H, kv_heads=kvh, head_dim=d,
                  page_size=64, kv_lens=DECODE_LENS[kind_lens], seed=13)

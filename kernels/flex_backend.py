@@ -9,13 +9,14 @@ builds gather indices of exactly the slots each sequence owns below its length, 
 - prefill (packed): every sequence's valid history is packed back to back, [1, kv_heads, Tk, d]; the queries are the
   packed chunk positions, [1, heads, Tq, d]; the block mask is the document mask (same sequence) and causal (key
   position <= query position);
-- decode, 'packed' layout (the default): the decode rows are the queries of one call, [1, heads, R, d], against
-  every request's valid history packed back to back, [1, kv_heads, Tk, d], with the document mask. R (32) is under
-  flex's 128-row block, so on CUDA flex runs its split-KV decoding kernel: the keys are cut into slices computed in
-  parallel for all rows, each key block is read once, and the gather copies each valid slot once;
-- decode, 'rows' layout (`FlexBackend('rows')` or STEPGATE_FLEX_DECODE=rows): one query row per request as a batch,
-  [R, heads, 1, d], each against its own history padded to the longest, [R, kv_heads, L, d], with the length mask.
-  Block sparsity skips the padded blocks, but the gather writes R x L slots.
+- decode, 'rows' layout (the default): one query row per request as a batch entry, [R, heads, 1, d], each against
+  its own history padded to the longest, [R, kv_heads, L, d], with the length mask. Block sparsity skips the padded
+  blocks, but the gather writes R x L slots;
+- decode, 'packed' layout (`FlexBackend('packed')` or STEPGATE_FLEX_DECODE=packed): the decode rows are the queries of
+  one call, [1, heads, R, d], against every request's valid history packed back to back, [1, kv_heads, Tk, d], with
+  the document mask; the gather copies each valid slot once, but every key block is computed for all R rows.
+  Measured on an H200 (32 mixed-workload requests, 12/2 heads, d 128, fp16, per layer): rows 379 us (gather 245 us,
+  flex 130 us), packed 940 us; flash-attn's paged decode 43 us; plain torch 249 us.
 
 GQA goes through `enable_gqa=True`; the softmax scale is passed as is.
 
@@ -134,14 +135,13 @@ def _flex_import_error() -> str | None:
 class FlexBackend(AttentionBackend):
     name = "flex"
 
-    DECODE_LAYOUTS = ("packed", "rows")
+    DECODE_LAYOUTS = ("rows", "packed")
 
     def __init__(self, decode_layout: str | None = None):
-        """decode_layout: 'packed' (default; STEPGATE_FLEX_DECODE overrides): the decode rows as the queries of one
-        flex call over all requests' histories packed back to back (Q_LEN < 128, so flex's split-KV decoding
-        kernel; the gather reads each valid slot once); 'rows': one flex batch entry per request, each against its
-        own history padded to the longest one."""
-        layout = decode_layout or os.environ.get("STEPGATE_FLEX_DECODE", "packed")
+        """decode_layout: 'rows' (default; STEPGATE_FLEX_DECODE overrides): one flex batch entry per request, each
+        against its own history padded to the longest one; 'packed': the decode rows as the queries of one flex call
+        over all requests' histories packed back to back (see the module's docstring for both, and timings)."""
+        layout = decode_layout or os.environ.get("STEPGATE_FLEX_DECODE", "rows")
         if layout not in self.DECODE_LAYOUTS:
             raise ValueError(f"flex decode layout must be one of {self.DECODE_LAYOUTS}, got {layout!r}")
         self.decode_layout = layout

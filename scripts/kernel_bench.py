@@ -8,7 +8,8 @@ lengths from {16, 64, 256, 1024, 4096}) plus decode progress drawn in [1, budget
 
 For each kernel:
 - rows: the decode kernel, one query row per request (what a fused step sends it); flex is shown in both its decode
-  layouts ('flex': the rows as queries of one split-KV call over packed histories; 'flex-rows': a batch of rows);
+  layouts ('flex': a batch of rows, each against its own gathered history; 'flex-pkd': the rows as the queries of one
+  call over all histories packed back to back);
 - packed: the same 32 tokens sent as ONE prefill-style call, each a sequence of one query (what a kernel that tiles
   query rows gets if decode tokens stay packed with the chunks);
 - floor: bytes of K and V the step must read (sum of histories x kv heads x head dim x 2 bytes x 2) divided by the
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
             print(f"  {name}: skipped: {reason}")
             continue
         if name == "flex":    # both decode layouts (kernels/flex_backend.py)
-            variants += [("flex", cls("packed")), ("flex-rows", cls("rows"))]
+            variants += [("flex", cls("rows")), ("flex-pkd", cls("packed"))]
         else:
             variants.append((name, kernels.get_backend(name, device, P)))
 

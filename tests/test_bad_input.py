@@ -90,7 +90,7 @@ def BAD(shape):
         "token-vocab-size": (TokenOutOfVocabError, rf"prompt\[0\] = {v} is outside the vocabulary",
                              dict(prompt=[v], budget=3)),
         "token-not-an-id": (TokenOutOfVocabError, "is not a token id", dict(prompt=[5, 2.5], budget=3)),
-        "exceeds-max-positions": (ExceedsMaxPositionsError, rf"= {maxpos + 1} exceeds the model's max positions",
+        "exceeds-max-positions": (ExceedsMaxPositionsError, rf"= {maxpos + 1} exceeds the max positions served",
                                   dict(prompt=[1] * maxpos, budget=1)),
         "budget-zero": (BadBudgetError, "integer >= 1, got 0", dict(prompt=[5], budget=0)),
         "budget-negative": (BadBudgetError, "integer >= 1, got -3", dict(prompt=[5], budget=-3)),

@@ -397,8 +397,9 @@ def test_short_prompts_never_wait_for_the_debt():
     timed_step(sched, 1.0)
     timed_step(sched, 1.0)
     timed_step(sched, 1.0)
-    assert sched.debt > 0
+    assert sched.debt == pytest.approx(1.0) and sched.decode_estimate == 1.0
     chat = req("chat", 100, 3)
     sched.add(chat)
     plan = timed_step(sched, 1.2)
     assert chunks(plan) == [("chat", 0, 100)] and plan.withheld == 1 and plan.long_chunks == 0
+    assert sched.debt == 0.0        # decode tokens + a short piece pay the decode part: min(1.2, 1.0)

@@ -1,0 +1,374 @@
+"""Disturbance benchmark: A decodes a long reply; B sends a long cold prompt; C sends a short chat just after.
+
+    python -m engine.disturbance --model small --device cpu --out results/disturbance/
+    python -m engine.disturbance --model qwen2.5-1.5b-random --device cuda --dtype float16 \\
+        --chunk-tokens 512,4096 --shares 1,0.75,0.5,0.25 --out results/disturbance/
+
+For each chunk budget and each prefill share p (docs/DESIGN.md, "Prefill share"): A (a short prompt, a long
+generation budget) starts alone on an idle engine; `--b-at` seconds in (5 s; 1 s for the small model) B arrives
+with a `--b-tokens` cold prompt (32768 positions, or the longest that the model's max positions and the pool
+allow); `--c-after` seconds later (0.5 s; 0.1 s for the small model) C arrives with a short chat. The run stops
+once B and C have their first tokens (A is then cancelled: its pages return at the end of the next step).
+
+Reported per (chunk budget, p), to <out>/disturbance.csv (+ .jsonl), with every step in <out>/steps.csv and every
+token of A, B and C in <out>/tokens.csv, and a plot <out>/disturbance.png when matplotlib is installed:
+- b_ttft_s: B's first token, seconds after its arrival; b_alone_s: the same for B alone on an idle engine (the
+  same chunk budget), and b_slowdown = b_ttft_s / b_alone_s (B's prefill time against B alone);
+- c_ttft_s: C's first token, seconds after its arrival;
+- a_longest_pause_s: the longest wait between two consecutive tokens of A from B's arrival on (a_gap_alone_s: the
+  median wait while A was alone);
+- a_rate_alone: A's tokens/s while alone; a_rate_during_b: A's tokens/s from B's arrival to B's first token;
+  a_rate_ratio = a_rate_during_b / a_rate_alone (expected about 1 - p for a long B);
+- decode_time_share: while B fills, pure decode time / (pure decode time + the loaded steps' time beyond a pure
+  decode step): the debt rule's own measure, 1 - p when the debt does not saturate (B's last 512 positions are a
+  short prompt: they never wait and owe nothing, so a short B reads a little under 1 - p);
+- withheld_steps: steps that withheld a long-prompt chunk for the decoders' debt;
+- tokens_identical: A's, B's and C's tokens equal those of the first share's run over their common length.
+The device is synchronised around every step (sync_trace), so the debt sees real step times.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .config import LINEAGE, lineage_config
+from .engine import Engine, torch_dtype
+from .loader import load_model
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # pragma: no cover
+    tqdm = None
+
+FIELDS = ["model", "device", "dtype", "engine", "chunk_tokens", "prefill_share", "b_tokens", "b_at_s", "c_after_s",
+          "b_ttft_s", "b_alone_s", "b_slowdown", "c_ttft_s", "a_longest_pause_s", "a_gap_alone_s", "a_rate_alone",
+          "a_rate_during_b", "a_rate_ratio", "decode_time_share", "a_tokens", "withheld_steps", "steps", "loaded_steps",
+          "pure_decode_steps", "wall_s", "a_finished_early", "tokens_identical"]
+STEP_FIELDS = ["chunk_tokens", "prefill_share", "index", "kind", "start_s", "duration_ms", "prompt_positions",
+               "decode_tokens", "chunks", "withheld"]
+TOKEN_FIELDS = ["chunk_tokens", "prefill_share", "request", "position", "token", "time_s", "step"]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Scenario:
+    """The three requests and their arrival times; prompts are token ids from a seeded generator."""
+
+    def __init__(self, vocab: int, b_tokens: int, a_prompt: int, a_budget: int, b_budget: int, c_prompt: int,
+                 c_budget: int, b_at: float, c_after: float, seed: int):
+        rng = random.Random(seed)
+        hi = min(vocab, 4000)
+        draw = lambda n: [rng.randrange(3, hi) for _ in range(n)]  # noqa: E731
+        self.a = ("A", draw(a_prompt), a_budget, 0.0)
+        self.b = ("B", draw(b_tokens), b_budget, b_at)
+        self.c = ("C", draw(c_prompt), c_budget, b_at + c_after)
+        self.b_at, self.c_at = b_at, b_at + c_after
+
+
+def drive(engine: Engine, arrivals: list[tuple], stop_when, max_s: float) -> None:
+    """Deliver `arrivals` (id, prompt, budget, time) on the engine's clock while stepping; stop when
+    `stop_when(engine)` holds (or after max_s), then cancel what is left and step until the pool is whole."""
+    pending = sorted(arrivals, key=lambda x: x[3])
+    engine.reset_clock()
+    i = 0
+    while engine.now() < max_s:
+        now = engine.now()
+        while i < len(pending) and pending[i][3] <= now:
+            rid, prompt, budget, t = pending[i]
+            engine.submit(prompt, budget, rid, arrival_time=t)
+            i += 1
+        if i == len(pending) and stop_when(engine):
+            break
+        if not engine.scheduler.has_work:
+            if i == len(pending):
+                break
+            time.sleep(max(0.0, min(pending[i][3] - now, 0.005)))
+            continue
+        engine.step()
+    else:
+        log(f"engine.disturbance: stopped after {max_s:.0f} s (--max-run-s) before B and C had their first tokens")
+    for rid, r in engine.requests.items():
+        if not r.done:
+            engine.cancel(rid)
+    while engine.scheduler.has_work:
+        engine.step()
+    assert engine.pool.num_free == engine.pool.capacity, "pages leaked after the run"
+
+
+def first_tokens(rids):
+    return lambda e: all(rid in e.requests and e.requests[rid].output for rid in rids)
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def measure(engine: Engine, sc: Scenario) -> dict:
+    A, B, C = (engine.requests.get(x) for x in ("A", "B", "C"))
+    b_first = B.first_token_time if B and B.output else None
+    a_times = A.token_times
+    alone = [t for t in a_times if t <= sc.b_at]
+    rate_alone = (len(alone) - 1) / (alone[-1] - alone[0]) if len(alone) > 2 and alone[-1] > alone[0] else None
+    gap_alone = statistics.median(gaps(alone)) if len(alone) > 2 else None
+    after = alone[-1:] + [t for t in a_times if t > sc.b_at]
+    pause = max(gaps(after)) if len(after) > 1 else None
+    during = None
+    if b_first is not None and b_first > sc.b_at:
+        during = sum(sc.b_at < t <= b_first for t in a_times) / (b_first - sc.b_at)
+    kinds = [s.kind for s in engine.trace]
+    share = None
+    if b_first is not None:     # pure decode time / (that + prompt work's extra time) while B fills: about 1 - p
+        fill = [s for s in engine.trace if sc.b_at < s.start <= b_first]
+        pure = [s.duration for s in fill if s.kind == "pure-decode"]
+        t_d = statistics.median(pure) if pure else (statistics.median(gaps(alone)) if len(alone) > 2 else 0.0)
+        extra = sum(max(0.0, s.duration - t_d) for s in fill if s.kind == "loaded")
+        share = sum(pure) / (sum(pure) + extra) if sum(pure) + extra > 0 else None
+    return {
+        "b_ttft_s": None if b_first is None else b_first - B.arrival_time,
+        "c_ttft_s": None if not (C and C.output) else C.first_token_time - C.arrival_time,
+        "a_longest_pause_s": pause, "a_gap_alone_s": gap_alone, "a_rate_alone": rate_alone,
+        "a_rate_during_b": during, "a_rate_ratio": None if not (during is not None and rate_alone) else
+        during / rate_alone, "a_tokens": len(A.output),
+        "decode_time_share": share, "withheld_steps": engine.scheduler.withheld_steps, "steps": len(engine.trace),
+        "loaded_steps": kinds.count("loaded"), "pure_decode_steps": kinds.count("pure-decode"),
+        "a_finished_early": A.state.value == "finished" and (b_first is None or A.finish_time < b_first),
+    }
+
+
+def fmt(x, nd=3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def table(rows: list[dict]) -> str:
+    cols = [("chunk", "chunk_tokens"), ("p", "prefill_share"), ("B ttft s", "b_ttft_s"), ("B alone s", "b_alone_s"),
+            ("B x", "b_slowdown"), ("C ttft s", "c_ttft_s"), ("A pause s", "a_longest_pause_s"),
+            ("A tok/s alone", "a_rate_alone"), ("A tok/s in B", "a_rate_during_b"), ("A ratio", "a_rate_ratio"),
+            ("decode share", "decode_time_share"), ("withheld", "withheld_steps"), ("same tokens", "tokens_identical")]
+    cells = [[h for h, _ in cols]] + [[fmt(r[k], 2 if k.startswith("a_rate") and k != "a_rate_ratio" else 3)
+                                       for _, k in cols] for r in rows]
+    w = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    return "\n".join("  ".join(c[i].rjust(w[i]) for i in range(len(cols))) for c in cells)
+
+
+def plot(rows: list[dict], tokens: list[dict], sc_by_chunk: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    chunks = sorted({r["chunk_tokens"] for r in rows})
+    fig, axes = plt.subplots(len(chunks), 2, figsize=(13, 4.2 * len(chunks)), squeeze=False)
+    for row_axes, ct in zip(axes, chunks):
+        rs = sorted((r for r in rows if r["chunk_tokens"] == ct), key=lambda r: r["prefill_share"])
+        ps = [r["prefill_share"] for r in rs]
+        ax = row_axes[0]
+        for key, label in [("b_ttft_s", "B first token (s)"), ("c_ttft_s", "C first token (s)"),
+                           ("a_longest_pause_s", "A longest pause (s)")]:
+            ax.plot(ps, [r[key] if r[key] is not None else float("nan") for r in rs], "o-", label=label)
+        ax.set_yscale("log")
+        ax.set_xlabel("prefill share p")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"chunk budget {ct}: first tokens and A's longest pause")
+        ax2 = ax.twinx()
+        ax2.plot(ps, [r["a_rate_ratio"] if r["a_rate_ratio"] is not None else float("nan") for r in rs], "s--",
+                 color="black", label="A rate while B fills / alone")
+        ax2.plot(ps, [1 - p for p in ps], ":", color="gray", label="1 - p")
+        ax2.set_ylim(0, 1.05)
+        ax2.set_ylabel("A's token rate ratio")
+        h1, l1 = ax.get_legend_handles_labels()
+        h2, l2 = ax2.get_legend_handles_labels()
+        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
+        ax = row_axes[1]
+        for p in ps:
+            ts = [t["time_s"] for t in tokens if t["chunk_tokens"] == ct and t["prefill_share"] == p
+                  and t["request"] == "A"]
+            ax.plot(ts, range(1, len(ts) + 1), label=f"p = {p:g}")
+        sc = sc_by_chunk[ct]
+        ax.axvline(sc.b_at, color="red", ls=":", label="B arrives")
+        ax.axvline(sc.c_at, color="orange", ls=":", label="C arrives")
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("A's tokens")
+        ax.set_title(f"chunk budget {ct}: A's tokens over time")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m engine.disturbance", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", default="small", help="small, qwen2.5-1.5b-random, or a checkpoint directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
+    ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    ap.add_argument("--chunk-tokens", default=None, help="chunk budgets, comma separated (default 512; 128 small)")
+    ap.add_argument("--shares", default="1,0.75,0.5,0.25", help="prefill shares p, comma separated")
+    ap.add_argument("--b-tokens", type=int, default=None,
+                    help="B's prompt (default 32768, or the longest that max positions and the pool allow; "
+                         "4096 for the small model)")
+    ap.add_argument("--b-at", type=float, default=None, help="seconds after A's arrival that B arrives (5; small 1)")
+    ap.add_argument("--c-after", type=float, default=None, help="seconds after B that C arrives (0.5; small 0.1)")
+    ap.add_argument("--a-prompt", type=int, default=64)
+    ap.add_argument("--a-budget", type=int, default=None, help="A's generation budget (default: min(8192, "
+                    "max positions - prompt)); A is cancelled once B and C have their first tokens")
+    ap.add_argument("--b-budget", type=int, default=4)
+    ap.add_argument("--c-prompt", type=int, default=48)
+    ap.add_argument("--c-budget", type=int, default=8)
+    ap.add_argument("--kv-cache-bytes", type=int, default=None, help="the pool (default: 16 GiB cuda, 256 MiB cpu)")
+    ap.add_argument("--max-run-s", type=float, default=120.0, help="give up a run after this many seconds")
+    ap.add_argument("--no-alone", action="store_true", help="skip the B-alone baseline")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default="results/disturbance")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    dtype = a.dtype or ("float16" if dev.type == "cuda" else "float32")
+    small = a.model == "small"
+    from kernels import why_unavailable
+    base = LINEAGE[a.engine]
+    reason = why_unavailable(base["backend"], a.device, base["page_size"])
+    if reason:
+        log(f"engine.disturbance: engine {a.engine!r} cannot run here: {reason}")
+        return 2
+    chunks = ints(a.chunk_tokens) if a.chunk_tokens else [128 if small else 512]
+    shares = floats(a.shares)
+    b_at = a.b_at if a.b_at is not None else (1.0 if small else 5.0)
+    c_after = a.c_after if a.c_after is not None else (0.1 if small else 0.5)
+    t0 = time.perf_counter()
+    loaded = load_model(None if small else a.model, torch_dtype(dtype), a.device)
+    shape = loaded[0].shape
+
+    def config(ct, p):
+        return lineage_config(a.engine, device=a.device, dtype=dtype, chunk_tokens=ct, prefill_share=p,
+                              kv_cache_bytes=a.kv_cache_bytes, sync_trace=True, max_batch=8)
+
+    probe = Engine(config(chunks[0], 1.0), loaded=loaded)
+    page = probe.pool.page_size
+    slots = probe.pool.capacity * page
+    del probe
+    a_budget = a.a_budget or min(8192, shape.max_positions - a.a_prompt)
+    room = slots - 3 * page - (a.a_prompt + a_budget) - (a.c_prompt + a.c_budget)   # 3 pages: rounding slack
+    b_tokens = a.b_tokens or min(4096 if small else 32768, shape.max_positions - a.b_budget, room - a.b_budget)
+    if b_tokens < 1 or a.a_prompt + a_budget > shape.max_positions:
+        log(f"engine.disturbance: the pool ({slots} slots) or max positions ({shape.max_positions}) cannot hold A "
+            f"({a.a_prompt} + {a_budget}) and B")
+        return 2
+    log(f"engine.disturbance: {a.engine} on {loaded[2]} ({a.device}, {dtype}); A {a.a_prompt}+{a_budget}, B "
+        f"{b_tokens}+{a.b_budget} at {b_at} s, C {a.c_prompt}+{a.c_budget} {c_after} s later; chunk budgets "
+        f"{chunks}; shares {shares}; pool {slots} slots")
+    sc = Scenario(shape.vocab_size, b_tokens, a.a_prompt, a_budget, a.b_budget, a.c_prompt, a.c_budget, b_at,
+                  c_after, a.seed)
+    # warm-up (discarded): kernels, allocator and the long history's shapes, once per chunk budget
+    for ct in chunks:
+        e = Engine(config(ct, 1.0), loaded=loaded)
+        drive(e, [("w", sc.b[1][:min(b_tokens, 2 * ct + 7)], 4, 0.0), ("v", sc.c[1], 4, 0.0)],
+              first_tokens(["w", "v"]), a.max_run_s)
+    runs = [(ct, p) for ct in chunks for p in shares]
+    bar = tqdm(total=len(runs) + (0 if a.no_alone else len(chunks)), desc="disturbance", unit="run") \
+        if tqdm and not a.no_progress else None
+    rows, steps, tokens, first_run = [], [], [], {}
+    for ct, p in runs:
+        e = Engine(config(ct, p), loaded=loaded)
+        t = time.perf_counter()
+        drive(e, [sc.a, sc.b, sc.c], first_tokens(["B", "C"]), a.max_run_s)
+        m = measure(e, sc)
+        outs = {rid: list(e.requests[rid].output) for rid in ("A", "B", "C") if rid in e.requests}
+        ref = first_run.setdefault(ct, outs)
+        same = all(x[:min(len(x), len(ref.get(rid, [])))] == ref.get(rid, [])[:len(x)] for rid, x in outs.items())
+        row = {"model": loaded[2], "device": a.device, "dtype": dtype, "engine": a.engine, "chunk_tokens": ct,
+               "prefill_share": e.scheduler.prefill_share, "b_tokens": b_tokens, "b_at_s": b_at, "c_after_s": c_after,
+               "b_alone_s": None, "b_slowdown": None, "wall_s": time.perf_counter() - t, "tokens_identical": same,
+               **m}
+        rows.append(row)
+        if m["a_finished_early"]:
+            log(f"engine.disturbance: chunk {ct}, p {p}: A finished before B's first token; raise --a-budget")
+        for s in e.trace:
+            steps.append({"chunk_tokens": ct, "prefill_share": p, "index": s.index, "kind": s.kind,
+                          "start_s": round(s.start, 6), "duration_ms": round(s.duration * 1e3, 4),
+                          "prompt_positions": s.prompt_positions, "decode_tokens": s.decode_tokens,
+                          "chunks": s.chunks, "withheld": s.withheld})
+        for rid in ("A", "B", "C"):
+            r = e.requests.get(rid)
+            for i, (tok, tt, st) in enumerate(zip(r.output, r.token_times, r.token_steps) if r else []):
+                tokens.append({"chunk_tokens": ct, "prefill_share": p, "request": rid, "position": i, "token": tok,
+                               "time_s": round(tt, 6), "step": st})
+        if bar:
+            bar.update(1)
+            bar.set_postfix_str(f"chunk {ct} p {p}: B {fmt(row['b_ttft_s'], 2)} s, C {fmt(row['c_ttft_s'], 2)} s")
+        del e
+    # B alone on an idle engine, per chunk budget (after the runs: the allocator and kernels are warm by then)
+    if not a.no_alone:
+        for ct in chunks:
+            e = Engine(config(ct, 1.0), loaded=loaded)
+            drive(e, [("B", sc.b[1], sc.b[2], 0.0)], first_tokens(["B"]), a.max_run_s)
+            b = e.requests["B"]
+            alone = b.first_token_time - b.arrival_time if b.output else None
+            for row in rows:
+                if row["chunk_tokens"] == ct:
+                    row["b_alone_s"] = alone
+                    row["b_slowdown"] = None if row["b_ttft_s"] is None or not alone else row["b_ttft_s"] / alone
+            del e
+            if bar:
+                bar.update(1)
+    if bar:
+        bar.close()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "disturbance.csv", FIELDS, rows)
+    with open(out / "disturbance.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    write_csv(out / "steps.csv", STEP_FIELDS, steps)
+    write_csv(out / "tokens.csv", TOKEN_FIELDS, tokens)
+    drew = plot(rows, tokens, {ct: sc for ct in chunks}, out / "disturbance.png")
+    print(table(rows))
+    log(f"engine.disturbance: rows in {out / 'disturbance.csv'}" + (f", plot {out / 'disturbance.png'}" if drew
+                                                                   else " (no matplotlib: no plot)")
+        + f"; done in {time.perf_counter() - t0:.1f} s")
+    return 0 if all(r["tokens_identical"] for r in rows) else 1
+
+
+def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Gates for the prefill share (docs/DESIGN.md, "Prefill share"): only the order of whole steps changes.
+
+- exactness: on the mixed workload, in poison mode, every request's tokens AND its prompt chunk boundaries are
+  identical for p in {1, 0.75, 0.5, 0.25}; the p < 1 runs must really have withheld long-prompt pieces (or the gate
+  proves nothing), and every chunk is a whole piece [k*C, min((k+1)*C, L));
+- cancellation: requests cancelled while waiting, mid-prefill (between chunks) and mid-decode keep exactly a prefix
+  of what an uncancelled run emits; every other request's tokens are identical to the uncancelled run; a cancelled
+  request's pages return at the end of the next step and the pool is whole at the end; cancelling an unknown,
+  finished or already cancelled id is a no-op with a clear outcome;
+- the debt rule itself, as a hypothesis property over the scheduler alone (no model, synthetic step durations):
+  while a long prompt fills and requests decode, the decoders' share of the time (pure decode time against the
+  prompt work's extra time) is 1 - p, within one pure decode step per cycle, or what the saturation cap allows;
+  nothing is withheld while nobody decodes; a short prompt never waits.
+
+`check_identical`, `serve` and `check_debt_rule` take the scheduler class, so tests/test_planted_prefill_share.py
+runs these very gates against planted bugs.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, strategies as st
+
+from engine.pool import PagePool
+from engine.request import Request, RequestResult, State
+from engine.scheduler import DEBT_CAP_SECONDS, DEBT_CAP_STEPS, Scheduler
+from engine.workload import RequestSpec, get_workload
+
+from .conftest import CANDIDATES, skip_unless_runs
+from .reference import EngineReference
+
+SHARES = (1.0, 0.75, 0.5, 0.25)
+WORKLOAD = "mixed-cpu"
+
+
+# -- exactness across p ------------------------------------------------------------------------------------------
+def piece_problems(results: dict[str, RequestResult], chunk_tokens: int, label: str) -> list[str]:
+    """Every request's chunks tile its prompt in whole pieces [k*C, min((k+1)*C, L)) (those it got to)."""
+    out = []
+    for rid, r in results.items():
+        pos = 0
+        for k, (start, length) in enumerate(r.chunks):
+            want = (pos, min(chunk_tokens, len(r.prompt) - pos))
+            if pos % chunk_tokens or (start, length) != want:
+                out.append(f"{label}: {rid} (prompt {len(r.prompt)}) chunk {k} is [{start}, {start + length}), "
+                           f"expected the whole piece [{want[0]}, {want[0] + want[1]}) (chunk_tokens {chunk_tokens})")
+                break
+            pos += length
+        else:
+            if r.state == "finished" and pos != len(r.prompt):
+                out.append(f"{label}: {rid} finished after reading {pos} of its {len(r.prompt)} prompt positions")
+    return out
+
+
+def check_identical(base: dict[str, RequestResult], other: dict[str, RequestResult], base_label: str,
+                    label: str) -> list[str]:
+    """Problems (empty: none) where `other` differs from `base` in chunk boundaries or tokens, request by request."""
+    out = []
+    for rid in sorted(base.keys() | other.keys()):
+        a, b = base.get(rid), other.get(rid)
+        if a is None or b is None:
+            out.append(f"{rid}: served at {base_label if a else label} only")
+            continue
+        if a.chunks != b.chunks:
+            k = next((i for i, (x, y) in enumerate(zip(a.chunks, b.chunks)) if x != y),
+                     min(len(a.chunks), len(b.chunks)))
+            fmt = lambda cs: f"[{cs[k][0]}, {cs[k][0] + cs[k][1]})" if k < len(cs) else "none"  # noqa: E731
+            out.append(f"{rid}: chunk boundaries differ between {base_label} and {label}: chunk {k} is "
+                       f"{fmt(a.chunks)} at {base_label}, {fmt(b.chunks)} at {label} (prompt {len(a.prompt)}; "
+                       f"{len(a.chunks)} vs {len(b.chunks)} chunks): only the order of whole steps may change")
+        if a.tokens != b.tokens:
+            i = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+                     min(len(a.tokens), len(b.tokens)))
+            out.append(f"{rid}: tokens differ between {base_label} and {label} at position {i}: "
+                       f"{a.tokens[i:i + 3]} vs {b.tokens[i:i + 3]} ({len(a.tokens)} vs {len(b.tokens)} tokens)")
+    return out
+
+
+def serve(loaded, specs: list[RequestSpec], prefill_share: float, *, engine="fused", backend="torch", device="cpu",
+          dtype="float32", chunk_tokens=128, scheduler_cls=Scheduler, **overrides):
+    """Serve `specs` (all at time zero) in poison mode with `scheduler_cls`; returns (results, engine)."""
+    ref = EngineReference(engine, device=device, dtype=dtype, loaded=loaded, backend=backend, poison=True,
+                          chunk_tokens=chunk_tokens, prefill_share=prefill_share, **overrides)
+    e = ref.engine()
+    if scheduler_cls is not Scheduler:
+        e.scheduler = scheduler_cls.from_config(e.pool, e.config)
+    return e.run(specs), e
+
+
+def assert_no_problems(problems: list[str], what: str) -> None:
+    assert not problems, f"{what}: {len(problems)} problems:\n  " + "\n  ".join(problems[:12]) + \
+        (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else "")
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_tokens_and_chunks_identical_across_prefill_share(runs, opts, engine, backend):
+    """Tokens and per-request chunk boundaries are identical for p in SHARES on the mixed workload (poison mode),
+    and the p < 1 runs withheld long-prompt pieces (so the schedule did change)."""
+    skip_unless_runs(opts, engine, backend)
+    chunk_tokens = get_workload(WORKLOAD).chunk_tokens
+    _, base_engine = runs.candidate(engine, backend, WORKLOAD)           # the default, p = 1 (shared with test_tokens)
+    base = base_engine.results()
+    problems = piece_problems(base, chunk_tokens, "p=1")
+    assert base_engine.scheduler.prefill_share == 1.0 and base_engine.scheduler.withheld_steps == 0
+    for p in SHARES[1:]:
+        _, e = runs.candidate(engine, backend, WORKLOAD, prefill_share=p)
+        assert e.pool.num_free == e.pool.capacity, f"p={p}: pages leaked, the pool is not whole after the run"
+        assert e.scheduler.withheld_steps > 0, \
+            f"p={p}: no step withheld a long-prompt piece, so this run proves nothing about the prefill share"
+        res = e.results()
+        problems += piece_problems(res, chunk_tokens, f"p={p}")
+        problems += check_identical(base, res, "p=1", f"p={p}")
+    assert_no_problems(problems, f"{engine}[{backend}] on {WORKLOAD} across prefill_share {SHARES}")
+
+
+# -- cancellation ------------------------------------------------------------------------------------------------
+def first(engine, pred):
+    return next((r for r in engine.requests.values() if pred(r)), None)
+
+
+@pytest.mark.parametrize("p", [1.0, 0.5])
+def test_cancellation_leaves_the_others_identical(runs, opts, p):
+    """Cancel requests while waiting, mid-prefill (between chunks) and mid-decode; the others' tokens are identical
+    to an uncancelled run, the cancelled ones keep a prefix, pages come back at the end of the next step."""
+    engine, backend = "fused", "torch"
+    skip_unless_runs(opts, engine, backend)
+    wl = get_workload(WORKLOAD)
+    _, ref_engine = runs.candidate(engine, backend, WORKLOAD)
+    full = ref_engine.results()
+    e = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
+                        poison=True, chunk_tokens=wl.chunk_tokens, prefill_share=p).engine()
+    for s in wl.requests():
+        e.submit(s.prompt, s.budget, s.request_id)
+    picks = {   # when (step index) -> which request to cancel
+        2: ("waiting", lambda r: r.state is State.WAITING),
+        3: ("mid-prefill", lambda r: r.state is State.PREFILL and r.num_cached > 0),
+        5: ("mid-decode", lambda r: r.state is State.DECODE and len(r.output) >= 2),
+        9: ("mid-prefill", lambda r: r.state is State.PREFILL and r.num_cached > 0),
+        14: ("admitted, no chunk yet", lambda r: r.state is State.PREFILL and r.num_cached == 0),
+        20: ("mid-decode", lambda r: r.state is State.DECODE and len(r.output) >= 5),
+    }
+    cancelled: dict[str, tuple[str, int]] = {}
+    just_cancelled: list[str] = []
+    while e.scheduler.has_work:
+        e.step()
+        for rid in just_cancelled:        # pages return at the end of the step after the cancel
+            assert rid not in e.pool.owned, f"{rid}: cancelled before step {e.trace[-1].index}, still owns pages"
+        just_cancelled = []
+        if e.trace[-1].index in picks:
+            where, pred = picks[e.trace[-1].index]
+            r = first(e, lambda r: pred(r) and r.request_id not in cancelled)
+            if r is None:
+                continue
+            res = e.cancel(r.request_id)
+            assert res.cancelled and not res.noop and res.emitted == len(r.output), res
+            cancelled[r.request_id] = (where, len(r.output))
+            just_cancelled.append(r.request_id)
+    wheres = {w for w, _ in cancelled.values()}
+    assert {"waiting", "mid-prefill", "mid-decode"} <= wheres, f"the workload gave no chance to cancel: {cancelled}"
+    assert e.pool.num_free == e.pool.capacity and not e.pool.owned, "pages leaked after cancellations"
+    e.pool.check()
+    # no-ops, with a clear outcome
+    done = first(e, lambda r: r.state is State.FINISHED)
+    some = next(iter(cancelled))
+    for rid, outcome in [("nobody", "unknown"), (done.request_id, "already-finished"), (some, "already-cancelled")]:
+        res = e.cancel(rid)
+        assert res.outcome == outcome and res.noop and not res.cancelled, res
+    assert e.requests[done.request_id].state is State.FINISHED
+    problems = []
+    res = e.results()
+    for rid, r in res.items():
+        f = full[rid]
+        if rid in cancelled:
+            where, n = cancelled[rid]
+            if r.state != "cancelled" or len(r.tokens) != n:
+                problems.append(f"{rid} (cancelled {where} after {n} tokens) is {r.state} with {len(r.tokens)}")
+            if r.tokens != f.tokens[:len(r.tokens)] or r.chunks != f.chunks[:len(r.chunks)]:
+                problems.append(f"{rid} (cancelled {where}): its tokens/chunks are not a prefix of the uncancelled "
+                                f"run's: {r.tokens[:8]} / {r.chunks[:4]} vs {f.tokens[:8]} / {f.chunks[:4]}")
+        else:
+            problems += check_identical({rid: f}, {rid: r}, "uncancelled", "with cancellations")
+    assert_no_problems(problems, f"cancellation at p={p} ({len(cancelled)} cancelled: {cancelled})")
+
+
+# -- the debt rule, as a property (no model) ---------------------------------------------------------------------
+def apply(plan) -> None:
+    """A plan's work, exactly as Engine.step applies it (tokens are 0)."""
+    sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
+    for c in plan.chunks:
+        c.request.num_cached += c.length
+    for r in plan.decodes:
+        r.num_cached += 1
+    for r in sampled:
+        r.output.append(0)
+        r.token_steps.append(plan.index)
+        r.state = State.DECODE
+        if len(r.output) >= r.budget:
+            r.state = State.FINISHED
+
+
+def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float, budgets: list[int],
+                    long_pieces: int, chunk_tokens: int, warmup: int = 3, short: int = 512) -> dict:
+    """Drive `scheduler_cls` with synthetic step durations: a step costs t_decode if it carries decode tokens, plus
+    extra_ratio * t_decode per chunk_tokens prompt positions. Decoders (one per budget) start first and decode
+    `warmup` steps alone; then a long prompt of `long_pieces` long pieces (+ a short tail) arrives. Checks:
+    - nothing is withheld (no long piece waits, no step idles) while nobody decodes;
+    - per cycle (a step with long work, then pure decode steps up to the next long piece, decoders runnable
+      throughout) the pure decode steps cover the debt (t - t_d) (1 - p) / p, saturated at
+      max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t), by whole steps: debt <= n t_d < debt + t_d;
+    - over all cycles, the decoders' share of (pure decode time + prompt work's extra time) is 1 - p (unsaturated)
+      within one pure decode step per cycle.
+    Returns what it measured."""
+    C = chunk_tokens
+    pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
+    sched = scheduler_cls(pool, max_batch=64, chunk_tokens=C, prefill_share=p, short_prompt_positions=short)
+    p_used = sched.prefill_share
+    decoders = [Request(f"d{i}", [1] * 4, b) for i, b in enumerate(budgets)]
+    for r in decoders:
+        sched.add(r)
+    longp = Request("long", [1] * (short + C * long_pieces + 37), 1)
+    steps = []          # (index, has_decodes, long_work, duration, extra)
+    for i in range(200000):
+        if i == 1 + warmup:
+            sched.add(longp)
+        if longp.state not in (State.WAITING, State.PREFILL) and i > 1 + warmup:
+            break
+        plan = sched.schedule()
+        long_left = longp.state is State.PREFILL and longp.prompt_left > short
+        long_work = any(c.request is longp for c in plan.chunks) and long_left
+        if not plan.decodes and longp.state is State.PREFILL:
+            assert any(c.request is longp for c in plan.chunks), (
+                f"step {plan.index}: the long prompt's piece was withheld while nobody decodes (debt "
+                f"{sched.debt:.4g} s): debt must count only runnable decoders")
+        extra = extra_ratio * t_decode * plan.prompt_positions / C
+        duration = (t_decode if plan.decodes else 0.0) + extra
+        apply(plan)
+        sched.finish_step(duration=duration)
+        if i > warmup:
+            steps.append((plan.index, bool(plan.decodes), long_work, duration, extra))
+    else:
+        raise AssertionError("the long prompt never finished filling (a hang)")
+    # cycles: from a step with long work up to the next one, decoders runnable throughout
+    long_at = [k for k, s in enumerate(steps) if s[2]]
+    cycles = []
+    for a, b in zip(long_at, long_at[1:]):
+        seg = steps[a:b]
+        if all(s[1] for s in steps[a:b + 1]):     # (decoders gone at b: the debt was rightly dropped early)
+            cycles.append(seg)
+    decode_time = prompt_time = lo = hi = 0.0
+    for seg in cycles:
+        t_loaded, e = seg[0][3], seg[0][4]
+        n = sum(1 for s in seg[1:] if s[4] == 0.0)          # pure decode steps
+        owed = e * (1 - p_used) / p_used
+        cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t_loaded)
+        due = min(owed, cap)
+        tol = 1e-6 * max(1.0, due)
+        assert due - tol <= n * t_decode < due + t_decode + tol, (
+            f"p={p_used}: after the loaded step {seg[0][0]} ({t_loaded:.4g} s, {e:.4g} s beyond a pure decode step of "
+            f"{t_decode:.4g} s) the decoders got {n} pure decode steps = {n * t_decode:.4g} s; the debt rule gives "
+            f"(t - t_d)(1 - p)/p = {owed:.4g} s, saturated at max({DEBT_CAP_SECONDS}, {DEBT_CAP_STEPS} t) = "
+            f"{cap:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
+            + (" (the debt did not saturate)" if n * t_decode > cap + t_decode else ""))
+        decode_time += n * t_decode
+        prompt_time += e
+        lo += due
+        hi += due + t_decode
+    share = target = None
+    if cycles and decode_time + prompt_time > 0:
+        share = decode_time / (decode_time + prompt_time)
+        target_lo, target_hi = lo / (lo + prompt_time), hi / (hi + prompt_time) if hi + prompt_time else 1.0
+        target = 1 - p_used
+        assert target_lo - 1e-9 <= share <= target_hi + 1e-9, (
+            f"p={p_used}: decoders' share of the time while the long prompt fills is {share:.4f}, expected "
+            f"[{target_lo:.4f}, {target_hi:.4f}] (1 - p = {target:.4f} unsaturated, within one decode step a cycle)")
+    return {"cycles": len(cycles), "share": share, "target": target, "steps": len(steps),
+            "withheld": sched.withheld_steps}
+
+
+# p: mostly in range (small ones too, where the debt saturates), sometimes out of range (falls back to 1)
+SHARE_VALUES = st.one_of(st.sampled_from([0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 0.0, 2.0, float("nan")]),
+                         st.floats(0.01, 1.0), st.floats(0.01, 0.2))
+DEBT_CASE = dict(p=SHARE_VALUES, t_decode=st.floats(0.002, 0.05),
+                 extra_ratio=st.one_of(st.floats(0.5, 50.0), st.sampled_from([0.0, 1.0, 200.0])),
+                 budgets=st.lists(st.one_of(st.integers(1, 60), st.integers(500, 6000)), min_size=0, max_size=5),
+                 long_pieces=st.integers(2, 10), chunk_tokens=st.sampled_from([64, 128, 256, 512]))
+
+
+@given(**DEBT_CASE)
+def test_debt_rule(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
+    check_debt_rule(Scheduler, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
+
+
+def test_debt_rule_measures_something():
+    """The property's examples are not vacuous: decoders keep 1 - p of the time over many cycles."""
+    for p in (0.75, 0.5, 0.25):
+        m = check_debt_rule(Scheduler, p, 0.01, 3.0, [2000, 2000], 8, 128)
+        assert m["cycles"] >= 6 and m["withheld"] > 0 and abs(m["share"] - (1 - p)) < 0.08, m
+
+
+@given(p=st.sampled_from([0.1, 0.25, 0.5, 0.75]), chat_len=st.integers(1, 512), at=st.integers(0, 30),
+       chunk_tokens=st.sampled_from([64, 128, 512]), n_decoders=st.integers(0, 3))
+def test_a_short_prompt_never_waits(p, chat_len, at, chunk_tokens, n_decoders):
+    """A prompt with at most 512 positions left gets its first piece in the very next step, whatever the debt, as
+    long as no earlier short prompt is reading."""
+    C = chunk_tokens
+    pool = PagePool(800, 64)
+    sched = Scheduler(pool, max_batch=64, chunk_tokens=C, prefill_share=p)
+    for i in range(n_decoders):
+        sched.add(Request(f"d{i}", [1] * 4, 500))
+    longp = Request("long", [1] * 40000, 1)
+    sched.add(longp)
+    chat = Request("chat", [1] * chat_len, 3)
+    for i in range(at + 1):
+        plan = sched.schedule()
+        apply(plan)
+        sched.finish_step(duration=0.01 + 0.04 * plan.prompt_positions / C)
+    assert longp.prompt_left > 512
+    sched.add(chat)
+    plan = sched.schedule()
+    got = [(c.request.request_id, c.start, c.length) for c in plan.chunks]
+    assert got and got[0] == ("chat", 0, min(C, chat_len)), \
+        f"a short chat arriving with debt {sched.debt:.3g} s got {got} in its first step"

@@ -1,0 +1,130 @@
+"""Planted bugs that the prefill-share gates (gates/test_prefill_share.py) must catch, each with a clear message.
+
+- a scheduler that, when debt is owed, cuts a long prompt's piece short instead of withholding it: the decoders
+  still get most of the step, but a chunk boundary now depends on p. The chunk-boundary gate must catch it (the
+  tokens may well stay identical: that is why the gate compares the boundaries too);
+- a debt that never saturates: a tiny p starves the long prompt; the debt property must catch it;
+- a debt that counts no decoders (owes and withholds whether or not anyone is decoding): the long prompt waits
+  for nobody; the debt property must catch it.
+Each bug is planted by subclassing Scheduler (engine files stay untouched).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+
+from engine.loader import load_model
+from engine.request import State
+from engine.scheduler import Chunk, DEBT_CAP_SECONDS, DEBT_CAP_STEPS, StepPlan, Scheduler
+from engine.workload import MIXED_CPU
+from gates.test_prefill_share import DEBT_CASE, check_debt_rule, check_identical, piece_problems, serve
+
+SUBSET = MIXED_CPU.scaled(16)      # shorts that decode while 1024-position prompts fill
+FIND = settings(max_examples=300, derandomize=True, database=None, deadline=None, report_multiple_bugs=False,
+                suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+
+
+# -- the planted bugs ----------------------------------------------------------------------------------------------
+class CutsShortWhenOwed(Scheduler):
+    """Instead of withholding a long prompt's piece while debt is owed, runs half of it (a chunk boundary that
+    depends on p)."""
+
+    def pick_chunks(self, withhold_long=False):
+        chunks, withheld = super().pick_chunks(withhold_long)
+        if withheld:
+            piece = self.next_piece(withheld[0])
+            chunks.append(Chunk(piece.request, piece.start, max(1, piece.length // 2)))
+        return chunks, []
+
+
+class NeverSaturates(Scheduler):
+    """The debt grows without a cap."""
+
+    def account(self, plan, duration):
+        if plan.long_chunks and plan.decodes and self.prefill_share < 1.0:
+            p, t_d = self.prefill_share, self.decode_estimate or 0.0
+            self.debt += max(0.0, duration - t_d) * (1 - p) / p
+        else:
+            super().account(plan, duration)
+
+
+class CountsNoDecoders(Scheduler):
+    """The debt ignores whether anyone decodes: owed after any long work, withheld from a prompt filling alone."""
+
+    def schedule(self):
+        self.pool.begin_step()
+        plan = StepPlan(self.step_index, admitted=self.admit())
+        plan.decodes = [r for r in self.running if r.state is State.DECODE]
+        plan.chunks, withheld = self.pick_chunks(withhold_long=self.owes)
+        plan.long_chunks = sum(not self.is_short(c.request) for c in plan.chunks)
+        plan.withheld = len(withheld)
+        self.withheld_steps += bool(withheld)
+        for c in plan.chunks:
+            c.request.chunks.append((c.start, c.length))
+        self.plan = plan
+        return plan
+
+    def account(self, plan, duration):
+        p, t = self.prefill_share, duration
+        if plan.long_chunks:
+            cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t)
+            self.debt = min(self.debt + max(0.0, t - (self.decode_estimate or 0.0)) * (1 - p) / p, cap)
+        elif not plan.chunks:
+            if plan.decodes:
+                self.decode_estimate = t
+            self.debt = max(0.0, self.debt - t)
+
+
+# -- the chunk-boundary gate ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded():
+    torch.set_num_threads(1)
+    return load_model(None, torch.float32, "cpu")
+
+
+def boundary_gate(loaded, scheduler_cls) -> list[str]:
+    specs = SUBSET.requests()
+    base, _ = serve(loaded, specs, 1.0, scheduler_cls=scheduler_cls)
+    other, e = serve(loaded, specs, 0.5, scheduler_cls=scheduler_cls)
+    assert e.scheduler.withheld_steps > 0 or scheduler_cls is CutsShortWhenOwed, "no debt was ever owed"
+    return piece_problems(other, SUBSET.chunk_tokens, "p=0.5") + check_identical(base, other, "p=1", "p=0.5")
+
+
+def test_unplanted_scheduler_passes_the_boundary_gate(loaded):
+    assert boundary_gate(loaded, Scheduler) == []
+
+
+def test_chunk_cut_short_when_debt_is_owed_is_caught(loaded):
+    problems = boundary_gate(loaded, CutsShortWhenOwed)
+    assert problems, "the chunk-boundary gate passed on a scheduler whose chunk boundaries depend on p"
+    msg = "\n".join(problems)
+    assert "chunk boundaries differ between p=1 and p=0.5: chunk " in msg, msg
+    assert "only the order of whole steps may change" in msg, msg
+    assert "expected the whole piece" in msg, msg
+
+
+# -- the debt property ---------------------------------------------------------------------------------------------
+def run_property(scheduler_cls):
+    @FIND
+    @given(**DEBT_CASE)
+    def prop(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
+        check_debt_rule(scheduler_cls, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
+
+    prop()
+
+
+def test_unplanted_scheduler_passes_the_debt_property():
+    run_property(Scheduler)
+
+
+def test_debt_that_never_saturates_is_caught():
+    with pytest.raises(AssertionError, match=r"the debt rule gives .* saturated at max\(.*\(the debt did not "
+                                             r"saturate\)"):
+        run_property(NeverSaturates)
+
+
+def test_debt_that_counts_no_decoders_is_caught():
+    with pytest.raises(AssertionError, match=r"withheld while nobody decodes .* debt must count only runnable "
+                                             r"decoders"):
+        run_property(CountsNoDecoders)

@@ -136,3 +136,15 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     path = config.getoption("--gate-summary")
     summary.write_json(path)
     terminalreporter.write_line(f"(written to {path})")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """On CPU the flex engine configuration compiles a FlexAttention kernel per shape (about 2 minutes for the
+    engine gates), so there it counts as slow: `pytest gates/ -m slow` runs it. The kernel gates still cover flex
+    on CPU in the default run, and on CUDA the flex engine gates run by default."""
+    if config.getoption("--device").startswith("cuda"):
+        return
+    for item in items:
+        if "fused-flex" in item.nodeid:
+            item.add_marker(pytest.mark.slow)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

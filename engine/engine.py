@@ -11,7 +11,7 @@ from . import errors
 from .config import EngineConfig
 from .loader import load_model
 from .pool import PagePool
-from .request import Request, RequestResult, State
+from .request import Request, RequestResult
 from .runner import ModelRunner
 from .scheduler import CancelResult, Chunk, Scheduler
 from .workload import RequestSpec
@@ -166,33 +166,19 @@ class Engine:
             self._sync()
         end = self.now()
         if out is not None:
-            sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
+            sampled = plan.sampled
             if cfg.poison and any(out.nonfinite):
                 self.scheduler.finish_step()   # keep the pool consistent before raising
                 raise self.poison_error(plan, sampled, out.nonfinite)
-            for c in plan.chunks:
-                c.request.num_cached += c.length
-            for r in plan.decodes:
-                r.num_cached += 1
-            for i, (r, tok) in enumerate(zip(sampled, out.tokens)):
-                self.emit(r, tok, plan.index, end)
-                if out.topk_ids:
-                    self.topk.setdefault(r.request_id, []).append((out.topk_ids[i], out.topk_vals[i]))
+            plan.apply(out.tokens, end)
+            for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
+                self.topk.setdefault(r.request_id, []).append((ids, vals))
         freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
         self.runner.poison_pages(freed)
         rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
                          len(plan.admitted), start, end - start, blocked, plan.withheld)
         self.trace.append(rec)
         return rec
-
-    def emit(self, r: Request, token: int, step: int, t: float) -> None:
-        r.output.append(token)
-        r.token_times.append(t)
-        r.token_steps.append(step)
-        r.state = State.DECODE
-        if len(r.output) >= r.budget:
-            r.state = State.FINISHED
-            r.finish_time = t
 
     def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
         bad = [r.request_id for r, nf in zip(sampled, nonfinite) if nf]

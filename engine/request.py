@@ -47,6 +47,16 @@ class Request:
         """Reserve on admit: the whole prompt plus the whole budget."""
         return self.prompt_len + self.budget
 
+    def emit(self, token: int, step: int, t: float) -> None:
+        """One emitted token; the request finishes when its budget is spent."""
+        self.output.append(token)
+        self.token_times.append(t)
+        self.token_steps.append(step)
+        self.state = State.DECODE
+        if len(self.output) >= self.budget:
+            self.state = State.FINISHED
+            self.finish_time = t
+
     @property
     def first_token_time(self) -> float | None:
         return self.token_times[0] if self.token_times else None

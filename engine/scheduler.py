@@ -60,6 +60,20 @@ class StepPlan:
     withheld: int = 0           # long prompts whose next piece was withheld for the decoders' debt
 
     @property
+    def sampled(self) -> list[Request]:
+        """Requests that get a token this step, in the runner's row order: completing chunks, then decodes."""
+        return [c.request for c in self.chunks if c.completes_prompt] + self.decodes
+
+    def apply(self, tokens: list[int], t: float) -> None:
+        """Book the step's work: cached positions advance, each sampled request emits its token."""
+        for c in self.chunks:
+            c.request.num_cached += c.length
+        for r in self.decodes:
+            r.num_cached += 1
+        for r, tok in zip(self.sampled, tokens):
+            r.emit(tok, self.index, t)
+
+    @property
     def kind(self) -> str:
         if self.chunks and self.decodes:
             return "loaded"

@@ -81,15 +81,6 @@ def submit_or_refuse(pool, scheduler, request: Request) -> None:
     scheduler.add(request)
 
 
-def emit(r: Request, token: int, step: int) -> None:
-    """Engine.emit without the clock."""
-    r.output.append(token)
-    r.token_steps.append(step)
-    r.state = State.DECODE
-    if len(r.output) >= r.budget:
-        r.state = State.FINISHED
-
-
 def watched(pool_cls):
     """`pool_cls` with a spy on release(): releasing must never grow the free list (pages wait for end_step)."""
 
@@ -328,14 +319,7 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                   lambda: f"step {i}: chunks {got_chunks}, decodes {got_decodes}; expected chunks {chunks} "
                           f"(whole pieces at multiples of chunk_tokens={C}, prompts with at most {short} positions "
                           f"left first, FCFS within each), decodes {decodes}")
-            # apply it exactly as Engine.step does
-            sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
-            for c in plan.chunks:
-                c.request.num_cached += c.length
-            for r in plan.decodes:
-                r.num_cached += 1
-            for r in sampled:
-                emit(r, 7, plan.index)
+            plan.apply([7] * len(plan.sampled), 0.0)   # book it exactly as Engine.step does
             for rid, _, n in chunks:
                 m = self.model[rid]
                 m.cached += n

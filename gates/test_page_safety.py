@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.workload import RequestSpec, Workload, get_workload
+from engine.workload import Workload
 
 from . import summary
 from .compare import compare, compare_request

@@ -186,17 +186,7 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
 # -- the debt rule, as a property (no model) ---------------------------------------------------------------------
 def apply(plan) -> None:
     """A plan's work, exactly as Engine.step applies it (tokens are 0)."""
-    sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
-    for c in plan.chunks:
-        c.request.num_cached += c.length
-    for r in plan.decodes:
-        r.num_cached += 1
-    for r in sampled:
-        r.output.append(0)
-        r.token_steps.append(plan.index)
-        r.state = State.DECODE
-        if len(r.output) >= r.budget:
-            r.state = State.FINISHED
+    plan.apply([0] * len(plan.sampled), 0.0)
 
 
 def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float, budgets: list[int],

@@ -20,16 +20,7 @@ def req(rid, prompt_len, budget):
 
 def advance(plan):
     """Apply a plan's work exactly as Engine.step does (chunks, then decode tokens, then the sampled tokens)."""
-    sampled = [c.request for c in plan.chunks if c.completes_prompt] + plan.decodes
-    for c in plan.chunks:
-        c.request.num_cached += c.length
-    for r in plan.decodes:
-        r.num_cached += 1
-    for r in sampled:
-        r.output.append(0)
-        r.state = State.DECODE
-        if len(r.output) >= r.budget:
-            r.state = State.FINISHED
+    plan.apply([0] * len(plan.sampled), 0.0)
 
 
 def full_step(sched):

@@ -612,13 +612,19 @@ def floats(s: str) -> list[float]:
     return sorted(float(x) for x in s.split(",") if x.strip())
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+def cli(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The arguments every engine CLI shares: which model, where, in what dtype, which engine configuration."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
     ap.add_argument("--model", default="small", help="small, qwen2.5-1.5b-random, or a checkpoint directory")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
     ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    return ap
+
+
+def parse_args(argv=None):
+    ap = cli("python -m engine.bench", __doc__)
     ap.add_argument("--out", default="results", help="results folder; rows go to <out>/<engine>/")
     ap.add_argument("--closed", action="store_true", help="closed runs")
     ap.add_argument("--open", action="store_true", help="open runs (Poisson arrivals), with the capped control")

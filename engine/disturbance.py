@@ -28,7 +28,6 @@ The device is synchronised around every step (sync_trace), so the debt sees real
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import json
 import random
@@ -222,12 +221,8 @@ def ints(s: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m engine.disturbance", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", default="small", help="small, qwen2.5-1.5b-random, or a checkpoint directory")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
-    ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    from .bench import cli
+    ap = cli("python -m engine.disturbance", __doc__)
     ap.add_argument("--chunk-tokens", default=None, help="chunk budgets, comma separated (default 512; 128 small)")
     ap.add_argument("--shares", default="1,0.75,0.5,0.25", help="prefill shares p, comma separated")
     ap.add_argument("--b-tokens", type=int, default=None,

@@ -10,7 +10,7 @@ import torch
 import kernels
 from engine.config import LINEAGE
 from engine.engine import torch_dtype
-from engine.loader import load_model
+from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
 from . import summary
@@ -109,6 +109,12 @@ class Runs:
                                                    loaded=self.loaded)
         return self._refs[name]
 
+    @property
+    def model_checksum(self) -> str:
+        if not hasattr(self, "_checksum"):
+            self._checksum = model_checksum(self.opts.model_arg)
+        return self._checksum
+
     def golden(self, reference: str, workload: str):
         o = self.opts
         base = golden_path(o.golden_dir, o.model, workload, reference, o.device, o.dtype)
@@ -116,7 +122,8 @@ class Runs:
             regenerate(o.model, workload, reference, o.device, o.dtype, o.golden_dir, o.threshold)
             self.cache[(reference, workload)] = True
         try:
-            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype))[0]
+            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype),
+                               model_checksum=self.model_checksum)[0]
         except GoldenError as e:
             pytest.fail(str(e), pytrace=False)
 

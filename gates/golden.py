@@ -91,7 +91,9 @@ def write_golden(base: Path, records: dict[str, GenRecord], meta: dict) -> None:
     _atomic_write(base.with_suffix(".meta.json"), (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode())
 
 
-def read_golden(base: Path, how_to_regen: str = "") -> tuple[dict[str, GenRecord], dict]:
+def read_golden(base: Path, how_to_regen: str = "", model_checksum: str | None = None
+                ) -> tuple[dict[str, GenRecord], dict]:
+    """Read a golden; `model_checksum`, if given, must match the one it was made with (else it is stale)."""
     base = Path(base)
     meta_p, data_p = base.with_suffix(".meta.json"), base.with_suffix(".json.gz")
     hint = f"; regenerate it with: {how_to_regen}" if how_to_regen else ""
@@ -104,6 +106,9 @@ def read_golden(base: Path, how_to_regen: str = "") -> tuple[dict[str, GenRecord
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise GoldenError(f"golden {meta_p} has schema {meta.get('schema_version')}, this code reads "
                           f"{SCHEMA_VERSION}{hint}")
+    if model_checksum is not None and meta.get("model_checksum") != model_checksum:
+        raise GoldenError(f"golden {meta_p} was made for model {meta.get('model_checksum')}, but the model now is "
+                          f"{model_checksum}: it is stale{hint}")
     data = data_p.read_bytes()
     if hashlib.sha256(data).hexdigest() != meta.get("data_sha256"):
         raise GoldenError(f"golden {data_p} does not match the checksum in {meta_p.name}: it was edited by hand or "

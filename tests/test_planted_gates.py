@@ -14,6 +14,7 @@ import torch
 from engine import PoisonedLogitsError
 from engine.runner import ModelRunner
 from engine.workload import MIXED_CPU
+from engine.loader import model_checksum
 from gates.compare import compare
 from gates.golden import GoldenError, golden_path, read_golden
 from gates.reference import EngineReference, HFReference
@@ -142,6 +143,13 @@ def test_golden_edited_by_hand_is_caught(golden, hf, tmp_path):
     report = compare("edited", {specs[0].request_id: records[specs[0].request_id]}, cand, hf.score, 0.02, 3)
     msg = assert_caught(report)
     assert "position 3" in msg
+
+
+def test_golden_of_another_model_is_stale():
+    base = golden_path(None, "small", "mixed-cpu", "hf", "cpu", "float32")
+    read_golden(base, model_checksum=model_checksum(None))          # the committed golden matches the model
+    with pytest.raises(GoldenError, match="was made for model .* but the model now is 0123: it is stale"):
+        read_golden(base, "python -m gates.golden regen", model_checksum="0123")
 
 
 def test_missing_golden_names_the_file_and_how_to_regenerate(tmp_path):

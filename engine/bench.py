@@ -620,7 +620,18 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
     ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
+                         "waiting on a descheduled sibling, which can make a step 50x slower")
     return ap
+
+
+def device_and_dtype(a) -> tuple[torch.device, str]:
+    """Apply --threads; the device, and the dtype (fp16 on CUDA, fp32 on CPU unless --dtype says)."""
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
+    return dev, a.dtype or ("float16" if dev.type == "cuda" else "float32")
 
 
 def parse_args(argv=None):
@@ -650,9 +661,6 @@ def parse_args(argv=None):
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds before a peer run is abandoned")
     ap.add_argument("--append", action="store_true", help="add to the files in <out>/<engine>/ instead of rewriting")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
-                         "waiting on a descheduled sibling, which can make a step 50x slower")
     a = ap.parse_args(argv)
     if not (a.closed or a.open or a.peer):
         a.closed = a.open = a.peer = True
@@ -671,10 +679,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
-    dtype = a.dtype or ("float16" if dev.type == "cuda" else "float32")
+    dev, dtype = device_and_dtype(a)
     cpu_scaled = a.model == "small"
     mixed, uniform = (MIXED_CPU, UNIFORM_CPU) if cpu_scaled else (MIXED, UNIFORM)
     chunk = a.chunk_tokens or getattr(mixed, "chunk_tokens", None) or (128 if cpu_scaled else 512)

@@ -36,7 +36,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 from .config import LINEAGE, lineage_config
 from .engine import Engine, torch_dtype
@@ -241,17 +240,14 @@ def parse_args(argv=None):
     ap.add_argument("--no-alone", action="store_true", help="skip the B-alone baseline")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="results/disturbance")
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--no-progress", action="store_true")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    from .bench import device_and_dtype
     a = parse_args(argv)
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    dev = torch.device(a.device)
-    dtype = a.dtype or ("float16" if dev.type == "cuda" else "float32")
+    dev, dtype = device_and_dtype(a)
     small = a.model == "small"
     from kernels import why_unavailable
     base = LINEAGE[a.engine]

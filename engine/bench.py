@@ -35,7 +35,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -81,7 +81,7 @@ class Setup:
 
     def config(self, **kw):
         return lineage_config(self.engine, device=self.device, dtype=self.dtype, chunk_tokens=self.chunk_tokens,
-                              max_batch=self.max_batch, sync_trace=True, **kw)
+                              max_batch=self.max_batch, sync_trace=True, **{**self.extra, **kw})
 
     def sync(self):
         if torch.device(self.device).type == "cuda":
@@ -330,7 +330,8 @@ class Bench:
         vocab = self.s.loaded[0].shape.vocab_size
         for name, wl in self.closed_workloads():
             specs = wl.requests(vocab)
-            times, info = peer.closed(specs, name, self.a.warmups, self.a.reps, self, self.closed_tokens.get(name, {}))
+            times, info = peer.closed(specs, name, self.a.peer_warmups, self.a.peer_reps, self,
+                                      self.closed_tokens.get(name, {}))
             ours = closed[name]["time_to_last_median_s"]
             p = median(times)
             res[name] = dict(peer_time_to_last_median_s=p, peer_times_s=times,
@@ -623,7 +624,12 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
                          "waiting on a descheduled sibling, which can make a step 50x slower")
+    ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="replay captured pure decode steps: auto = where the backend allows (flash on CUDA)")
     return ap
+
+
+GRAPHS = {"auto": None, "on": True, "off": False}
 
 
 def device_and_dtype(a) -> tuple[torch.device, str]:
@@ -658,6 +664,10 @@ def parse_args(argv=None):
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--peer-attn", default="sdpa", help="attn_implementation of the peer (sdpa, eager, "
                     "flash_attention_2, ...); transformers may switch sdpa to flash when flash-attn is installed")
+    ap.add_argument("--peer-warmups", type=int, default=None, help="the peer's warm-up runs per workload (--warmups)")
+    ap.add_argument("--peer-reps", type=int, default=None, help="the peer's measured runs per workload (--reps)")
+    ap.add_argument("--new-tokens", type=int, default=None,
+                    help="every request's generation budget (default: the workload's draw, 64..256)")
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds before a peer run is abandoned")
     ap.add_argument("--append", action="store_true", help="add to the files in <out>/<engine>/ instead of rewriting")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
@@ -671,6 +681,8 @@ def parse_args(argv=None):
     a.reps = a.reps if a.reps is not None else (1 if q else 5)
     a.arrivals = a.arrivals if a.arrivals is not None else (24 if q else 400)
     a.max_rates = a.max_rates if a.max_rates is not None else (3 if q else 8)
+    a.peer_warmups = a.warmups if a.peer_warmups is None else a.peer_warmups
+    a.peer_reps = a.reps if a.peer_reps is None else a.peer_reps
     a.rates = floats(a.rates) if a.rates else None
     if a.rates and q:
         a.rates = a.rates[:a.max_rates]
@@ -682,6 +694,9 @@ def main(argv=None) -> int:
     dev, dtype = device_and_dtype(a)
     cpu_scaled = a.model == "small"
     mixed, uniform = (MIXED_CPU, UNIFORM_CPU) if cpu_scaled else (MIXED, UNIFORM)
+    if a.new_tokens:     # a fixed budget (as the "128 new tokens each"), named in the workload
+        mixed, uniform = (replace(w.with_budget(a.new_tokens), name=f"{w.name}-new{a.new_tokens}")
+                          for w in (mixed, uniform))
     chunk = a.chunk_tokens or getattr(mixed, "chunk_tokens", None) or (128 if cpu_scaled else 512)
     from kernels import why_unavailable
     base = LINEAGE[a.engine]
@@ -691,7 +706,8 @@ def main(argv=None) -> int:
         return 2
     t0 = time.perf_counter()
     loaded = load_model(None if a.model == "small" else a.model, torch_dtype(dtype), a.device)
-    setup = Setup(a.model, a.device, dtype, a.engine, chunk, a.max_batch, mixed, uniform, cpu_scaled, loaded)
+    setup = Setup(a.model, a.device, dtype, a.engine, chunk, a.max_batch, mixed, uniform, cpu_scaled, loaded,
+                  extra=dict(cuda_graphs=GRAPHS[a.cuda_graphs], progress=not a.no_progress))
     bench = Bench(setup, a)
     log(f"engine.bench: {a.engine} on {loaded[2]} ({a.device}, {dtype}), chunk {chunk}, max batch {a.max_batch}; "
         f"parts: {', '.join(p for p in ('closed', 'open', 'peer') if getattr(a, p))}")

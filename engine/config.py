@@ -24,6 +24,8 @@ class EngineConfig:
     short_prompt_positions: int = 512   # a prompt with at most this many positions left never waits, goes first
     compile_warmup: bool | None = None   # compile the backend's every reachable shape at construction (None: on CUDA)
     max_model_len: int | None = None     # longest prompt + budget served (None: the model's max positions)
+    cuda_graphs: bool | None = None      # replay captured pure decode steps (None: on CUDA when the backend allows)
+    progress: bool = True                # progress bars for slow construction work (graph capture)
 
     def __post_init__(self):
         if self.forward not in FORWARD_MODES:

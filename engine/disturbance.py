@@ -245,7 +245,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from .bench import device_and_dtype
+    from .bench import GRAPHS, device_and_dtype
     a = parse_args(argv)
     dev, dtype = device_and_dtype(a)
     small = a.model == "small"
@@ -265,7 +265,8 @@ def main(argv=None) -> int:
 
     def config(ct, p):
         return lineage_config(a.engine, device=a.device, dtype=dtype, chunk_tokens=ct, prefill_share=p,
-                              kv_cache_bytes=a.kv_cache_bytes, sync_trace=True, max_batch=8)
+                              kv_cache_bytes=a.kv_cache_bytes, sync_trace=True, max_batch=8,
+                              cuda_graphs=GRAPHS[a.cuda_graphs])
 
     probe = Engine(config(chunks[0], 1.0), loaded=loaded)
     page = probe.pool.page_size

@@ -63,9 +63,10 @@ class Engine:
                                    config.max_batch * per_row + 1))
         self.pool = PagePool(num_pages, config.page_size)
         self.scheduler = Scheduler.from_config(self.pool, config)
-        self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
-                                  poison=config.poison, record_topk=config.record_topk)
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
+        graphs = self.use_cuda_graphs(config)
+        self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
+                                  poison=config.poison, record_topk=config.record_topk, pad_page=graphs)
         warm = config.compile_warmup if config.compile_warmup is not None else self.runner.device.type == "cuda"
         if warm and hasattr(self.runner.backend, "warmup"):
             # compile every shape a step can reach now, so that no measured step includes a compile
@@ -74,11 +75,28 @@ class Engine:
                                        max_kv=min(self.max_model_len, self.pool.capacity * config.page_size),
                                        max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
                                        page_size=config.page_size)
+        if graphs:   # after the backend's warm-up: a capture must not include a compile
+            self.runner.capture_decode_graphs(config.max_batch, self.pool.pages_needed(self.max_model_len),
+                                              progress=config.progress)
         self.requests: dict[str, Request] = {}
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []
         self.t0 = time.perf_counter()
         self._auto_id = 0
+
+    @staticmethod
+    def use_cuda_graphs(config: EngineConfig) -> bool:
+        """cuda_graphs None: on where they can run (CUDA, a backend whose decode is graph-safe); True: required."""
+        from kernels import backend_class
+        reason = None
+        if torch.device(config.device).type != "cuda":
+            reason = "CUDA graphs need a CUDA device"
+        elif not backend_class(config.backend).graph_safe_decode:
+            reason = (f"the {config.backend!r} backend's decode is not graph-safe (its per-step tensors change "
+                      f"shape); the 'flash' backend's is")
+        if config.cuda_graphs and reason:
+            raise ValueError(f"cuda_graphs=True but {reason}")
+        return reason is None and config.cuda_graphs is not False
 
     # -- clock -----------------------------------------------------------------------------------------------
     def now(self) -> float:

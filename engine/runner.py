@@ -1,5 +1,8 @@
 """The model runner: the only place that touches the KV cache. It turns a step plan into packed tensors, runs one
-forward (`fused`) or two (`chunked`), and samples greedily with ONE host readback per step."""
+forward (`fused`) or two (`chunked`), and samples greedily with ONE host readback per step.
+
+Pure decode steps can replay CUDA graphs (`DecodeGraphs`): an eager step of a 28-layer model at 32 rows is
+launch-bound on a large GPU, a captured one is not."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +14,7 @@ from kernels.base import AttentionBackend
 
 from .model import ForwardContext, Qwen2
 from .pool import NULL_PAGE
+from .graphs import DecodeGraphs
 from .scheduler import Chunk, StepPlan
 
 
@@ -25,7 +29,9 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
-                 poison: bool = False, record_topk: int = 0):
+                 poison: bool = False, record_topk: int = 0, pad_page: bool = False):
+        """pad_page: one more page than the pool's (index num_pages), never owned by a request, that the padding
+        rows of a captured decode step write and read (CUDA graphs)."""
         self.model = model
         self.shape = model.shape
         self.device = torch.device(device)
@@ -37,9 +43,11 @@ class ModelRunner:
         self.backend: AttentionBackend = get_backend(backend, self.device, page_size)
         s = self.shape
         fill = float("nan") if poison else 0.0
+        self.pad_page = num_pages if pad_page else None
+        self.graphs: DecodeGraphs | None = None
         self.kv_caches = []
         for _ in range(s.num_layers):
-            k = torch.full((num_pages, page_size, s.num_kv_heads, s.head_dim), fill, dtype=dtype, device=self.device)
+            k = torch.full((num_pages + bool(pad_page), page_size, s.num_kv_heads, s.head_dim), fill, dtype=dtype, device=self.device)
             v = torch.full_like(k, fill)
             k[NULL_PAGE] = 0   # padding of every gather points here: it must stay finite
             v[NULL_PAGE] = 0
@@ -112,8 +120,21 @@ class ModelRunner:
         tokens, positions, ctx, rows = self.build(chunks, decodes, pages_of, all_logits)
         return self.model(tokens, positions, self.kv_caches, ctx, rows)
 
+    def capture_decode_graphs(self, max_batch: int, max_pages_per_seq: int, progress: bool = True) -> None:
+        """Capture the pure decode step for a ladder of batch sizes (needs the pad page and a backend whose decode
+        reads only device tensors of fixed shape)."""
+        if self.pad_page is None:
+            raise RuntimeError("decode graphs need the runner's pad page (ModelRunner(..., pad_page=True))")
+        self.graphs = DecodeGraphs(self, max_batch, max_pages_per_seq, progress=progress)
+
     @torch.inference_mode()
-    def run(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str) -> StepOutput:
+    def run(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
+            use_graphs: bool = True) -> StepOutput:
+        """use_graphs=False runs a pure decode step eagerly even where graphs were captured (graphs on vs off in
+        one process, for the gates and the step benchmarks)."""
+        if use_graphs and self.graphs is not None and not plan.chunks and self.graphs.fits(len(plan.decodes)):
+            # a pure decode step is the same in both forward modes: replay the captured one
+            return self.sample(self.graphs.replay(plan.decodes, pages_of))
         if forward_mode == "fused":
             logits = self.forward(plan.chunks, plan.decodes, pages_of)
         else:   # chunked: prompt chunks, then the decode batch, as two forwards

@@ -138,6 +138,12 @@ def backend_reason(backend: str, device, page_size: int | None) -> str | None:
     return kernels.why_unavailable(backend, device, page_size)
 
 
+def graph_capable(config_name: str, device) -> bool:
+    """Whether an engine of this configuration captures its pure decode steps here (engine.use_cuda_graphs)."""
+    return config_reason(config_name, device) is None and Engine.use_cuda_graphs(
+        lineage_config(config_name, device=str(device)))
+
+
 def config_reason(config_name: str, device) -> str | None:
     base = LINEAGE[config_name]
     reason = backend_reason(base["backend"], device, base["page_size"])
@@ -213,15 +219,16 @@ class FixedState:
             return StepPlan(0, chunks=[self.chunk])
         raise ValueError(f"unknown step kind {kind!r}; known: {KINDS}")
 
-    def step_fn(self, kind: str, forward_mode: str):
-        """One step's forward(s) + sampling, device synchronised around it; nothing in the state changes."""
+    def step_fn(self, kind: str, forward_mode: str, graphs: bool = True):
+        """One step's forward(s) + sampling, device synchronised around it; nothing in the state changes. A pure
+        decode step replays its CUDA graph where the engine captured them, unless graphs=False."""
         plan = self.plan(kind)
         runner, owned, sync = self.engine.runner, self.engine.pool.owned, self.sync
 
         def step():
             sync()
             planted_slowdown()
-            out = runner.run(plan, owned, forward_mode)
+            out = runner.run(plan, owned, forward_mode, use_graphs=graphs)
             sync()
             return out
         return step
@@ -333,8 +340,12 @@ def pytest_generate_tests(metafunc):
     dev = torch.device(device).type
     cases = model_cases(cfg)
     if "step_case" in metafunc.fixturenames:
-        params = [pytest.param((case, name, kind), id=f"{dev}-{model_label(case.model)}-{name}-{kind}")
+        params = [pytest.param((case, name, kind, True), id=f"{dev}-{model_label(case.model)}-{name}-{kind}")
                   for case in cases for name in LINEAGE for kind in KINDS]
+        # the graph path's eager twin, timed in the same run (graphs are captured only where a config allows)
+        params += [pytest.param((case, name, "pure-decode", False),
+                                id=f"{dev}-{model_label(case.model)}-{name}-pure-decode-eager")
+                   for case in cases for name in LINEAGE if graph_capable(name, device)]
         metafunc.parametrize("step_case", params)
     if "kernel_case" in metafunc.fixturenames:
         params = [pytest.param((case, b), id=f"{dev}-{model_label(case.model)}-{b}")
@@ -346,18 +357,20 @@ def pytest_generate_tests(metafunc):
 
 # -- step benchmarks -----------------------------------------------------------------------------------------------
 def test_step_time(benchmark, states, step_case):
-    """Forward + sampling of one step at the fixed state, per engine configuration and step kind."""
-    case, config_name, kind = step_case
+    """Forward + sampling of one step at the fixed state, per engine configuration and step kind (pure decode steps
+    replay CUDA graphs where the configuration captures them; the `-eager` twin times the same step without)."""
+    case, config_name, kind, graphs = step_case
     reason = config_reason(config_name, states.device)
     if reason:
         pytest.skip(reason)
     st = states.get(case, config_name)
     forward = LINEAGE[config_name]["forward"]
-    fn = st.step_fn(kind, forward)
+    fn = st.step_fn(kind, forward, graphs=graphs)
     info = st.describe(kind)
     benchmark.group = f"step {torch.device(states.device).type}/{states.dtype} {model_label(case.model)} {kind}"
     benchmark.extra_info.update(model=model_label(case.model), engine=config_name, forward=forward, kind=kind,
-                                device=states.device, dtype=states.dtype, **info)
+                                device=states.device, dtype=states.dtype,
+                                cuda_graphs=bool(graphs and st.engine.runner.graphs is not None), **info)
     rounds, warmup = default_rounds(states.device)
     benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=1)
     stats = getattr(benchmark, "stats", None)
@@ -497,3 +510,19 @@ def test_flash_decode_cheaper_than_flex(states):
     r = check_faster("flash decode", flash.step_fn(), "flex decode (one row per request)", flex.step_fn(),
                      reps=41, warmup=5, sync=flash.sync)
     print(f"\n{r}")
+
+
+@pytest.mark.gpu
+def test_graphed_decode_cheaper_than_eager(states, ratio_case):
+    """On GPU: a captured pure decode step (one graph launch) beats the same step run eagerly, at 32 rows of the
+    fixed state, measured interleaved in one run."""
+    names = [n for n in LINEAGE if graph_capable(n, states.device)]
+    if not names:
+        pytest.skip("no engine configuration captures decode graphs here (needs CUDA and a graph-safe decode "
+                    "backend: flash)")
+    st = states.get(ratio_case, names[0])
+    forward = LINEAGE[names[0]]["forward"]
+    r = check_faster(f"{names[0]} pure decode step (CUDA graph)", st.step_fn("pure-decode", forward),
+                     f"{names[0]} pure decode step (eager)", st.step_fn("pure-decode", forward, graphs=False),
+                     reps=41, warmup=3, sync=st.sync)
+    print(f"\n{model_label(ratio_case.model)}: {r}")

@@ -46,6 +46,9 @@ class Unavailable(RuntimeError):
 class AttentionBackend:
     name = "base"
     page_sizes: tuple[int, ...] | None = None   # None: any page size
+    # True when decode reads only device tensors whose shapes depend on the batch size alone (the block table, of a
+    # fixed width, and the cache lengths), so a CUDA graph can capture it (engine/graphs.py)
+    graph_safe_decode: bool = False
 
     @classmethod
     def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:

@@ -53,6 +53,7 @@ def _import_flash():
 class FlashBackend(AttentionBackend):
     name = "flash"
     page_sizes = (256,)
+    graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self):

@@ -1,0 +1,112 @@
+"""The CUDA-graph decode path: static buffers refreshed in place, rows padded up the ladder, padding confined to the
+pad page, and a planted stale block table caught.
+
+Two modes. `cuda` (with --device cuda and flash-attn): the real captured graphs. `cpu-emulated`: off CUDA,
+DecodeGraphs captures nothing and a "replay" runs the same forward over the same static buffers eagerly, so
+everything but the capture itself runs in CI; the torch backend stands in for flash (its decode reads the table's
+whole width, masked by the device lengths: correct, but on the 1.5B shape that width is 32k positions a row, which
+is why it is not marked graph-safe for real use)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import Engine, PoisonedLogitsError
+from engine.graphs import DecodeGraphs, ladder
+from engine.workload import MIXED_CPU
+from gates.compare import compare
+from gates.reference import EngineReference
+from kernels import why_unavailable
+from kernels.torch_backend import TorchBackend
+
+SUBSET = MIXED_CPU.scaled(40)     # 40 requests over 32 rows: rows change requests as they finish
+MAX_LEN = 1024 + 64               # the subset's longest prompt + budget: a narrow table keeps the CPU gathers small
+
+
+@pytest.fixture(params=["cpu-emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
+def mode(request, monkeypatch):
+    if request.param == "cuda":
+        dev = request.config.getoption("--device")
+        if not dev.startswith("cuda") or not torch.cuda.is_available():
+            pytest.skip("captured CUDA graphs need a CUDA device (run with --device cuda on a GPU)")
+        reason = why_unavailable("flash", dev, 256)
+        if reason:
+            pytest.skip(f"no graph-safe decode backend here: flash: {reason}")
+        return dict(engine="flash", device=dev, dtype="float16")
+    monkeypatch.setattr(TorchBackend, "graph_safe_decode", True)
+    monkeypatch.setattr(Engine, "use_cuda_graphs", staticmethod(lambda config: bool(config.cuda_graphs)))
+    return dict(engine="fused", device="cpu", dtype="float32")
+
+
+def run(mode, graphs: bool):
+    ref = EngineReference(mode["engine"], device=mode["device"], dtype=mode["dtype"], poison=True,
+                          chunk_tokens=SUBSET.chunk_tokens, cuda_graphs=graphs, max_model_len=MAX_LEN, progress=False)
+    return ref, ref.generate(SUBSET.requests())
+
+
+def plant_stale_block_table(monkeypatch):
+    """The plant: a refresh that rewrites tokens, positions, slots and lengths but keeps the block table of the
+    first replay. When a row's request changes, its decode reads another request's pages, freed ones (NaN in
+    poison mode) or the pad page's unwritten slots."""
+    fill = DecodeGraphs.fill
+
+    def stale_fill(self, decodes, pages_of):
+        fill(self, decodes, pages_of)
+        if not hasattr(self, "_first_table"):
+            self._first_table = self.table.copy()
+        else:
+            self.table[:] = self._first_table
+            self.dev.copy_(self.host)
+
+    monkeypatch.setattr(DecodeGraphs, "fill", stale_fill)
+
+
+def test_ladder():
+    assert ladder(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert ladder(1) == [1]
+    assert ladder(12) == [1, 2, 4, 8, 12]
+    assert ladder(64)[-1] == 64
+
+
+def test_graph_path_matches_eager(mode):
+    eager_ref, eager = run(mode, False)
+    ref, graphed = run(mode, True)
+    g = ref.last_engine.runner.graphs
+    pure = sum(s.kind == "pure-decode" for s in ref.last_engine.trace)
+    assert g is not None and g.replays == pure > 0, f"{g and g.replays} replays for {pure} pure decode steps"
+    assert g.capture_graphs == (mode["device"] != "cpu")
+    report = compare("decode graphs vs eager", eager, graphed, eager_ref.score, 0.02, 3, check_steps=True)
+    assert report.ok, report.problems()
+    assert ref.last_engine.pool.num_free == ref.last_engine.pool.capacity
+
+
+def test_padding_rows_touch_only_the_pad_page(mode):
+    ref, _ = run(mode, True)
+    e = ref.last_engine
+    g = e.runner.graphs
+    for i in range(3):          # admitted and prefilled together, so they decode together: 3 rows
+        e.submit([5 + i] * 16, 4, f"three-{i}")
+    while e.scheduler.has_work:
+        e.step()
+    # the last pure decode step (3 rows, padded to a graph of 4): its rows, then padding
+    pad = e.runner.pad_page
+    n_live = [s for s in e.trace if s.kind == "pure-decode"][-1].decode_tokens
+    assert g.size_for(n_live) > n_live, "the step should have needed padding"
+    assert all(int(x) != g.pad_slot for x in g.view["slots"][:n_live])
+    assert all(int(x) == g.pad_slot for x in g.view["slots"][n_live:])
+    assert (g.table[n_live:] == pad).all()
+    assert all(int(x) == 1 for x in g.view["kv_lens"][n_live:])
+    assert pad == e.pool.num_pages and pad not in {p for ps in e.pool.owned.values() for p in ps}
+
+
+def test_stale_block_table_is_caught(mode, monkeypatch):
+    plant_stale_block_table(monkeypatch)
+    eager_ref, eager = run(mode, False)
+    try:
+        _, graphed = run(mode, True)
+    except PoisonedLogitsError as e:     # poison mode names the step, the requests and their pages
+        assert "non-finite logits" in str(e) and "pages" in str(e), str(e)
+        return
+    report = compare("decode graphs vs eager", eager, graphed, eager_ref.score, 0.02, 3, check_steps=True)
+    assert not report.ok, "a stale block table in the graph's static buffer went unnoticed"
+    assert "reference token" in report.problems()[0]

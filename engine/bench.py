@@ -42,7 +42,7 @@ import torch
 
 from .config import LINEAGE, lineage_config
 from .engine import Engine, torch_dtype
-from .loader import QWEN25_1P5B, RANDOM_1P5B, load_model
+from .loader import QWEN25_1P5B, RANDOM_1P5B, is_small, load_model
 from .runner import ModelRunner
 from .workload import MIXED, MIXED_CPU, UNIFORM, UNIFORM_CPU, RequestSpec, Workload, poisson_arrivals
 
@@ -617,7 +617,7 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     """The arguments every engine CLI shares: which model, where, in what dtype, which engine configuration."""
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
-    ap.add_argument("--model", default="small", help="small, qwen2.5-1.5b-random, or a checkpoint directory")
+    ap.add_argument("--model", default="small", help="small, small-trained, qwen2.5-1.5b-random, or a checkpoint directory")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
     ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
@@ -692,7 +692,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     a = parse_args(argv)
     dev, dtype = device_and_dtype(a)
-    cpu_scaled = a.model == "small"
+    cpu_scaled = is_small(a.model)
     mixed, uniform = (MIXED_CPU, UNIFORM_CPU) if cpu_scaled else (MIXED, UNIFORM)
     if a.new_tokens:     # a fixed budget (as the issue's "128 new tokens each"), named in the workload
         mixed, uniform = (replace(w.with_budget(a.new_tokens), name=f"{w.name}-new{a.new_tokens}")
@@ -705,7 +705,7 @@ def main(argv=None) -> int:
         print(f"engine.bench: engine {a.engine!r} cannot run here: {reason}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    loaded = load_model(None if a.model == "small" else a.model, torch_dtype(dtype), a.device)
+    loaded = load_model(a.model, torch_dtype(dtype), a.device)
     setup = Setup(a.model, a.device, dtype, a.engine, chunk, a.max_batch, mixed, uniform, cpu_scaled, loaded,
                   extra=dict(cuda_graphs=GRAPHS[a.cuda_graphs], progress=not a.no_progress))
     bench = Bench(setup, a)

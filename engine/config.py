@@ -25,6 +25,7 @@ class EngineConfig:
     compile_warmup: bool | None = None   # compile the backend's every reachable shape at construction (None: on CUDA)
     max_model_len: int | None = None     # longest prompt + budget served (None: the model's max positions)
     cuda_graphs: bool | None = None      # replay captured pure decode steps (None: on CUDA when the backend allows)
+    compile_elementwise: bool | None = None   # fuse norm / rotary / SiLU with torch.compile (None: on CUDA)
     progress: bool = True                # progress bars for slow construction work (graph capture)
 
     def __post_init__(self):

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from .config import LINEAGE, lineage_config
 from .engine import Engine, torch_dtype
-from .loader import load_model
+from .loader import is_small, load_model
 
 try:
     from tqdm.auto import tqdm
@@ -248,7 +248,7 @@ def main(argv=None) -> int:
     from .bench import GRAPHS, device_and_dtype
     a = parse_args(argv)
     dev, dtype = device_and_dtype(a)
-    small = a.model == "small"
+    small = is_small(a.model)
     from kernels import why_unavailable
     base = LINEAGE[a.engine]
     reason = why_unavailable(base["backend"], a.device, base["page_size"])
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     b_at = a.b_at if a.b_at is not None else (1.0 if small else 5.0)
     c_after = a.c_after if a.c_after is not None else (0.1 if small else 0.5)
     t0 = time.perf_counter()
-    loaded = load_model(None if small else a.model, torch_dtype(dtype), a.device)
+    loaded = load_model(a.model, torch_dtype(dtype), a.device)
     shape = loaded[0].shape
 
     def config(ct, p):

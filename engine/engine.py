@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import operator
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,14 @@ class Engine:
         self.pool = PagePool(num_pages, config.page_size)
         self.scheduler = Scheduler.from_config(self.pool, config)
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
+        on_cuda = torch.device(config.device).type == "cuda"
+        if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
+            from .model import try_compile_elementwise
+            s = self.shape
+            why = try_compile_elementwise(config.device, dtype, s.hidden_size, s.num_heads + s.num_kv_heads,
+                                          s.head_dim)
+            if why:
+                warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
         graphs = self.use_cuda_graphs(config)
         self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
                                   poison=config.poison, record_topk=config.record_topk, pad_page=graphs)

@@ -13,6 +13,15 @@ from .model import ModelShape, Qwen2
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_MODEL_DIR = REPO / "golden" / "models" / "qwen2-small"
+# The same shape trained (scripts/train_small_model.py) so that its greedy decisions have wide margins: the fp16
+# gates' subject on a GPU, where the random-weight `small` model's logit gaps drown in fp16 rounding.
+SMALL_TRAINED_DIR = REPO / "golden" / "models" / "qwen2-small-trained"
+NAMED_MODELS = {"small": SMALL_MODEL_DIR, "small-trained": SMALL_TRAINED_DIR}
+
+
+def is_small(model) -> bool:
+    """The embedded small models (served with the CPU-scaled workloads on every device)."""
+    return model is None or str(model) in NAMED_MODELS
 RANDOM_1P5B = "qwen2.5-1.5b-random"
 
 # Qwen2.5-1.5B's config.json, less what does not change the shape.
@@ -33,8 +42,10 @@ def qwen2_config(**kw):
 
 
 def resolve(source) -> str | Path | object:
-    if source in (None, "small"):
+    if source is None:
         return SMALL_MODEL_DIR
+    if isinstance(source, str) and source in NAMED_MODELS:
+        return NAMED_MODELS[source]
     return source
 
 
@@ -77,7 +88,7 @@ def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, o
     source = resolve(source)
     if isinstance(source, str) and source == RANDOM_1P5B:
         cfg, m = random_1p5b_state(device=device, dtype=dtype)
-        return m.eval(), cfg, RANDOM_1P5B
+        return m.eval().fuse(), cfg, RANDOM_1P5B
     if isinstance(source, (str, os.PathLike)):
         from transformers import AutoConfig
         path = Path(source)
@@ -95,7 +106,7 @@ def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, o
     missing = [k for k in missing if not (k == "lm_head.weight" and m.shape.tie_word_embeddings)]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
-    return m.to(device=device, dtype=dtype).eval(), cfg, name
+    return m.to(device=device, dtype=dtype).eval().fuse(), cfg, name
 
 
 def hf_model(source=None, dtype=torch.float32, device="cpu"):

@@ -50,6 +50,66 @@ class ForwardContext:
     backend: AttentionBackend
 
 
+# -- elementwise pieces ----------------------------------------------------------------------------------------
+# A decode step of a 28-layer model at 32 rows is mostly small kernels: each costs a few microseconds even inside a
+# CUDA graph. These three run as several kernels each in eager mode; `compile_elementwise()` swaps in torch.compile'd
+# versions (one fused kernel each) on CUDA. Same arithmetic either way: fp32 normalisation as transformers does it.
+def rms_norm(x, weight, eps: float):
+    # as transformers does it: normalise in fp32, then scale in the model's dtype
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope(x, cos, sin):
+    """x: [T, heads, d] (query and key heads together); cos, sin: [T, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def silu_mul(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+OPS = {"rms_norm": rms_norm, "rope": rope, "silu_mul": silu_mul}
+_EAGER = dict(OPS)
+
+
+def compile_elementwise(on: bool = True) -> None:
+    """Process-wide: use torch.compile'd (fused) elementwise pieces, or the eager ones again. Compiled once per
+    process (dynamic shapes), before any CUDA graph is captured (the engine calls this at construction)."""
+    if not on:
+        OPS.update(_EAGER)
+        return
+    for name, fn in _EAGER.items():
+        if OPS[name] is fn:
+            OPS[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def try_compile_elementwise(device, dtype, hidden: int, heads: int, head_dim: int) -> str | None:
+    """compile_elementwise(), then one call of each piece on `device` so that a compiler that cannot run here falls
+    back to eager at once (returns why) instead of failing a step later. Sizes 1 and 2 both: Dynamo specialises 1."""
+    compile_elementwise(True)
+    try:
+        for T in (1, 2, 3):
+            x = torch.randn(T, hidden, device=device, dtype=dtype)
+            OPS["rms_norm"](x, torch.ones(hidden, device=device, dtype=dtype), 1e-6)
+            qk = torch.randn(T, heads + 2, head_dim, device=device, dtype=dtype)[:, :heads]
+            cs = torch.randn(T, head_dim, device=device, dtype=dtype)
+            OPS["rope"](qk, cs, cs)
+            OPS["silu_mul"](torch.randn(T, 2 * hidden, device=device, dtype=dtype))
+    except Exception as e:  # noqa: BLE001 (any compiler failure means: run eagerly)
+        compile_elementwise(False)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -57,16 +117,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # as transformers does it: normalise in fp32, then scale in the model's dtype
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return OPS["rms_norm"](x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -91,14 +142,24 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
         self.scale = s.head_dim ** -0.5
 
+    def fuse(self) -> None:
+        """One [q; k; v] projection (one GEMM instead of three); the three modules' weights become views of it, so
+        the state dict keeps transformers' names and no weight is stored twice. Call after the last .to()."""
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]).detach()
+        b = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]).detach()
+        nq, nk = self.q_proj.out_features, self.k_proj.out_features
+        self.qkv_weight, self.qkv_bias = w, b
+        for lin, lo, hi in ((self.q_proj, 0, nq), (self.k_proj, nq, nq + nk), (self.v_proj, nq + nk, len(w))):
+            lin.weight = nn.Parameter(w[lo:hi], requires_grad=False)
+            lin.bias = nn.Parameter(b[lo:hi], requires_grad=False)
+
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: ForwardContext):
         T = x.shape[0]
         s = self.s
-        q = self.q_proj(x).view(T, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(T, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(T, s.num_kv_heads, s.head_dim)
-        q = q * cos[:, None] + rotate_half(q) * sin[:, None]
-        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+        qk = OPS["rope"](qkv[:, :s.num_heads + s.num_kv_heads], cos, sin)   # queries and keys rotated at once
+        q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
+        v = qkv[:, s.num_heads + s.num_kv_heads:]
         # write this forward's K/V first: both kernels then read history and new positions from the pages alone
         k_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = k
         v_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = v
@@ -119,8 +180,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One [gate; up] projection, as Attention.fuse does for q, k, v."""
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        n = self.gate_proj.out_features
+        self.gate_up_weight = w
+        self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
+
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)))
 
 
 class DecoderLayer(nn.Module):
@@ -150,6 +219,13 @@ class Qwen2(nn.Module):
         if s.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(s.head_dim, s.rope_theta)
+
+    def fuse(self) -> "Qwen2":
+        """Fuse the q/k/v and gate/up projections (after loading and after the last .to())."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def forward(self, tokens, positions, kv_caches, ctx: ForwardContext, logit_rows: torch.Tensor | None):
         """tokens, positions: [T]; returns fp32 logits [len(logit_rows), vocab] (all rows if None)."""

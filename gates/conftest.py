@@ -10,7 +10,7 @@ import torch
 import kernels
 from engine.config import LINEAGE
 from engine.engine import torch_dtype
-from engine.loader import load_model, model_checksum
+from engine.loader import is_small, load_model, model_checksum
 from engine.workload import get_workload
 
 from . import summary
@@ -54,7 +54,7 @@ def opts(request) -> GateOptions:
 
 def workload_for(opts: GateOptions, name: str) -> str:
     """The CPU-scaled workloads serve the small model on every device; a large model gets the gate workloads."""
-    return name if opts.model == "small" else name.replace("-cpu", "-gate")
+    return name if is_small(opts.model) else name.replace("-cpu", "-gate")
 
 
 def skip_unless_runs(opts: GateOptions, engine: str, backend: str):

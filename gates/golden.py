@@ -37,9 +37,8 @@ class GoldenError(RuntimeError):
 
 
 def model_key(model) -> str:
-    if model in (None, "small"):
-        return "qwen2-small"
-    return Path(str(model)).name
+    from engine.loader import resolve
+    return Path(str(resolve(model))).name if isinstance(resolve(model), (str, Path)) else str(model)
 
 
 def golden_path(golden_dir, model, workload: str, reference: str, device: str, dtype: str) -> Path:

@@ -17,7 +17,7 @@ from .reference import EngineReference
 
 # The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
 # largest requests. The CPU workloads are scaled by 4, so the small model gets 4,608 slots.
-TINY_POOL_SLOTS = {"small": 4608}
+TINY_POOL_SLOTS = {"small": 4608, "small-trained": 4608}
 TINY_POOL_BYTES = 1 << 29
 
 

@@ -3,8 +3,8 @@
 # so a slow part cannot starve the summary). Logs, results and goldens come back in $OUT.
 #   carry: .device/flash_attn (the flash-attn sdist and its build script)
 # Parts:
-#   train       train the fp16-robust small model (scripts/train_small_model.py) into .device/trained and adopt it
-#   regen_small regenerate the small model's GPU goldens (hf, chunked, fused, flash), printing what moved
+#   train       train the fp16-robust small model (scripts/train_small_model.py) into golden/models/qwen2-small-trained
+#   regen_small regenerate the trained small model's (SMALL=) fp16 GPU goldens (hf, chunked, fused, flash), printing what moved
 #   gates_small token, poison, page-safety, prefill-share and graph gates on the small model, every backend
 #   planted_gpu captured decode graphs vs eager, padding, and the planted stale block table (tests/test_graph_buffers.py)
 #   profile     scripts/profile_decode.py on the 1.5B shape: where a pure decode step's time goes, graphs on/off
@@ -43,12 +43,12 @@ GATE_OPTS=(--device cuda -q -p no:cacheprovider -rs)
 for p in ${PARTS:-train}; do
   case $p in
     train) part train 240 bash -c "python3 scripts/train_small_model.py --device cuda --seconds ${TRAIN_S:-110} \
-             --out .device/trained && cp .device/trained/* golden/models/qwen2-small/ && mkdir -p $OUT/trained \
+             --out .device/trained && cp .device/trained/* golden/models/qwen2-small-trained/ && mkdir -p $OUT/trained \
              && cp .device/trained/* $OUT/trained/" ;;
-    regen_small) need_flash; part regen_small 200 python3 -m gates.golden regen --device cuda --dtype float16 \
+    regen_small) need_flash; part regen_small 200 python3 -m gates.golden regen --model ${SMALL:-small-trained} --device cuda --dtype float16 \
              --reference hf --reference chunked --reference fused --reference flash ;;
     gates_small) need_flash; part gates_small 200 python3 -m pytest gates/test_tokens.py gates/test_page_safety.py \
-             gates/test_prefill_share.py gates/test_graphs.py "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_small.json ;;
+             gates/test_prefill_share.py gates/test_graphs.py --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_small.json ;;
     planted_gpu) need_flash; part planted_gpu 120 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
     profile) need_flash; part profile 120 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 50 \
              --out results/profile ;;

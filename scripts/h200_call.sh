@@ -49,6 +49,9 @@ for p in ${PARTS:-train}; do
              --reference hf --reference chunked --reference fused --reference flash ;;
     gates_small) need_flash; part gates_small 200 python3 -m pytest gates/test_tokens.py gates/test_page_safety.py \
              gates/test_prefill_share.py gates/test_graphs.py --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_small.json ;;
+    gates_rest) need_flash; part gates_rest 150 python3 -m pytest gates/test_page_safety.py gates/test_prefill_share.py \
+             gates/test_graphs.py tests/test_graph_buffers.py --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" \
+             -k "not cpu-emulated" --gate-summary logs/gate_summary_rest.json ;;
     planted_gpu) need_flash; part planted_gpu 120 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
     profile) need_flash; part profile 120 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 50 \
              --out results/profile ;;
@@ -62,13 +65,13 @@ for p in ${PARTS:-train}; do
              python3 -m gates.alert --storage golden/benchmarks/h200 --markdown results/alert-planted.md; echo alert rc=\$?" ;;
     bench_200) need_flash; part bench_200 260 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --out results/graphs --no-progress --closed --peer --batches 32,200 --uniform "" --new-tokens 128 \
-             --warmups 1 --reps 3 --peer-warmups 1 --peer-reps 1 ;;
+             --warmups ${WARM:-1} --reps ${REPS:-3} --peer-warmups ${PEER_WARM:-1} --peer-reps 1 ;;
     bench_eager) need_flash; part bench_eager 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
     chunks) need_flash; part chunks 200 bash -c "for c in 512 1024 2048 4096; do python3 -m engine.bench --model $M15 \
              --device cuda --engine flash --out results/chunk-\$c --no-progress --open --no-capped --chunk-tokens \$c \
-             --arrivals 200 --rates 200 --new-tokens 128 || exit 1; done" ;;
+             --arrivals ${ARRIVALS:-200} --rates 200 --new-tokens 128 || exit 1; done" ;;
     disturb) need_flash; part disturb 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
              --chunk-tokens 512,4096 --out results/disturbance ;;
     regen_15b) need_flash; part regen_15b 150 python3 -m gates.golden regen --model $M15 --workload mixed-gate \

@@ -12,7 +12,7 @@
 #   slowdown    the same with a planted slowdown, compared against that baseline, and the alert report
 #   bench_200   engine.bench flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
 #   bench_eager the same closed runs with graphs off
-#   chunks      open-loop capacity and worst token gap per chunk budget 512..4096 (1.5B, flash, graphs on)
+#   chunks      scripts/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
 #   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096
 #   regen_15b / gates_15b   1.5B-shape goldens and token gates
 set -u
@@ -69,9 +69,8 @@ for p in ${PARTS:-train}; do
     bench_eager) need_flash; part bench_eager 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
-    chunks) need_flash; part chunks 200 bash -c "for c in 512 1024 2048 4096; do python3 -m engine.bench --model $M15 \
-             --device cuda --engine flash --out results/chunk-\$c --no-progress --open --no-capped --chunk-tokens \$c \
-             --arrivals ${ARRIVALS:-200} --rates 200 --new-tokens 128 || exit 1; done" ;;
+    chunks) need_flash; part chunks 240 python3 scripts/chunk_sweep.py --model $M15 --device cuda --engine flash \
+             --chunks 512,1024,2048,4096 --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep ;;
     disturb) need_flash; part disturb 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
              --chunk-tokens 512,4096 --out results/disturbance ;;
     regen_15b) need_flash; part regen_15b 150 python3 -m gates.golden regen --model $M15 --workload mixed-gate \
@@ -90,4 +89,4 @@ for f in logs/gates_small.log logs/planted_gpu.log logs/gates_15b.log logs/steps
 [ -f logs/train.log ] && { echo "== train"; tail -15 logs/train.log; }
 [ -f logs/profile.log ] && tail -4 logs/profile.log
 grep -h "closed\|peer " logs/bench_*.log 2>/dev/null | tail -8
-grep -h "served" logs/chunks.log 2>/dev/null | tail -4
+grep -h "^|" logs/chunks.log 2>/dev/null | tail -6

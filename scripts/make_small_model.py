@@ -56,14 +56,16 @@ def near_tie_rate(dtype: str, thr: float = 0.02) -> tuple[float, int, int, int]:
     return sum(g < thr for g in gaps) / len(gaps), len(gaps), distinct, emitted
 
 
-def history_dependence(scale: float = 1.0) -> tuple[int, int]:
-    """Per request: generate alone, then again with its first page's K/V perturbed right after its prompt."""
-    specs = MIXED_CPU.requests()
+def history_dependence(specs=None, loaded=None, device="cpu", scale: float = 1.0) -> tuple[int, int]:
+    """Per request: generate alone, then again with its first page's K/V perturbed right after its prompt; count
+    requests whose continuation (after token 1) changes. Defaults: MIXED_CPU's requests, the committed small model."""
+    specs = MIXED_CPU.requests() if specs is None else specs
     changed = 0
     for s in specs:
         outs = []
         for perturb in (False, True):
-            e = Engine(EngineConfig(chunk_tokens=128, max_batch=1, num_pages=64))
+            e = Engine(EngineConfig(chunk_tokens=128, max_batch=1, num_pages=64, device=device,
+                                    compile_warmup=False), loaded=loaded)
             e.submit(s.prompt, s.budget, s.request_id)
             r = e.requests[s.request_id]
             while e.scheduler.has_work:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from engine import Engine, EngineConfig  # noqa: E402
 from engine.loader import load_model, qwen2_config  # noqa: E402
 from engine.workload import MIXED_CPU  # noqa: E402
-from make_small_model import CONFIG  # noqa: E402
+from make_small_model import CONFIG, history_dependence  # noqa: E402
 
 LO, HI = 3, 4000          # prompt token ids (engine/workload.py) and the domain of S
 PERM_SEED = 20261130
@@ -211,26 +211,6 @@ def teacher_accuracy(specs, res, S) -> tuple[float, float, float]:
             fol[x], x = y, y
     c, b = hits[True], hits[False]
     return (c[0] + b[0]) / max(1, c[1] + b[1]), c[0] / max(1, c[1]), b[0] / max(1, b[1])
-
-
-def history_dependence(specs, loaded, device, scale: float = 1.0) -> tuple[int, int]:
-    """make_small_model.history_dependence, parametrised: per request, generate alone, then again with its first
-    page's K/V perturbed right after its prompt; count requests whose continuation (after token 1) changes."""
-    changed = 0
-    for s in specs:
-        outs = []
-        for perturb in (False, True):
-            e = Engine(EngineConfig(chunk_tokens=128, max_batch=1, num_pages=64, device=device,
-                                    compile_warmup=False), loaded=loaded)
-            e.submit(s.prompt, s.budget, s.request_id)
-            r = e.requests[s.request_id]
-            while e.scheduler.has_work:
-                e.step()
-                if perturb and len(r.output) == 1 and r.num_cached == r.prompt_len:
-                    e.runner.perturb_page(e.pool.owned[s.request_id][0], scale)
-            outs.append(r.output)
-        changed += outs[0][1:] != outs[1][1:]
-    return changed, len(specs)
 
 
 def evaluate(model_dir, device="cpu", n_requests: int | None = None, perm_seed: int = PERM_SEED,

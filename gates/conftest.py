@@ -133,6 +133,10 @@ def runs(opts) -> Runs:
     return Runs(opts)
 
 
+def pytest_sessionstart(session):
+    summary.PATH = Path(session.config.getoption("--gate-summary"))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     lines = summary.lines()
     if not lines:

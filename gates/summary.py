@@ -8,10 +8,14 @@ from pathlib import Path
 from .compare import GateReport
 
 REPORTS: list[GateReport] = []
+PATH: Path | None = None     # set by conftest: the JSON is rewritten after every gate, so a run cut short (a CI
+                             # timeout, a device call's deadline) still leaves the summary of what it gated
 
 
 def record(report: GateReport) -> GateReport:
     REPORTS.append(report)
+    if PATH is not None:
+        write_json(PATH)
     return report
 
 
@@ -34,4 +38,7 @@ def lines() -> list[str]:
 
 
 def write_json(path) -> None:
-    Path(path).write_text(json.dumps([r.summary() for r in REPORTS], indent=2) + "\n")
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps([r.summary() for r in REPORTS], indent=2) + "\n")
+    tmp.replace(path)      # atomic: a reader never sees half a file

@@ -27,7 +27,8 @@ part() {   # part NAME MAX_SECONDS CMD...
   (( left < max )) && max=$left
   if (( max < 10 )); then SUMMARY+=("$name: not run (deadline)"); return; fi
   local t0=$(date +%s)
-  timeout "$max" "$@" > "logs/$name.log" 2>&1
+  # SIGINT first: pytest then prints its summary (and the gate summary) and the benches write what they measured
+  timeout -s INT -k 30 "$max" "$@" > "logs/$name.log" 2>&1
   local rc=$?
   SUMMARY+=("$name: rc=$rc in $(( $(date +%s) - t0 ))s (limit $max)")
 }

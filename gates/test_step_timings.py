@@ -256,11 +256,12 @@ class States:
             self.weights[model] = load_model(model, torch_dtype(self.dtype), self.device)
         return self.weights[model]
 
-    def get(self, case: ModelCase, config_name: str) -> FixedState:
+    def get(self, case: ModelCase, config_name: str, backend: str | None = None) -> FixedState:
         base = LINEAGE[config_name]
-        key = (case, base["backend"], base["page_size"])
+        backend = backend or base["backend"]
+        key = (case, backend, base["page_size"])
         if key not in self.states:
-            self.states[key] = FixedState(case, base["backend"], base["page_size"], self.device, self.dtype,
+            self.states[key] = FixedState(case, backend, base["page_size"], self.device, self.dtype,
                                           self.loaded(case.model))
         return self.states[key]
 
@@ -340,12 +341,18 @@ def pytest_generate_tests(metafunc):
     dev = torch.device(device).type
     cases = model_cases(cfg)
     if "step_case" in metafunc.fixturenames:
-        params = [pytest.param((case, name, kind, True), id=f"{dev}-{model_label(case.model)}-{name}-{kind}")
+        params = [pytest.param((case, name, kind, True, None), id=f"{dev}-{model_label(case.model)}-{name}-{kind}")
                   for case in cases for name in LINEAGE for kind in KINDS]
         # the graph path's eager twin, timed in the same run (graphs are captured only where a config allows)
-        params += [pytest.param((case, name, "pure-decode", False),
+        params += [pytest.param((case, name, "pure-decode", False, None),
                                 id=f"{dev}-{model_label(case.model)}-{name}-pure-decode-eager")
                    for case in cases for name in LINEAGE if graph_capable(name, device)]
+        # `fused` on the flex backend: the flash generation's predecessor kernel, beside it in the same run (GPU:
+        # on CPU, flex compiles every shape with Inductor's C++ backend, too slow for this file)
+        if dev == "cuda":
+            params += [pytest.param((case, "fused", kind, True, "flex"),
+                                    id=f"{dev}-{model_label(case.model)}-fused-flex-{kind}")
+                       for case in cases for kind in KINDS]
         metafunc.parametrize("step_case", params)
     if "kernel_case" in metafunc.fixturenames:
         params = [pytest.param((case, b), id=f"{dev}-{model_label(case.model)}-{b}")
@@ -359,11 +366,12 @@ def pytest_generate_tests(metafunc):
 def test_step_time(benchmark, states, step_case):
     """Forward + sampling of one step at the fixed state, per engine configuration and step kind (pure decode steps
     replay CUDA graphs where the configuration captures them; the `-eager` twin times the same step without)."""
-    case, config_name, kind, graphs = step_case
-    reason = config_reason(config_name, states.device)
+    case, config_name, kind, graphs, backend = step_case
+    reason = config_reason(config_name, states.device) or (
+        backend and backend_reason(backend, states.device, LINEAGE[config_name]["page_size"]))
     if reason:
         pytest.skip(reason)
-    st = states.get(case, config_name)
+    st = states.get(case, config_name, backend)
     forward = LINEAGE[config_name]["forward"]
     fn = st.step_fn(kind, forward, graphs=graphs)
     info = st.describe(kind)

@@ -48,12 +48,12 @@ for p in ${PARTS:-train}; do
              && cp .device/trained/* $OUT/trained/" ;;
     regen_small) need_flash; part regen_small 200 python3 -m gates.golden regen --model ${SMALL:-small-trained} --device cuda --dtype float16 \
              --reference hf --reference chunked --reference fused --reference flash ;;
-    gates_small) need_flash; part gates_small 200 python3 -m pytest gates/test_tokens.py gates/test_page_safety.py \
+    gates_small) need_flash; part gates_small 300 python3 -m pytest gates/test_tokens.py gates/test_page_safety.py \
              gates/test_prefill_share.py gates/test_graphs.py --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_small.json ;;
     gates_rest) need_flash; part gates_rest 150 python3 -m pytest gates/test_page_safety.py gates/test_prefill_share.py \
              gates/test_graphs.py tests/test_graph_buffers.py --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" \
              -k "not cpu-emulated" --gate-summary logs/gate_summary_rest.json ;;
-    planted_gpu) need_flash; part planted_gpu 120 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
+    planted_gpu) need_flash; part planted_gpu 200 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
     profile) need_flash; part profile 120 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 50 \
              --out results/profile ;;
     steps_15b) need_flash; part steps_15b 200 env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} python3 -m pytest \

@@ -92,3 +92,11 @@ def test_gate_summary_is_on_disk_after_every_gate(tmp_path, monkeypatch):
     summary.record(compare("second", rec, bad, None))
     got = json.loads(path.read_text())
     assert [(g["gate"], g["ok"]) for g in got] == [("first", True), ("second", False)]
+
+
+def test_parity_offline_compares_two_goldens_without_an_engine(capsys):
+    """GPU goldens can be compared on a CPU: no live engine, first differences judged from the stored logits."""
+    from gates.parity import main
+    assert main(["--a", "golden:hf", "--b", "golden:fused", "--workload", "uniform-cpu", "--offline"]) == 0
+    out = capsys.readouterr().out
+    assert "golden:fused against golden:hf on uniform-cpu" in out and "     64        48" in out

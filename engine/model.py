@@ -62,6 +62,13 @@ def rms_norm(x, weight, eps: float):
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x, residual, weight, eps: float):
+    """(rms_norm(x + residual), x + residual): the residual add fused into the norm that follows it (one kernel
+    compiled instead of two); the sum is taken in the model's dtype, as transformers' layer does."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -77,7 +84,7 @@ def silu_mul(gate_up):
     return F.silu(gate) * up
 
 
-OPS = {"rms_norm": rms_norm, "rope": rope, "silu_mul": silu_mul}
+OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
 _EAGER = dict(OPS)
 
 
@@ -99,7 +106,9 @@ def try_compile_elementwise(device, dtype, hidden: int, heads: int, head_dim: in
     try:
         for T in (1, 2, 3):
             x = torch.randn(T, hidden, device=device, dtype=dtype)
-            OPS["rms_norm"](x, torch.ones(hidden, device=device, dtype=dtype), 1e-6)
+            w = torch.ones(hidden, device=device, dtype=dtype)
+            OPS["rms_norm"](x, w, 1e-6)
+            OPS["add_rms_norm"](x, x, w, 1e-6)
             qk = torch.randn(T, heads + 2, head_dim, device=device, dtype=dtype)[:, :heads]
             cs = torch.randn(T, head_dim, device=device, dtype=dtype)
             OPS["rope"](qk, cs, cs)
@@ -116,8 +125,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        return OPS["rms_norm"](x, self.weight, self.eps)
+    def forward(self, x, residual=None):
+        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) in one fused piece."""
+        if residual is None:
+            return OPS["rms_norm"](x, self.weight, self.eps)
+        return OPS["add_rms_norm"](x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -200,9 +212,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, k_cache, v_cache, ctx):
+        """Returns (mlp output, residual stream before it): the next layer's norm adds the two (x + residual) in
+        the same kernel that normalises them, so no layer launches a separate residual add. residual=None: the
+        first layer, whose input is the embedding itself."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, k_cache, v_cache, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Qwen2(nn.Module):
@@ -231,8 +251,9 @@ class Qwen2(nn.Module):
         """tokens, positions: [T]; returns fp32 logits [len(logit_rows), vocab] (all rows if None)."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, (kc, vc) in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kc, vc, ctx)
+            x, residual = layer(x, residual, cos, sin, kc, vc, ctx)
         if logit_rows is not None:
-            x = x[logit_rows]
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = x[logit_rows], residual[logit_rows]
+        return self.lm_head(self.model.norm(x, residual)[0]).float()

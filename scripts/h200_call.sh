@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call on the H200, parts chosen by name (PARTS="a b c"; they run in the order given, under one deadline,
 # so a slow part cannot starve the summary). Logs, results and goldens come back in $OUT.
-#   carry: .device/flash_attn (the flash-attn sdist and its build script)
+#   carry: .device (flash_attn/: the flash-attn sdist and its build script; fa_built/: a build an earlier call brought
+#          back as $OUT/fa_built.tgz, unpacked there with `mkdir -p .device/fa_built && tar xzf fa_built.tgz -C .device/fa_built`)
+#   CHUNK (512): the chunk budget of bench_200, peer_200, open_flash
 # Parts:
 #   train       train the fp16-robust small model (scripts/train_small_model.py) into golden/models/qwen2-small-trained
 #   regen_small regenerate the trained small model's (SMALL=) fp16 GPU goldens (hf, chunked, fused, flash), printing what moved
@@ -11,6 +13,9 @@
 #   steps_15b   step-timing benchmarks + ratio gates on the GPU (small and 1.5B), baseline saved per machine
 #   slowdown    the same with a planted slowdown, compared against that baseline, and the alert report
 #   bench_200   engine.bench flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
+#   peer_200    engine.bench flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
+#   open_eager  chunked and fused (no flash needed: runs while flash-attn builds): closed 32 + a short open sweep
+#   open_flash  flash: closed 8/32/64 + uniform 256, the open sweep and the capped-pool control, at chunk $CHUNK
 #   bench_eager the same closed runs with graphs off
 #   chunks      scripts/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
 #   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096
@@ -34,12 +39,20 @@ part() {   # part NAME MAX_SECONDS CMD...
 }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv > logs/gpu.txt 2>&1
 python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)" >> logs/gpu.txt 2>&1
-( python3 .device/flash_attn/build_flash_attn.py .device/flash_attn/flash_attn-2.8.3.post2.tar.gz --arch 90 \
-    --workdir /tmp/fa > logs/flash_build.log 2>&1; echo $? > logs/flash_build.rc ) &
-BUILD=$!
-export STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext
-built=0
+# flash-attn: a build brought back by an earlier call (.device/fa_built, from $OUT/fa_built.tgz) saves its 2 minutes
+if ls .device/fa_built/ext/*.so > /dev/null 2>&1; then
+  FA=.device/fa_built; built=1; echo "flash-attn: prebuilt (.device/fa_built)" > logs/flash_build.log
+else
+  FA=/tmp/fa; built=0
+  ( python3 .device/flash_attn/build_flash_attn.py .device/flash_attn/flash_attn-2.8.3.post2.tar.gz --arch 90 \
+      --workdir /tmp/fa > logs/flash_build.log 2>&1; echo $? > logs/flash_build.rc; \
+    tar czhf "$OUT/fa_built.tgz" -C /tmp/fa ext src/flash_attn 2>> logs/flash_build.log ) &
+  BUILD=$!
+fi
+export STEPGATE_FLASH_ATTN_PATH=$PWD/$FA/src:$PWD/$FA/ext
+[ "$FA" = /tmp/fa ] && export STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext
 need_flash() { if (( built == 0 )); then wait $BUILD; built=1; fi; }
+CHUNK=${CHUNK:-512}
 GATE_OPTS=(--device cuda -q -p no:cacheprovider -rs)
 for p in ${PARTS:-train}; do
   case $p in
@@ -61,17 +74,28 @@ for p in ${PARTS:-train}; do
              --benchmark-autosave --benchmark-storage=file://golden/benchmarks/h200 --benchmark-columns=median,iqr,rounds ;;
     slowdown) need_flash; part slowdown 150 bash -c "env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} STEPGATE_PLANT_SLOWDOWN_MS=1 \
              python3 -m pytest gates/test_step_timings.py --device cuda -q -p no:cacheprovider -k 'pure-decode' \
-             --benchmark-autosave --benchmark-storage=file://golden/benchmarks/h200 --benchmark-compare \
+             --benchmark-storage=file://golden/benchmarks/h200 --benchmark-compare --benchmark-json=results/planted.json \
              --benchmark-compare-fail=median:10% --benchmark-columns=median,rounds; echo pytest rc=\$?; \
-             python3 -m gates.alert --storage golden/benchmarks/h200 --markdown results/alert-planted.md; echo alert rc=\$?" ;;
+             python3 -m gates.alert --baseline \$(ls golden/benchmarks/h200/*/*.json | tail -1) --current results/planted.json \
+             --markdown results/alert-planted.md; echo alert rc=\$?" ;;
     bench_200) need_flash; part bench_200 260 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --out results/graphs --no-progress --closed --peer --batches 32,200 --uniform "" --new-tokens 128 \
+             --chunk-tokens $CHUNK \
              --warmups ${WARM:-1} --reps ${REPS:-3} --peer-warmups ${PEER_WARM:-1} --peer-reps 1 ;;
+    peer_200) need_flash; part peer_200 300 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+             --out results/peer200 --no-progress --closed --peer --batches 200 --uniform "" --new-tokens 128 \
+             --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} --peer-warmups 1 --peer-warmup-requests 8 --peer-reps 1 ;;
+    open_eager) part open_eager 110 bash -c "for e in chunked fused; do python3 -m engine.bench --model $M15 \
+             --device cuda --engine \$e --out results/open-eager --append --no-progress --closed --open --no-capped \
+             --batches 32 --uniform '' --new-tokens 128 --warmups 1 --reps 1 --arrivals 48 --rates 4,16; done" ;;
+    open_flash) need_flash; part open_flash 240 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+             --out results/open-flash --no-progress --closed --open --batches 8,32,64 --uniform 256 --new-tokens 128 \
+             --chunk-tokens $CHUNK --warmups 1 --reps 2 --arrivals ${ARRIVALS:-200} --max-rates 4 ;;
     bench_eager) need_flash; part bench_eager 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
     chunks) need_flash; part chunks 240 python3 scripts/chunk_sweep.py --model $M15 --device cuda --engine flash \
-             --chunks 512,1024,2048,4096 --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep ;;
+             --chunks ${CHUNKS:-512,1024,2048,4096} --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep ;;
     disturb) need_flash; part disturb 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
              --chunk-tokens 512,4096 --out results/disturbance ;;
     regen_15b) need_flash; part regen_15b 150 python3 -m gates.golden regen --model $M15 --workload mixed-gate \

@@ -26,6 +26,14 @@ import torch
 
 from .base import AttentionBackend, AttnBatch, Unavailable
 
+SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
+# flash-attn sizes its split-KV heuristic from the row count and the block table's width, not from the rows' true
+# lengths. A captured decode step's table is as wide as the longest request the engine admits, and the mixed draw has
+# one row far longer than the rest: the heuristic then leaves that row in few splits while most SMs idle (torch's
+# profiler, H200: 84 us per layer call inside the graph). A fixed split count spreads every long row over the SMs;
+# rows shorter than a split's share skip the empty splits. scripts/flash_splits.py measures the choice.
+DEFAULT_DECODE_SPLITS = 0   # 0: flash-attn's own heuristic
+
 NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build it with "
                  "../shared/tools/flash_attn/build_flash_attn.py)")
 PATH_ENV = "STEPGATE_FLASH_ATTN_PATH"
@@ -56,7 +64,14 @@ class FlashBackend(AttentionBackend):
     graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
     dtypes = (torch.float16, torch.bfloat16)
 
-    def __init__(self):
+    def __init__(self, decode_splits: int | None = None):
+        """decode_splits: flash-attn's num_splits for decode (0: its heuristic); default: $STEPGATE_FLASH_SPLITS, else
+        DEFAULT_DECODE_SPLITS."""
+        if decode_splits is None:
+            decode_splits = int(os.environ.get(SPLITS_ENV, DEFAULT_DECODE_SPLITS))
+        if not 0 <= decode_splits <= 128:
+            raise ValueError(f"flash decode splits must be in 0..128 (flash-attn's limit), got {decode_splits}")
+        self.decode_splits = decode_splits
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)
@@ -114,7 +129,7 @@ class FlashBackend(AttentionBackend):
         self._check(k_cache)
         tag, bt, seqlens = batch.prepared["decode"]
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens, block_table=bt,
-                                 softmax_scale=scale, causal=True)
+                                 softmax_scale=scale, causal=True, num_splits=self.decode_splits)
         return out.squeeze(1)
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
@@ -126,4 +141,4 @@ class FlashBackend(AttentionBackend):
                             causal=True, block_table=bt)
 
 
-__all__ = ["FlashBackend", "NOT_INSTALLED", "PATH_ENV"]
+__all__ = ["FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV", "DEFAULT_DECODE_SPLITS"]

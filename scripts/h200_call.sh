@@ -13,6 +13,8 @@
 #   steps_15b   step-timing benchmarks + ratio gates on the GPU (small and 1.5B), baseline saved per machine
 #   slowdown    the same with a planted slowdown, compared against that baseline, and the alert report
 #   bench_200   engine.bench flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
+#   splits      scripts/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits (SPLITS_AUTO=1: use the best)
+#   closed_200  engine.bench flash: closed mixed 32 and 200 (128 new tokens) at chunk $CHUNK, no peer
 #   peer_200    engine.bench flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
 #   open_eager  chunked and fused (no flash needed: runs while flash-attn builds): closed 32 + a short open sweep
 #   open_flash  flash: closed 8/32/64 + uniform 256, the open sweep and the capped-pool control, at chunk $CHUNK
@@ -72,8 +74,8 @@ for p in ${PARTS:-train}; do
     steps_15b) need_flash; part steps_15b 200 env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} python3 -m pytest \
              gates/test_step_timings.py "${GATE_OPTS[@]}" -k "${STEPS_K:-pure-decode or graphed or cheaper}" \
              --benchmark-autosave --benchmark-storage=file://golden/benchmarks/h200 --benchmark-columns=median,iqr,rounds ;;
-    slowdown) need_flash; part slowdown 150 bash -c "env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} STEPGATE_PLANT_SLOWDOWN_MS=1 \
-             python3 -m pytest gates/test_step_timings.py --device cuda -q -p no:cacheprovider -k 'pure-decode' \
+    slowdown) need_flash; part slowdown 150 bash -c "env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} STEPGATE_PLANT_SLOWDOWN_MS=${PLANT_MS:-2} \
+             python3 -m pytest gates/test_step_timings.py --device cuda -q -p no:cacheprovider -k '${SLOW_K:-pure-decode}' \
              --benchmark-storage=file://golden/benchmarks/h200 --benchmark-compare --benchmark-json=results/planted.json \
              --benchmark-compare-fail=median:10% --benchmark-columns=median,rounds; echo pytest rc=\$?; \
              python3 -m gates.alert --baseline \$(ls golden/benchmarks/h200/*/*.json | tail -1) --current results/planted.json \
@@ -82,6 +84,14 @@ for p in ${PARTS:-train}; do
              --out results/graphs --no-progress --closed --peer --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK \
              --warmups ${WARM:-1} --reps ${REPS:-3} --peer-warmups ${PEER_WARM:-1} --peer-reps 1 ;;
+    splits) need_flash; part splits 90 python3 scripts/flash_splits.py --out results/flash_splits.json
+             # SPLITS_AUTO=1: the later parts of this call run flash decode at the fastest split count found here
+             if [ "${SPLITS_AUTO:-0}" = 1 ] && [ -f results/flash_splits.json ]; then
+               export STEPGATE_FLASH_SPLITS=$(python3 -c "import json; print(json.load(open('results/flash_splits.json'))['best']['num_splits'])")
+               SUMMARY+=("STEPGATE_FLASH_SPLITS=$STEPGATE_FLASH_SPLITS from here on"); fi ;;
+    closed_200) need_flash; part closed_200 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+             --out results/closed200-c$CHUNK --no-progress --closed --batches 32,200 --uniform "" --new-tokens 128 \
+             --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} ;;
     peer_200) need_flash; part peer_200 300 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --out results/peer200 --no-progress --closed --peer --batches 200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} --peer-warmups 1 --peer-warmup-requests 8 --peer-reps 1 ;;
@@ -113,5 +123,6 @@ for f in logs/gates_small.log logs/planted_gpu.log logs/gates_15b.log logs/steps
   [ -f "$f" ] && { echo "== $f"; grep -E "passed|failed|Error" "$f" | tail -3; }; done
 [ -f logs/train.log ] && { echo "== train"; tail -15 logs/train.log; }
 [ -f logs/profile.log ] && tail -4 logs/profile.log
-grep -h "closed\|peer " logs/bench_*.log 2>/dev/null | tail -8
+[ -f logs/splits.log ] && tail -18 logs/splits.log
+grep -h "closed\|peer " logs/bench_*.log logs/closed_200.log logs/peer_200.log 2>/dev/null | tail -10
 grep -h "^|" logs/chunks.log 2>/dev/null | tail -6

@@ -1,6 +1,7 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace."""
 from __future__ import annotations
 
+import gc
 import operator
 import time
 import warnings
@@ -74,6 +75,10 @@ class Engine:
             if why:
                 warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
         graphs = self.use_cuda_graphs(config)
+        if on_cuda:
+            # an engine dropped earlier may still hold its KV cache in a reference cycle until the collector runs:
+            # free it before this one takes its own (the benchmarks build engine after engine in one process)
+            gc.collect()
         self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
                                   poison=config.poison, record_topk=config.record_topk, pad_page=graphs)
         warm = config.compile_warmup if config.compile_warmup is not None else self.runner.device.type == "cuda"

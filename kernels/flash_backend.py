@@ -27,12 +27,24 @@ import torch
 from .base import AttentionBackend, AttnBatch, Unavailable
 
 SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
-# flash-attn sizes its split-KV heuristic from the row count and the block table's width, not from the rows' true
-# lengths. A captured decode step's table is as wide as the longest request the engine admits, and the mixed draw has
-# one row far longer than the rest: the heuristic then leaves that row in few splits while most SMs idle (torch's
-# profiler, H200: 84 us per layer call inside the graph). A fixed split count spreads every long row over the SMs;
-# rows shorter than a split's share skip the empty splits. scripts/flash_splits.py measures the choice.
-DEFAULT_DECODE_SPLITS = 0   # 0: flash-attn's own heuristic
+# flash-attn's split-KV decode divides the block table's WIDTH (not each row's length) into num_splits parts, and its
+# own heuristic (num_splits=0) picks the count from the row count alone. So a wide table (a captured decode step's
+# is as wide as the longest request the engine admits: 128 pages on the 1.5B shape) leaves a long row in a few
+# splits of many blocks each while most SMs idle. Measured inside a CUDA graph on the H200 (scripts/flash_splits.py;
+# 32 rows of the mixed draw, longest 4,097): width 128 took 118 us per layer with the heuristic, 45 us with 32
+# splits; a table cut to the longest row (17 pages) took 38 us with the heuristic and 24 us with 16 splits.
+# Hence: tables are cut to the pages the rows' lengths reach (prepare), and the split count gives each split about
+# BLOCKS_PER_SPLIT of flash-attn's key blocks of the table's width (0 in the variable: flash-attn's heuristic).
+BLOCKS_PER_SPLIT = 3
+
+
+def decode_splits_for(width_slots: int, head_dim: int) -> int:
+    """num_splits for a decode call over a table `width_slots` positions wide: about BLOCKS_PER_SPLIT key blocks
+    per split (flash-attn's split-KV block: 256 positions at head dim 64, 128 up to 128, 64 above), at most 128."""
+    block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
+    blocks = -(-width_slots // block_n)
+    return max(1, min(128, -(-blocks // BLOCKS_PER_SPLIT)))
+
 
 NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build it with "
                  "../shared/tools/flash_attn/build_flash_attn.py)")
@@ -65,11 +77,11 @@ class FlashBackend(AttentionBackend):
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, decode_splits: int | None = None):
-        """decode_splits: flash-attn's num_splits for decode (0: its heuristic); default: $STEPGATE_FLASH_SPLITS, else
-        DEFAULT_DECODE_SPLITS."""
-        if decode_splits is None:
-            decode_splits = int(os.environ.get(SPLITS_ENV, DEFAULT_DECODE_SPLITS))
-        if not 0 <= decode_splits <= 128:
+        """decode_splits: flash-attn's num_splits for every decode call (0: its own heuristic); None: from
+        $STEPGATE_FLASH_SPLITS if set, else per call from the table's width (decode_splits_for)."""
+        if decode_splits is None and os.environ.get(SPLITS_ENV):
+            decode_splits = int(os.environ[SPLITS_ENV])
+        if decode_splits is not None and not 0 <= decode_splits <= 128:
             raise ValueError(f"flash decode splits must be in 0..128 (flash-attn's limit), got {decode_splits}")
         self.decode_splits = decode_splits
         fa, reason = _import_flash()
@@ -112,7 +124,13 @@ class FlashBackend(AttentionBackend):
 
     def prepare(self, batch: AttnBatch, kind: str) -> None:
         bt = batch.block_tables
-        if bt.dtype != torch.int32 or not bt.is_contiguous():
+        if kind == "decode":
+            # only the pages the rows' lengths reach: split-KV work scales with the table's width (see above). A
+            # captured step passes lengths as wide as its table, so its table is kept whole.
+            need = -(-max(batch.kv_lens) // batch.page_size)
+            if need < bt.shape[1]:
+                bt = bt[:, :need]
+        if bt.dtype != torch.int32 or bt.stride(-1) != 1:   # flash-attn takes any row stride
             bt = bt.to(torch.int32).contiguous()
         seqlens = batch.kv_lens_t.to(torch.int32).contiguous()
         if kind == "decode":
@@ -128,8 +146,11 @@ class FlashBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, batch, scale):
         self._check(k_cache)
         tag, bt, seqlens = batch.prepared["decode"]
+        splits = self.decode_splits
+        if splits is None:
+            splits = decode_splits_for(bt.shape[1] * k_cache.shape[1], q.shape[-1])
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens, block_table=bt,
-                                 softmax_scale=scale, causal=True, num_splits=self.decode_splits)
+                                 softmax_scale=scale, causal=True, num_splits=splits)
         return out.squeeze(1)
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
@@ -141,4 +162,4 @@ class FlashBackend(AttentionBackend):
                             causal=True, block_table=bt)
 
 
-__all__ = ["FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV", "DEFAULT_DECODE_SPLITS"]
+__all__ = ["FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV", "decode_splits_for"]

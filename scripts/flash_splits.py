@@ -26,15 +26,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine.workload import MIXED  # noqa: E402
-from kernels.flash_backend import _import_flash  # noqa: E402
+from kernels.flash_backend import _import_flash, decode_splits_for  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--splits", default="0,1,2,4,8,16,32")
-    ap.add_argument("--widths", default="fit,128", help="block-table widths: 'fit' (the longest row's pages) or a number")
+    ap.add_argument("--splits", default="auto,0,8,16,32,64",
+                    help="num_splits values; 'auto': the flash backend's rule for the width (decode_splits_for)")
+    ap.add_argument("--widths", default="fit,32,64,128",
+                    help="block-table widths: 'fit' (the longest row's pages) or a number")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> int:
     for width in a.widths.split(","):
         W = max(need) if width == "fit" else int(width)
         bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        for ns in (int(x) for x in a.splits.split(",")):
+        for ns in (decode_splits_for(W * P, D) if x == "auto" else int(x) for x in a.splits.split(",")):
             def step():
                 out = None
                 for k, v in caches:
@@ -89,14 +91,16 @@ def main() -> int:
             if ref is None:
                 ref = out.float().clone()
             err = (out.float() - ref).abs().max().item()
-            rows.append(dict(width=W, num_splits=ns, us_per_layer=statistics.median(times), max_abs_diff=err))
+            rows.append(dict(width=W, num_splits=ns, auto=ns == decode_splits_for(W * P, D),
+                             us_per_layer=statistics.median(times), max_abs_diff=err))
             del graph
     kv_bytes = sum(hist) * Hk * D * 2 * 2
     print(f"flash decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max {max(hist)}, "
           f"{kv_bytes / 1e6:.1f} MB of K+V per layer")
     print(f"{'width':>6} {'num_splits':>10} {'us/layer':>9} {'max|diff|':>10}")
     for r in rows:
-        print(f"{r['width']:>6} {r['num_splits']:>10} {r['us_per_layer']:>9.1f} {r['max_abs_diff']:>10.2e}")
+        mark = " (the backend's rule)" if r["auto"] else ""
+        print(f"{r['width']:>6} {r['num_splits']:>10} {r['us_per_layer']:>9.1f} {r['max_abs_diff']:>10.2e}{mark}")
     wide = [r for r in rows if r["width"] == max(x["width"] for x in rows)]
     best = min(wide, key=lambda r: r["us_per_layer"])
     print(f"fastest at width {best['width']}: num_splits={best['num_splits']} ({best['us_per_layer']:.1f} us/layer)")

@@ -105,7 +105,7 @@ for p in ${PARTS:-train}; do
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
     chunks) need_flash; part chunks 240 python3 scripts/chunk_sweep.py --model $M15 --device cuda --engine flash \
-             --chunks ${CHUNKS:-512,1024,2048,4096} --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep ;;
+             --chunks ${CHUNKS:-512,1024,2048,4096} --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep${CHUNKS:+-${CHUNKS//,/-}} ;;
     disturb) need_flash; part disturb 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
              --chunk-tokens 512,4096 --out results/disturbance ;;
     regen_15b) need_flash; part regen_15b 150 python3 -m gates.golden regen --model $M15 --workload mixed-gate \

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import Engine, PoisonedLogitsError
-from engine.graphs import DecodeGraphs, ladder
+from engine.graphs import DecodeGraphs, ladder, width_ladder
 from engine.workload import MIXED_CPU
 from gates.compare import compare
 from gates.reference import EngineReference
@@ -52,12 +52,13 @@ def plant_stale_block_table(monkeypatch):
     fill = DecodeGraphs.fill
 
     def stale_fill(self, decodes, pages_of):
-        fill(self, decodes, pages_of)
+        need = fill(self, decodes, pages_of)
         if not hasattr(self, "_first_table"):
             self._first_table = self.table.copy()
         else:
             self.table[:] = self._first_table
             self.dev.copy_(self.host)
+        return need
 
     monkeypatch.setattr(DecodeGraphs, "fill", stale_fill)
 
@@ -67,6 +68,52 @@ def test_ladder():
     assert ladder(1) == [1]
     assert ladder(12) == [1, 2, 4, 8, 12]
     assert ladder(64)[-1] == 64
+
+
+def test_width_ladder():
+    assert width_ladder(128) == [16, 32, 64, 128]
+    assert width_ladder(17) == [16, 17]
+    assert width_ladder(16) == [16]
+    assert width_ladder(5) == [5]
+
+
+def test_replay_uses_the_narrowest_table_that_holds_its_rows(mode, monkeypatch):
+    """Each replay reads only the first w table columns, w the narrowest captured width holding the step's longest
+    row; a row's table lists only the pages its cache length reaches, the pad page after them."""
+    seen = []
+    fill = DecodeGraphs.fill
+
+    def recording_fill(self, decodes, pages_of):
+        need = fill(self, decodes, pages_of)
+        used = [r.num_cached // self.runner.page_size + 1 for r in decodes]
+        assert need == max(used)
+        for i, u in enumerate(used):
+            assert list(self.table[i, :u]) == pages_of[decodes[i].request_id][:u]
+            assert (self.table[i, u:] == self.runner.pad_page).all()
+        seen.append(need)
+        return need
+
+    monkeypatch.setattr(DecodeGraphs, "fill", recording_fill)
+    replay = DecodeGraphs.replay
+    keys = []
+
+    def recording_replay(self, decodes, pages_of):
+        out = replay(self, decodes, pages_of)
+        keys.append(self.last_key)
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "replay", recording_replay)
+    ref, _ = run(mode, True)
+    e = ref.last_engine
+    for i in range(3):          # short rows alone: the narrowest table
+        e.submit([5 + i] * 16, 4, f"short-{i}")
+    while e.scheduler.has_work:
+        e.step()
+    g = e.runner.graphs
+    assert len(g.widths) > 1 and len(keys) == len(seen) > 0
+    for need, (b, w) in zip(seen, keys):
+        assert w >= need and all(x < need for x in g.widths if x < w), (need, w, g.widths)
+    assert len({w for _, w in keys}) > 1, "the subset should reach more than one captured width"
 
 
 def test_graph_path_matches_eager(mode):

@@ -34,16 +34,21 @@ SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
 # 32 rows of the mixed draw, longest 4,097): width 128 took 118 us per layer with the heuristic, 45 us with 32
 # splits; a table cut to the longest row (17 pages) took 38 us with the heuristic and 24 us with 16 splits.
 # Hence: tables are cut to the pages the rows' lengths reach (prepare), and the split count gives each split about
-# BLOCKS_PER_SPLIT of flash-attn's key blocks of the table's width (0 in the variable: flash-attn's heuristic).
+# BLOCKS_PER_SPLIT of flash-attn's key blocks of the table's width, at most MAX_SPLITS (0 in the variable:
+# flash-attn's heuristic). Both from the same probe: 3 blocks a split was fastest at widths 17 and 32 (22 and 27 us);
+# at widths 64 and 128, 32 splits beat 43 and 86 (33 against 36 us, 45 against 61 us): past that, the empty splits'
+# launches and the combine cost more than they save.
 BLOCKS_PER_SPLIT = 3
+MAX_SPLITS = 32
 
 
 def decode_splits_for(width_slots: int, head_dim: int) -> int:
     """num_splits for a decode call over a table `width_slots` positions wide: about BLOCKS_PER_SPLIT key blocks
-    per split (flash-attn's split-KV block: 256 positions at head dim 64, 128 up to 128, 64 above), at most 128."""
+    per split (flash-attn's split-KV block: 256 positions at head dim 64, 128 up to 128, 64 above), at most
+    MAX_SPLITS."""
     block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
     blocks = -(-width_slots // block_n)
-    return max(1, min(128, -(-blocks // BLOCKS_PER_SPLIT)))
+    return max(1, min(MAX_SPLITS, -(-blocks // BLOCKS_PER_SPLIT)))
 
 
 NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build it with "

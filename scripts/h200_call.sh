@@ -8,6 +8,8 @@
 #   train       train the fp16-robust small model (scripts/train_small_model.py) into golden/models/qwen2-small-trained
 #   regen_small regenerate the trained small model's (SMALL=) fp16 GPU goldens (hf, chunked, fused, flash), printing what moved
 #   gates_small token, poison, page-safety, prefill-share and graph gates on the small model, every backend
+#   gates_graphs the graph gates (captured vs eager, stale table, graphs on vs off) on the small model
+#   gates_share  the prefill-share gates on the GPU
 #   planted_gpu captured decode graphs vs eager, padding, and the planted stale block table (tests/test_graph_buffers.py)
 #   profile     scripts/profile_decode.py on the 1.5B shape: where a pure decode step's time goes, graphs on/off
 #   steps_15b   step-timing benchmarks + ratio gates on the GPU (small and 1.5B), baseline saved per machine
@@ -68,6 +70,10 @@ for p in ${PARTS:-train}; do
     gates_rest) need_flash; part gates_rest 150 python3 -m pytest gates/test_page_safety.py gates/test_prefill_share.py \
              gates/test_graphs.py tests/test_graph_buffers.py --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" \
              -k "not cpu-emulated" --gate-summary logs/gate_summary_rest.json ;;
+    gates_graphs) need_flash; part gates_graphs 150 python3 -m pytest tests/test_graph_buffers.py gates/test_graphs.py \
+             --model ${SMALL:-small-trained} "${GATE_OPTS[@]}" -k "not cpu-emulated" --gate-summary logs/gate_summary_graphs.json ;;
+    gates_share) need_flash; part gates_share 200 python3 -m pytest gates/test_prefill_share.py --model ${SMALL:-small-trained} \
+             "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_share.json ;;
     planted_gpu) need_flash; part planted_gpu 200 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
     profile) need_flash; part profile 120 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 50 \
              --out results/profile ;;

@@ -1,0 +1,71 @@
+"""The flash backend's decode bookkeeping that runs without flash-attn: the split rule and the table cut.
+
+flash-attn's split-KV decode divides the block table's width among its splits, so the backend cuts a decode table to
+the pages the rows' lengths reach and sizes the split count from that width (kernels/flash_backend.py; H200 figures
+in docs/h200-2026-11-29-s3.md). Both are host-side and checked here on a CPU; the kernel itself is gated on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import AttnBatch
+from kernels.flash_backend import BLOCKS_PER_SPLIT, MAX_SPLITS, FlashBackend, decode_splits_for
+
+
+def test_split_rule():
+    # head dim 128: flash-attn's split-KV key block is 128 positions; 256-slot pages are 2 blocks each
+    assert decode_splits_for(256, 128) == 1
+    assert decode_splits_for(17 * 256, 128) == 12          # 34 blocks, 3 a split
+    assert decode_splits_for(32 * 256, 128) == 22
+    assert decode_splits_for(64 * 256, 128) == MAX_SPLITS  # capped: more splits lost on the H200
+    assert decode_splits_for(128 * 256, 128) == MAX_SPLITS
+    assert decode_splits_for(8 * 256, 64) == -(-8 // BLOCKS_PER_SPLIT)   # head dim 64: 256-position blocks
+    widths = [w * 256 for w in range(1, 200)]
+    splits = [decode_splits_for(w, 128) for w in widths]
+    assert splits == sorted(splits) and min(splits) >= 1 and max(splits) <= MAX_SPLITS
+
+
+def backend(splits=None) -> FlashBackend:
+    """A FlashBackend without importing flash-attn: only its host-side prepare runs here."""
+    b = object.__new__(FlashBackend)
+    b.decode_splits = splits
+    b._fallback = None
+    return b
+
+
+def batch(kv_lens, width, page=256) -> AttnBatch:
+    rows = len(kv_lens)
+    bt = torch.arange(1, rows * width + 1, dtype=torch.int32).view(rows, width)
+    return AttnBatch([1] * rows, list(kv_lens), bt, torch.tensor(kv_lens, dtype=torch.int32),
+                     torch.arange(rows + 1, dtype=torch.int32), page)
+
+
+def test_decode_table_cut_to_the_pages_the_lengths_reach():
+    b = batch([1, 300, 513], width=128)      # the longest row reaches 3 pages of 256
+    backend().prepare(b, "decode")
+    _, bt, seqlens = b.prepared["decode"]
+    assert bt.shape == (3, 3) and bt.stride(-1) == 1
+    assert torch.equal(bt, b.block_tables[:, :3])          # the same pages, in order: a view, not a copy
+    assert bt.data_ptr() == b.block_tables.data_ptr()
+    assert seqlens.tolist() == [1, 300, 513]
+
+
+@pytest.mark.parametrize("lengths", [[256, 512], [257, 1]])
+def test_page_boundary_lengths(lengths):
+    b = batch(lengths, width=8)
+    backend().prepare(b, "decode")
+    need = -(-max(lengths) // 256)
+    assert b.prepared["decode"][1].shape[1] == need
+
+
+def test_captured_table_is_kept_whole():
+    """A captured step passes host lengths as wide as its table (engine/graphs.py): nothing is cut."""
+    b = batch([32 * 256] * 4, width=32)
+    backend().prepare(b, "decode")
+    assert b.prepared["decode"][1].shape == (4, 32)
+
+
+def test_out_of_range_split_count_is_refused(monkeypatch):
+    monkeypatch.setattr("kernels.flash_backend._import_flash", lambda: (None, "not here"))
+    with pytest.raises(ValueError, match="0..128"):
+        FlashBackend(decode_splits=129)

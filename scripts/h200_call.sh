@@ -18,13 +18,22 @@
 #   splits      scripts/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits (SPLITS_AUTO=1: use the best)
 #   closed_200  engine.bench flash: closed mixed 32 and 200 (128 new tokens) at chunk $CHUNK, no peer
 #   peer_200    engine.bench flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
-#   open_eager  chunked and fused (no flash needed: runs while flash-attn builds): closed 32 + a short open sweep
-#   open_flash  flash: closed 8/32/64 + uniform 256, the open sweep and the capped-pool control, at chunk $CHUNK
+#   open_eager  chunked and fused (EAGER_ENGINES), one part each: closed 8/32/64 and an open sweep (EAGER_RATES, EAGER_ARRIVALS)
+#   open_flash  flash: closed 8/32/64 + uniform 256, the open sweep (RATES, ARRIVALS) and the capped-pool control, at chunk $CHUNK
 #   bench_eager the same closed runs with graphs off
 #   chunks      scripts/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
 #   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096
 #   regen_15b / gates_15b   1.5B-shape goldens and token gates
 set -u
+# PARTS_GPU1 (a machine of two GPUs): those parts run at the same time on the second GPU, from a copy of the tree,
+# their files in $OUT/gpu1; the parts in PARTS run on the first. Host work is light next to 32 cores.
+if [ -n "${PARTS_GPU1:-}" ]; then
+  rm -rf /tmp/gpu1tree && cp -a . /tmp/gpu1tree && mkdir -p "${OUT:-/tmp/out}/gpu1"
+  ( cd /tmp/gpu1tree && CUDA_VISIBLE_DEVICES=1 OUT="${OUT:-/tmp/out}/gpu1" PARTS="$PARTS_GPU1" PARTS_GPU1= \
+      bash scripts/h200_call.sh > /tmp/gpu1.log 2>&1 ) &
+  GPU1=$!
+  export CUDA_VISIBLE_DEVICES=0
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" logs results
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
@@ -101,12 +110,14 @@ for p in ${PARTS:-train}; do
     peer_200) need_flash; part peer_200 300 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --out results/peer200 --no-progress --closed --peer --batches 200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} --peer-warmups 1 --peer-warmup-requests 8 --peer-reps 1 ;;
-    open_eager) part open_eager 110 bash -c "for e in chunked fused; do python3 -m engine.bench --model $M15 \
-             --device cuda --engine \$e --out results/open-eager --append --no-progress --closed --open --no-capped \
-             --batches 32 --uniform '' --new-tokens 128 --warmups 1 --reps 1 --arrivals 48 --rates 4,16; done" ;;
-    open_flash) need_flash; part open_flash 240 python3 -m engine.bench --model $M15 --device cuda --engine flash \
-             --out results/open-flash --no-progress --closed --open --batches 8,32,64 --uniform 256 --new-tokens 128 \
-             --chunk-tokens $CHUNK --warmups 1 --reps 2 --arrivals ${ARRIVALS:-200} --max-rates 4 ;;
+    open_eager) for e in ${EAGER_ENGINES:-chunked fused}; do
+             part open_$e ${EAGER_S:-240} python3 -m engine.bench --model $M15 --device cuda --engine $e \
+             --out results/open-eager --append --no-progress --closed --open --no-capped --batches ${EAGER_BATCHES:-8,32,64} \
+             --uniform '' --new-tokens 128 --chunk-tokens $CHUNK --warmups 1 --reps 1 \
+             --arrivals ${EAGER_ARRIVALS:-100} --rates ${EAGER_RATES:-2,4,8}; done ;;
+    open_flash) need_flash; part open_flash ${OPEN_S:-480} python3 -m engine.bench --model $M15 --device cuda --engine flash \
+             --out results/open-flash-c$CHUNK --no-progress --closed --open --batches 8,32,64 --uniform 256 --new-tokens 128 \
+             --chunk-tokens $CHUNK --warmups 1 --reps 2 --arrivals ${ARRIVALS:-200} ${RATES:+--rates $RATES} --max-rates 5 ;;
     bench_eager) need_flash; part bench_eager 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
@@ -125,6 +136,7 @@ done
 tar czf "$OUT/goldens.tgz" $(find golden -path '*cuda*' -type f) golden/benchmarks 2>/dev/null
 tar czf "$OUT/results.tgz" results logs 2>/dev/null
 printf '%s\n' "${SUMMARY[@]}" | tee "$OUT/summary.txt"
+[ -n "${GPU1:-}" ] && { wait $GPU1; echo "== gpu1"; cat /tmp/gpu1.log; }
 for f in logs/gates_small.log logs/planted_gpu.log logs/gates_15b.log logs/steps_15b.log; do
   [ -f "$f" ] && { echo "== $f"; grep -E "passed|failed|Error" "$f" | tail -3; }; done
 [ -f logs/train.log ] && { echo "== train"; tail -15 logs/train.log; }
@@ -132,3 +144,4 @@ for f in logs/gates_small.log logs/planted_gpu.log logs/gates_15b.log logs/steps
 [ -f logs/splits.log ] && tail -18 logs/splits.log
 grep -h "closed\|peer " logs/bench_*.log logs/closed_200.log logs/peer_200.log 2>/dev/null | tail -10
 grep -h "^|" logs/chunks.log 2>/dev/null | tail -6
+grep -h "closed \|open \|capped \|stopped rising" logs/open_*.log 2>/dev/null | tail -40

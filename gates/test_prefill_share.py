@@ -197,9 +197,10 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     - nothing is withheld (no long piece waits, no step idles) while nobody decodes;
     - per cycle (a step with long work, then pure decode steps up to the next long piece, decoders runnable
       throughout) the pure decode steps cover the debt (t - t_d) (1 - p) / p, saturated at
-      max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t), by whole steps: debt <= n t_d < debt + t_d;
-    - over all cycles, the decoders' share of (pure decode time + prompt work's extra time) is 1 - p (unsaturated)
-      within one pure decode step per cycle.
+      max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t), by whole steps: debt <= n t_d < debt + t_d; before the prompt's
+      last long piece, that piece's own debt too (paid ahead, estimated from the piece before it);
+    - over all cycles and the last long piece, the decoders' share of (pure decode time + prompt work's extra time)
+      is 1 - p (unsaturated) within one pure decode step per cycle.
     Returns what it measured."""
     C = chunk_tokens
     pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
@@ -236,23 +237,31 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     for a, b in zip(long_at, long_at[1:]):
         seg = steps[a:b]
         if all(s[1] for s in steps[a:b + 1]):     # (decoders gone at b: the debt was rightly dropped early)
-            cycles.append(seg)
+            cycles.append((b, seg))
     decode_time = prompt_time = lo = hi = 0.0
-    for seg in cycles:
+    last_long = steps[long_at[-1]] if long_at else None
+    for b, seg in cycles:
         t_loaded, e = seg[0][3], seg[0][4]
         n = sum(1 for s in seg[1:] if s[4] == 0.0)          # pure decode steps
         owed = e * (1 - p_used) / p_used
         cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t_loaded)
         due = min(owed, cap)
+        ahead = ""
+        before_last = b == long_at[-1]
+        if before_last:
+            # the next piece is the prompt's last long one: it pays its own debt ahead, estimated from this piece
+            # (same size, so the estimate is exact here), saturated at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS t)
+            due = max(due, min(due + owed, max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * (e + t_decode))))
+            ahead = f", plus the last long piece's own debt ahead, estimated as this one's ({owed:.4g} s)"
         tol = 1e-6 * max(1.0, due)
         assert due - tol <= n * t_decode < due + t_decode + tol, (
             f"p={p_used}: after the loaded step {seg[0][0]} ({t_loaded:.4g} s, {e:.4g} s beyond a pure decode step of "
             f"{t_decode:.4g} s) the decoders got {n} pure decode steps = {n * t_decode:.4g} s; the debt rule gives "
             f"(t - t_d)(1 - p)/p = {owed:.4g} s, saturated at max({DEBT_CAP_SECONDS}, {DEBT_CAP_STEPS} t) = "
-            f"{cap:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
-            + (" (the debt did not saturate)" if n * t_decode > cap + t_decode else ""))
+            f"{cap:.4g} s{ahead}: {due:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
+            + (" (the debt did not saturate)" if n * t_decode > cap + t_decode and not before_last else ""))
         decode_time += n * t_decode
-        prompt_time += e
+        prompt_time += e + (last_long[4] if before_last else 0.0)
         lo += due
         hi += due + t_decode
     share = target = None

@@ -21,6 +21,8 @@
 #   open_eager  chunked and fused (EAGER_ENGINES), one part each: closed 8/32/64 and an open sweep (EAGER_RATES, EAGER_ARRIVALS)
 #   open_flash  flash: closed 8/32/64 + uniform 256, the open sweep (RATES, ARRIVALS) and the capped-pool control, at chunk $CHUNK
 #   bench_eager the same closed runs with graphs off
+#   peer32      closed mixed 32 (128 new tokens) per engine (PEER_ENGINES), the peer beside each, at chunk $CHUNK
+#   uniform_eager  chunked and fused: the closed uniform 256 control, no warm-up, one run (eager steps are slow here)
 #   chunks      scripts/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
 #   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096
 #   regen_15b / gates_15b   1.5B-shape goldens and token gates
@@ -118,6 +120,14 @@ for p in ${PARTS:-train}; do
     open_flash) need_flash; part open_flash ${OPEN_S:-480} python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --out results/open-flash-c$CHUNK --no-progress --closed --open --batches 8,32,64 --uniform 256 --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps 2 --arrivals ${ARRIVALS:-200} ${RATES:+--rates $RATES} --max-rates 5 ;;
+    peer32) for e in ${PEER_ENGINES:-flash fused chunked}; do
+             part peer32_$e ${PEER32_S:-150} python3 -m engine.bench --model $M15 --device cuda --engine $e \
+             --out results/peer32-c$CHUNK --append --no-progress --closed --peer --batches 32 --uniform '' --new-tokens 128 \
+             --chunk-tokens $CHUNK --warmups 1 --reps 2 --peer-warmups 1 --peer-warmup-requests 8 --peer-reps 1; done ;;
+    uniform_eager) for e in ${EAGER_ENGINES:-chunked fused}; do
+             part uniform_$e ${UNIFORM_S:-120} python3 -m engine.bench --model $M15 --device cuda --engine $e \
+             --out results/uniform-eager --append --no-progress --closed --batches '' --uniform 256 --new-tokens 128 \
+             --chunk-tokens $CHUNK --warmups 0 --reps 1; done ;;
     bench_eager) need_flash; part bench_eager 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
@@ -144,4 +154,5 @@ for f in logs/gates_small.log logs/planted_gpu.log logs/gates_15b.log logs/steps
 [ -f logs/splits.log ] && tail -18 logs/splits.log
 grep -h "closed\|peer " logs/bench_*.log logs/closed_200.log logs/peer_200.log 2>/dev/null | tail -10
 grep -h "^|" logs/chunks.log 2>/dev/null | tail -6
-grep -h "closed \|open \|capped \|stopped rising" logs/open_*.log 2>/dev/null | tail -40
+grep -h "closed \|open \|capped \|stopped rising\|^peer " logs/open_*.log logs/peer32_*.log logs/uniform_*.log 2>/dev/null | tail -40
+grep -h "^|" logs/disturb.log 2>/dev/null | tail -12

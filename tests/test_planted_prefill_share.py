@@ -5,7 +5,9 @@
   tokens may well stay identical: that is why the gate compares the boundaries too);
 - a debt that never saturates: a tiny p starves the long prompt; the debt property must catch it;
 - a debt that counts no decoders (owes and withholds whether or not anyone is decoding): the long prompt waits
-  for nobody; the debt property must catch it.
+  for nobody; the debt property must catch it;
+- a last long piece paid for only after it runs (no prepay): the decoders get n - 1 of a prompt's n debts while it
+  fills; the debt property must catch it.
 Each bug is planted by subclassing Scheduler (engine files stay untouched).
 """
 from __future__ import annotations
@@ -34,7 +36,7 @@ class CutsShortWhenOwed(Scheduler):
         chunks, withheld = super().pick_chunks(withhold_long)
         if withheld:
             piece = self.next_piece(withheld[0])
-            chunks.append(Chunk(piece.request, piece.start, max(1, piece.length // 2)))
+            chunks.append(Chunk(piece.request, piece.start, max(1, piece.length // 2), long=piece.long))
         return chunks, []
 
 
@@ -104,6 +106,15 @@ def test_chunk_cut_short_when_debt_is_owed_is_caught(loaded):
     assert "expected the whole piece" in msg, msg
 
 
+
+class PaysLastPieceAfter(Scheduler):
+    """The rule before the prepay: a prompt's last long piece is paid for only after it runs, so its debt falls due
+    once the prompt already emits its first token, and the decoders get n - 1 of n debts while it fills."""
+
+    def prepay(self, chunks):
+        pass
+
+
 # -- the debt property ---------------------------------------------------------------------------------------------
 def run_property(scheduler_cls):
     @FIND
@@ -128,3 +139,8 @@ def test_debt_that_counts_no_decoders_is_caught():
     with pytest.raises(AssertionError, match=r"withheld while nobody decodes .* debt must count only runnable "
                                              r"decoders"):
         run_property(CountsNoDecoders)
+
+
+def test_last_long_piece_paid_after_is_caught():
+    with pytest.raises(AssertionError, match=r"plus the last long piece's own debt ahead"):
+        run_property(PaysLastPieceAfter)

@@ -394,3 +394,30 @@ def test_short_prompts_never_wait_for_the_debt():
     plan = timed_step(sched, 1.2)
     assert chunks(plan) == [("chat", 0, 100)] and plan.withheld == 1 and plan.long_chunks == 0
     assert sched.debt == 0.0        # decode tokens + a short piece pay the decode part: min(1.2, 1.0)
+
+
+@pytest.mark.parametrize("last_step, debt_after", [(4.0, 0.0), (6.0, 2.0), (2.0, 0.0)])
+def test_last_long_piece_pays_its_debt_ahead(last_step, debt_after):
+    """778 positions at chunk 128: long pieces at 0, 128, 256 (after 256..384, 394 are left: short), so the piece at
+    256 is the last long one. It owes its debt ahead, estimated from the piece before it (3 s beyond a decode step),
+    and settles the rest after it runs: none if it cost what was estimated (or less: no credit), 2 s if 2 s more."""
+    sched, decoders, long_ = decoding_with_long_prompt(0.5, long_len=512 + 2 * 128 + 10)
+    timed_step(sched, 1.0)                              # first long piece: no estimate yet, owes 1 s
+    timed_step(sched, 1.0)                              # paid by a pure decode step; the estimate is 1 s
+    plan = timed_step(sched, 4.0)                       # second long piece: owes 3 s, its extra is the estimate
+    assert chunks(plan) == [("long", 128, 128)] and sched.debt == pytest.approx(3.0)
+    kinds = [timed_step(sched, 1.0).kind for _ in range(6)]
+    # its own 3 s, then the last long piece's 3 s ahead: 6 pure decode steps before it
+    assert kinds == ["pure-decode"] * 6 and sched.prepaid == {"long": pytest.approx(3.0)}
+    plan = timed_step(sched, last_step)
+    assert chunks(plan) == [("long", 256, 128)] and plan.long_chunks == 1
+    assert sched.debt == pytest.approx(debt_after)
+    plan = timed_step(sched, 1.0)                       # the short tail never waits
+    assert chunks(plan) == [("long", 384, 128)] and plan.long_chunks == 0
+
+
+def test_a_single_long_piece_has_no_estimate_and_does_not_wait():
+    sched, decoders, long_ = decoding_with_long_prompt(0.5, long_len=600)   # one long piece, then 472: short
+    plan = timed_step(sched, 3.0)
+    assert plan.long_chunks == 1 and plan.withheld == 0 and sched.prepaid == {"long": 0.0}
+    assert sched.debt == pytest.approx(3.0)             # owed after it, as for any long piece

@@ -23,7 +23,14 @@ token of A, B and C in <out>/tokens.csv, and a plot <out>/disturbance.png when m
   decode step): the debt rule's own measure, 1 - p when the debt does not saturate (B's last 512 positions are a
   short prompt: they never wait and owe nothing, so a short B reads a little under 1 - p);
 - withheld_steps: steps that withheld a long-prompt chunk for the decoders' debt;
-- tokens_identical: A's, B's and C's tokens equal those of the first share's run over their common length.
+- tokens_identical: A's, B's and C's tokens equal those of the first share's run over their common length;
+  tokens_check says where they first differ and whether that is a near tie: the gap between the two tokens' logits,
+  scored by teacher forcing over the first run's tokens, under TIE_THRESHOLD (0.02, the gates' rule). Arrivals
+  follow the wall clock, so two runs can put the same position in different kinds of step (a loaded step in one, a
+  pure decode step in the other) whatever p is; on a model with near ties (random weights) such a position may
+  flip. A tie flip is reported, not failed (the exactness gates, gates/test_prefill_share.py, check every token
+  under the full rule); a difference that is not a near tie fails the run (exit code 1). After a difference the
+  request's later tokens are not compared.
 The device is synchronised around every step (sync_trace), so the debt sees real step times.
 """
 from __future__ import annotations
@@ -49,10 +56,36 @@ except ImportError:  # pragma: no cover
 FIELDS = ["model", "device", "dtype", "engine", "chunk_tokens", "prefill_share", "b_tokens", "b_at_s", "c_after_s",
           "b_ttft_s", "b_alone_s", "b_slowdown", "c_ttft_s", "a_longest_pause_s", "a_gap_alone_s", "a_rate_alone",
           "a_rate_during_b", "a_rate_ratio", "decode_time_share", "a_tokens", "withheld_steps", "steps", "loaded_steps",
-          "pure_decode_steps", "wall_s", "a_finished_early", "tokens_identical"]
+          "pure_decode_steps", "wall_s", "a_finished_early", "tokens_identical", "tokens_check"]
 STEP_FIELDS = ["chunk_tokens", "prefill_share", "index", "kind", "start_s", "duration_ms", "prompt_positions",
                "decode_tokens", "chunks", "withheld"]
 TOKEN_FIELDS = ["chunk_tokens", "prefill_share", "request", "position", "token", "time_s", "step"]
+
+
+TIE_THRESHOLD = 0.02        # the gates' rule: only logit ties under this may flip
+
+
+def first_difference(ref: dict[str, list[int]], outs: dict[str, list[int]]):
+    """(request id, position, reference token, this run's token) of the first difference, by request; or None."""
+    for rid, x in outs.items():
+        r = ref.get(rid, [])
+        for i, (u, v) in enumerate(zip(r, x)):
+            if u != v:
+                return rid, i, u, v
+    return None
+
+
+def check_tokens(e: Engine, prompts: dict[str, list[int]], ref: dict[str, list[int]],
+                 outs: dict[str, list[int]]) -> tuple[bool, str]:
+    """(ok, what) for one run against the first run of its chunk budget: identical, a tie flip, or a difference."""
+    d = first_difference(ref, outs)
+    if d is None:
+        return True, "identical"
+    rid, i, u, v = d
+    logits = e.score(prompts[rid] + ref[rid][:i], last_only=True)[-1]   # what predicts position i
+    gap = abs(float(logits[u] - logits[v]))
+    where = f"{rid}@{i} ({u} vs {v}, gap {gap:.4f})"
+    return gap < TIE_THRESHOLD, ("tie flip at " if gap < TIE_THRESHOLD else "DIFFERS at ") + where
 
 
 def log(msg: str) -> None:
@@ -157,7 +190,7 @@ def table(rows: list[dict]) -> str:
     cols = [("chunk", "chunk_tokens"), ("p", "prefill_share"), ("B ttft s", "b_ttft_s"), ("B alone s", "b_alone_s"),
             ("B x", "b_slowdown"), ("C ttft s", "c_ttft_s"), ("A pause s", "a_longest_pause_s"),
             ("A tok/s alone", "a_rate_alone"), ("A tok/s in B", "a_rate_during_b"), ("A ratio", "a_rate_ratio"),
-            ("decode share", "decode_time_share"), ("withheld", "withheld_steps"), ("same tokens", "tokens_identical")]
+            ("decode share", "decode_time_share"), ("withheld", "withheld_steps"), ("tokens", "tokens_check")]
     cells = [[h for h, _ in cols]] + [[fmt(r[k], 2 if k.startswith("a_rate") and k != "a_rate_ratio" else 3)
                                        for _, k in cols] for r in rows]
     w = [max(len(c[i]) for c in cells) for i in range(len(cols))]
@@ -238,6 +271,7 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="the pool (default: 16 GiB cuda, 256 MiB cpu)")
     ap.add_argument("--max-run-s", type=float, default=120.0, help="give up a run after this many seconds")
     ap.add_argument("--no-alone", action="store_true", help="skip the B-alone baseline")
+    ap.add_argument("--alone-reps", type=int, default=3, help="B-alone runs per chunk budget (median)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="results/disturbance")
     ap.add_argument("--no-progress", action="store_true")
@@ -292,7 +326,8 @@ def main(argv=None) -> int:
     runs = [(ct, p) for ct in chunks for p in shares]
     bar = tqdm(total=len(runs) + (0 if a.no_alone else len(chunks)), desc="disturbance", unit="run") \
         if tqdm and not a.no_progress else None
-    rows, steps, tokens, first_run = [], [], [], {}
+    rows, steps, tokens, first_run, problems = [], [], [], {}, []
+    prompts = {rid: prompt for rid, prompt, _, _ in (sc.a, sc.b, sc.c)}
     for ct, p in runs:
         e = Engine(config(ct, p), loaded=loaded)
         t = time.perf_counter()
@@ -300,10 +335,13 @@ def main(argv=None) -> int:
         m = measure(e, sc)
         outs = {rid: list(e.requests[rid].output) for rid in ("A", "B", "C") if rid in e.requests}
         ref = first_run.setdefault(ct, outs)
-        same = all(x[:min(len(x), len(ref.get(rid, [])))] == ref.get(rid, [])[:len(x)] for rid, x in outs.items())
+        ok, what = check_tokens(e, prompts, ref, outs)
+        same = what == "identical"
+        problems += [] if ok else [f"chunk {ct}, p {p}: tokens {what}"]
         row = {"model": loaded[2], "device": a.device, "dtype": dtype, "engine": a.engine, "chunk_tokens": ct,
                "prefill_share": e.scheduler.prefill_share, "b_tokens": b_tokens, "b_at_s": b_at, "c_after_s": c_after,
                "b_alone_s": None, "b_slowdown": None, "wall_s": time.perf_counter() - t, "tokens_identical": same,
+               "tokens_check": what,
                **m}
         rows.append(row)
         if m["a_finished_early"]:
@@ -325,15 +363,19 @@ def main(argv=None) -> int:
     # B alone on an idle engine, per chunk budget (after the runs: the allocator and kernels are warm by then)
     if not a.no_alone:
         for ct in chunks:
-            e = Engine(config(ct, 1.0), loaded=loaded)
-            drive(e, [("B", sc.b[1], sc.b[2], 0.0)], first_tokens(["B"]), a.max_run_s)
-            b = e.requests["B"]
-            alone = b.first_token_time - b.arrival_time if b.output else None
+            times = []
+            for _ in range(a.alone_reps):        # a median: one run is at the mercy of the host
+                e = Engine(config(ct, 1.0), loaded=loaded)
+                drive(e, [("B", sc.b[1], sc.b[2], 0.0)], first_tokens(["B"]), a.max_run_s)
+                b = e.requests["B"]
+                if b.output:
+                    times.append(b.first_token_time - b.arrival_time)
+                del e
+            alone = statistics.median(times) if times else None
             for row in rows:
                 if row["chunk_tokens"] == ct:
                     row["b_alone_s"] = alone
                     row["b_slowdown"] = None if row["b_ttft_s"] is None or not alone else row["b_ttft_s"] / alone
-            del e
             if bar:
                 bar.update(1)
     if bar:
@@ -351,7 +393,9 @@ def main(argv=None) -> int:
     log(f"engine.disturbance: rows in {out / 'disturbance.csv'}" + (f", plot {out / 'disturbance.png'}" if drew
                                                                    else " (no matplotlib: no plot)")
         + f"; done in {time.perf_counter() - t0:.1f} s")
-    return 0 if all(r["tokens_identical"] for r in rows) else 1
+    for msg in problems:
+        log(f"engine.disturbance: {msg}: not a near tie under {TIE_THRESHOLD}")
+    return 1 if problems else 0
 
 
 def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:

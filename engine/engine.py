@@ -252,13 +252,14 @@ class Engine:
         return {rid: RequestResult.of(r) for rid, r in self.requests.items()}
 
     # -- teacher forcing -------------------------------------------------------------------------------------
-    def score(self, tokens: list[int]) -> torch.Tensor:
-        """Logits [len(tokens), vocab] at every position of `tokens`, in one forward over the paged cache."""
+    def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
+        """Logits [len(tokens), vocab] at every position of `tokens` ([1, vocab]: the last position's, with
+        `last_only`), in one forward over the paged cache."""
         owner = f"__score__{len(tokens)}"
         self.pool.reserve(owner, len(tokens))
         try:
             r = Request(owner, list(tokens), 1)
-            return self.runner.score(Chunk(r, 0, len(tokens)), self.pool.owned[owner])
+            return self.runner.score(Chunk(r, 0, len(tokens)), self.pool.owned[owner], last_only)
         finally:
             self.pool.release(owner)
             if not self.pool.in_step:

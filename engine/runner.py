@@ -162,9 +162,10 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def score(self, chunk: Chunk, pages: list[int]) -> torch.Tensor:
-        """Teacher forcing: logits at every position of one whole sequence, in one forward (fp32, on the host)."""
-        return self.forward([chunk], [], {chunk.request.request_id: pages}, all_logits=True).cpu()
+    def score(self, chunk: Chunk, pages: list[int], last_only: bool = False) -> torch.Tensor:
+        """Teacher forcing: logits at every position of one whole sequence (or at its last position only: a long
+        sequence's every logit would not fit), in one forward (fp32, on the host)."""
+        return self.forward([chunk], [], {chunk.request.request_id: pages}, all_logits=not last_only).cpu()
 
     def perturb_page(self, page: int, scale: float = 1.0, seed: int = 0) -> None:
         """Add noise to one page's K and V in every layer (the small model's history-dependence probe)."""

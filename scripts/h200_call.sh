@@ -24,7 +24,7 @@
 #   peer32      closed mixed 32 (128 new tokens) per engine (PEER_ENGINES), the peer beside each, at chunk $CHUNK
 #   uniform_eager  chunked and fused: the closed uniform 256 control, no warm-up, one run (eager steps are slow here)
 #   chunks      scripts/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
-#   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096
+#   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096, DISTURB_RUNS times
 #   regen_15b / gates_15b   1.5B-shape goldens and token gates
 set -u
 # PARTS_GPU1 (a machine of two GPUs): those parts run at the same time on the second GPU, from a copy of the tree,
@@ -133,8 +133,9 @@ for p in ${PARTS:-train}; do
              --new-tokens 128 --warmups 1 --reps 3 ;;
     chunks) need_flash; part chunks 240 python3 scripts/chunk_sweep.py --model $M15 --device cuda --engine flash \
              --chunks ${CHUNKS:-512,1024,2048,4096} --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep${CHUNKS:+-${CHUNKS//,/-}} ;;
-    disturb) need_flash; part disturb 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
-             --chunk-tokens 512,4096 --out results/disturbance ;;
+    disturb) need_flash; for i in $(seq 1 ${DISTURB_RUNS:-1}); do
+             part disturb_$i 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
+             --chunk-tokens 512,4096 --out results/disturbance-$i; done ;;
     regen_15b) need_flash; part regen_15b 150 python3 -m gates.golden regen --model $M15 --workload mixed-gate \
              --device cuda --dtype float16 --reference hf --reference fused --reference flash ;;
     gates_15b) need_flash; part gates_15b 150 python3 -m pytest gates/test_tokens.py gates/test_graphs.py --model $M15 \
@@ -155,4 +156,4 @@ for f in logs/gates_small.log logs/planted_gpu.log logs/gates_15b.log logs/steps
 grep -h "closed\|peer " logs/bench_*.log logs/closed_200.log logs/peer_200.log 2>/dev/null | tail -10
 grep -h "^|" logs/chunks.log 2>/dev/null | tail -6
 grep -h "closed \|open \|capped \|stopped rising\|^peer " logs/open_*.log logs/peer32_*.log logs/uniform_*.log 2>/dev/null | tail -40
-grep -h "^|" logs/disturb.log 2>/dev/null | tail -12
+for f in logs/disturb_*.log; do [ -f "$f" ] && { echo "== $f"; grep -A9 "^chunk " "$f"; grep "not a near tie" "$f"; }; done

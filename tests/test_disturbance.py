@@ -1,0 +1,68 @@
+"""The disturbance benchmark's token check (engine/disturbance.py): identical runs pass, a difference at a near
+tie is reported as a tie flip, and a planted difference that is not a near tie fails with where it is. Plus one
+short end-to-end run of the CLI on the small model."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from engine import disturbance
+from engine.config import lineage_config
+from engine.engine import Engine
+from engine.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def served():
+    loaded = load_model("small", torch.float32, "cpu")
+    e = Engine(lineage_config("fused", device="cpu", dtype="float32", chunk_tokens=64), loaded=loaded)
+    prompt = list(range(5, 45))
+    rid = e.submit(prompt, 12, "A")
+    e.run()
+    return e, {"A": prompt}, {"A": list(e.requests[rid].output)}
+
+
+def test_identical(served):
+    e, prompts, ref = served
+    assert disturbance.check_tokens(e, prompts, ref, {"A": list(ref["A"])}) == (True, "identical")
+    # a shorter run (A cancelled earlier) is compared over the common length
+    assert disturbance.check_tokens(e, prompts, ref, {"A": ref["A"][:5]}) == (True, "identical")
+
+
+def test_planted_difference_that_is_no_tie_fails(served):
+    e, prompts, ref = served
+    logits = e.score(prompts["A"] + ref["A"][:6], last_only=True)[-1]
+    assert int(logits.argmax()) == ref["A"][6]          # the scoring agrees with what was served
+    worst = int(logits.argmin())                        # far from a tie
+    bad = ref["A"][:6] + [worst] + ref["A"][7:]
+    ok, what = disturbance.check_tokens(e, prompts, ref, {"A": bad})
+    assert not ok and what.startswith(f"DIFFERS at A@6 ({ref['A'][6]} vs {worst}, gap "), what
+    gap = float(what.split("gap ")[1].rstrip(")"))
+    assert gap == pytest.approx(float(logits.max() - logits.min()), abs=1e-3)
+
+
+def test_difference_at_a_near_tie_is_a_flip(served, monkeypatch):
+    e, prompts, ref = served
+    logits = e.score(prompts["A"] + ref["A"][:3], last_only=True)[-1]
+    second = int(logits.topk(2).indices[1])
+    gap = float(logits.topk(2).values[0] - logits.topk(2).values[1])
+    flipped = ref["A"][:3] + [second] + ref["A"][4:]
+    monkeypatch.setattr(disturbance, "TIE_THRESHOLD", gap + 1e-3)   # make this gap count as a tie
+    ok, what = disturbance.check_tokens(e, prompts, ref, {"A": flipped})
+    assert ok and what.startswith("tie flip at A@3"), what
+    monkeypatch.setattr(disturbance, "TIE_THRESHOLD", gap / 2)      # and not, under a tighter rule
+    ok, what = disturbance.check_tokens(e, prompts, ref, {"A": flipped})
+    assert not ok and what.startswith("DIFFERS at A@3"), what
+
+
+def test_cli_short_run(tmp_path):
+    rc = disturbance.main(["--model", "small", "--device", "cpu", "--threads", "1", "--b-tokens", "640",
+                           "--chunk-tokens", "64", "--shares", "1,0.5", "--b-at", "0.3", "--c-after", "0.05",
+                           "--alone-reps", "1", "--no-progress", "--out", str(tmp_path)])
+    rows = list(csv.DictReader(open(tmp_path / "disturbance.csv")))
+    assert rc == 0 and [float(r["prefill_share"]) for r in rows] == [1.0, 0.5]
+    assert all(r["tokens_check"] == "identical" for r in rows), rows   # fp32 on the CPU: no flips expected
+    assert float(rows[0]["decode_time_share"]) == 0.0 and float(rows[1]["withheld_steps"]) > 0
+    assert all(float(r["c_ttft_s"]) > 0 and float(r["b_alone_s"]) > 0 for r in rows)

@@ -27,14 +27,18 @@ token of A, B and C in <out>/tokens.csv, and a plot <out>/disturbance.png when m
   tokens_check says where they first differ and whether that is a near tie: the gap between the two tokens' logits,
   scored by teacher forcing over the first run's tokens, under TIE_THRESHOLD (0.02, the gates' rule). Arrivals
   follow the wall clock, so two runs can put the same position in different kinds of step (a loaded step in one, a
-  pure decode step in the other) whatever p is; on a model with near ties (random weights) such a position may
-  flip. A tie flip is reported, not failed (the exactness gates, gates/test_prefill_share.py, check every token
-  under the full rule); a difference that is not a near tie fails the run (exit code 1). After a difference the
-  request's later tokens are not compared.
+  pure decode step in the other, or in batches of other sizes) whatever p is, and so compute it with other
+  kernels and GEMM shapes. A tie flip is reported, not failed. A difference that is not a near tie fails the run
+  (exit code 1) in float32; in float16/bfloat16 it is reported and the run goes on (--strict-tokens fails it
+  there too): on the H200, the 1.5B shape with random weights in fp16 moved A's logits by up to 0.09 after 2,200
+  tokens between two runs at the SAME p (p = 1), from arrival timing alone (docs/h200-2026-11-29-s4.md). Whether
+  p changes tokens is the exactness gates' call (gates/test_prefill_share.py: every token, every p, teacher forcing
+  under the full rule). After a difference the request's later tokens are not compared.
 The device is synchronised around every step (sync_trace), so the debt sees real step times.
 """
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import random
@@ -76,16 +80,26 @@ def first_difference(ref: dict[str, list[int]], outs: dict[str, list[int]]):
 
 
 def check_tokens(e: Engine, prompts: dict[str, list[int]], ref: dict[str, list[int]],
-                 outs: dict[str, list[int]]) -> tuple[bool, str]:
-    """(ok, what) for one run against the first run of its chunk budget: identical, a tie flip, or a difference."""
+                 outs: dict[str, list[int]], ref_kinds: dict | None = None,
+                 kinds: dict | None = None) -> tuple[bool, str]:
+    """(ok, what) for one run against the first run of its chunk budget: identical, a tie flip, or a difference.
+    `kinds`/`ref_kinds`: per request, the kind of step that emitted each token (named in the message)."""
     d = first_difference(ref, outs)
     if d is None:
         return True, "identical"
     rid, i, u, v = d
     logits = e.score(prompts[rid] + ref[rid][:i], last_only=True)[-1]   # what predicts position i
     gap = abs(float(logits[u] - logits[v]))
-    where = f"{rid}@{i} ({u} vs {v}, gap {gap:.4f})"
-    return gap < TIE_THRESHOLD, ("tie flip at " if gap < TIE_THRESHOLD else "DIFFERS at ") + where
+    where = f"{rid}@{i} ({u} vs {v}, gap {gap:.4f}"
+    if kinds and ref_kinds:
+        where += f"; a {kinds[rid][i]} step here, {ref_kinds[rid][i]} in the first run"
+    return gap < TIE_THRESHOLD, ("tie flip at " if gap < TIE_THRESHOLD else "DIFFERS at ") + where + ")"
+
+
+def token_kinds(e: Engine, rids) -> dict[str, list[str]]:
+    """Per request, the kind of step (pure-decode, loaded, ...) that emitted each of its tokens."""
+    kind = {s.index: s.kind for s in e.trace}
+    return {rid: [kind.get(st, "?") for st in e.requests[rid].token_steps] for rid in rids if rid in e.requests}
 
 
 def log(msg: str) -> None:
@@ -272,6 +286,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-run-s", type=float, default=120.0, help="give up a run after this many seconds")
     ap.add_argument("--no-alone", action="store_true", help="skip the B-alone baseline")
     ap.add_argument("--alone-reps", type=int, default=3, help="B-alone runs per chunk budget (median)")
+    ap.add_argument("--strict-tokens", action=argparse.BooleanOptionalAction, default=None,
+                    help="fail (exit 1) on a token difference that is not a near tie (default: in float32 only)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="results/disturbance")
     ap.add_argument("--no-progress", action="store_true")
@@ -326,7 +342,8 @@ def main(argv=None) -> int:
     runs = [(ct, p) for ct in chunks for p in shares]
     bar = tqdm(total=len(runs) + (0 if a.no_alone else len(chunks)), desc="disturbance", unit="run") \
         if tqdm and not a.no_progress else None
-    rows, steps, tokens, first_run, problems = [], [], [], {}, []
+    rows, steps, tokens, first_run, problems, notes = [], [], [], {}, [], []
+    strict = a.strict_tokens if a.strict_tokens is not None else dtype == "float32"
     prompts = {rid: prompt for rid, prompt, _, _ in (sc.a, sc.b, sc.c)}
     for ct, p in runs:
         e = Engine(config(ct, p), loaded=loaded)
@@ -334,10 +351,12 @@ def main(argv=None) -> int:
         drive(e, [sc.a, sc.b, sc.c], first_tokens(["B", "C"]), a.max_run_s)
         m = measure(e, sc)
         outs = {rid: list(e.requests[rid].output) for rid in ("A", "B", "C") if rid in e.requests}
-        ref = first_run.setdefault(ct, outs)
-        ok, what = check_tokens(e, prompts, ref, outs)
+        kinds = token_kinds(e, outs)
+        ref, ref_kinds = first_run.setdefault(ct, (outs, kinds))
+        ok, what = check_tokens(e, prompts, ref, outs, ref_kinds, kinds)
         same = what == "identical"
-        problems += [] if ok else [f"chunk {ct}, p {p}: tokens {what}"]
+        if not ok:
+            (problems if strict else notes).append(f"chunk {ct}, p {p}: tokens {what}")
         row = {"model": loaded[2], "device": a.device, "dtype": dtype, "engine": a.engine, "chunk_tokens": ct,
                "prefill_share": e.scheduler.prefill_share, "b_tokens": b_tokens, "b_at_s": b_at, "c_after_s": c_after,
                "b_alone_s": None, "b_slowdown": None, "wall_s": time.perf_counter() - t, "tokens_identical": same,
@@ -393,6 +412,9 @@ def main(argv=None) -> int:
     log(f"engine.disturbance: rows in {out / 'disturbance.csv'}" + (f", plot {out / 'disturbance.png'}" if drew
                                                                    else " (no matplotlib: no plot)")
         + f"; done in {time.perf_counter() - t0:.1f} s")
+    for msg in notes:
+        log(f"engine.disturbance: {msg}: not a near tie under {TIE_THRESHOLD} (reported, not failed: {dtype} "
+            f"without --strict-tokens)")
     for msg in problems:
         log(f"engine.disturbance: {msg}: not a near tie under {TIE_THRESHOLD}")
     return 1 if problems else 0

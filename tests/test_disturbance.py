@@ -66,3 +66,20 @@ def test_cli_short_run(tmp_path):
     assert all(r["tokens_check"] == "identical" for r in rows), rows   # fp32 on the CPU: no flips expected
     assert float(rows[0]["decode_time_share"]) == 0.0 and float(rows[1]["withheld_steps"]) > 0
     assert all(float(r["c_ttft_s"]) > 0 and float(r["b_alone_s"]) > 0 for r in rows)
+
+
+def test_message_names_the_step_kinds(served):
+    e, prompts, ref = served
+    kinds = disturbance.token_kinds(e, ["A"])
+    assert kinds["A"][0] in ("chunk-only", "loaded") and set(kinds["A"][1:]) == {"pure-decode"}
+    logits = e.score(prompts["A"] + ref["A"][:2], last_only=True)[-1]
+    bad = ref["A"][:2] + [int(logits.argmin())] + ref["A"][3:]
+    other = {"A": ["loaded"] * len(bad)}
+    ok, what = disturbance.check_tokens(e, prompts, ref, {"A": bad}, kinds, other)
+    assert not ok and "; a loaded step here, pure-decode in the first run)" in what, what
+
+
+def test_strict_tokens_flag():
+    assert disturbance.parse_args([]).strict_tokens is None           # the default: strict in float32 only
+    assert disturbance.parse_args(["--strict-tokens"]).strict_tokens is True
+    assert disturbance.parse_args(["--no-strict-tokens"]).strict_tokens is False

@@ -227,8 +227,9 @@ class Scheduler:
         self.plan = plan
         return plan
 
-    def account(self, plan: StepPlan, duration: float) -> None:
-        """The debt rule, after a step of `duration` seconds (see the module docstring)."""
+    def account(self, plan: StepPlan, duration: float, ahead: float = 0.0) -> None:
+        """The debt rule, after a step of `duration` seconds (see the module docstring). `ahead`: debt already
+        charged for the step's last long pieces before they ran."""
         p = self.prefill_share
         t = max(0.0, float(duration))
         if not plan.decodes:
@@ -246,7 +247,6 @@ class Scheduler:
                 longs = [c.request.request_id for c in plan.chunks if c.long]
                 for rid in longs:
                     self.piece_extra[rid] = extra / len(longs)
-                ahead = sum(self.prepaid.get(rid, 0.0) for rid in longs)   # only last long pieces have one
                 owed = max(0.0, extra * (1.0 - p) / p - ahead)
                 self.debt = min(self.debt + owed, self.debt_cap(t))
         else:                                # decode tokens and short pieces only
@@ -261,7 +261,8 @@ class Scheduler:
         return c.long and c.request.prompt_left - c.length <= self.short_prompt_positions
 
     def prepay(self, chunks: list[Chunk]) -> None:
-        """Charge the debt of a last long piece that would run now, once, before it runs (module docstring)."""
+        """Charge the debt of a last long piece that would run now, once, before it runs (module docstring).
+        `prepaid` holds the charge (0 without an estimate) until the piece runs or its request retires."""
         p, t_d = self.prefill_share, self.decode_estimate or 0.0
         for c in chunks:
             rid = c.request.request_id
@@ -276,12 +277,15 @@ class Scheduler:
         """Retire finished and cancelled requests; their pages return to the free list now, at the step's end.
         `duration`: the step's measured seconds, for the prefill-share debt (None: the debt is left as it is)."""
         plan, self.plan = self.plan, None
+        # the last long pieces that ran: what they paid ahead is settled now
+        ahead = sum(self.prepaid.pop(c.request.request_id, 0.0) for c in plan.chunks if c.long) if plan else 0.0
         if duration is not None and plan is not None and self.prefill_share < 1.0:
-            self.account(plan, duration)
+            self.account(plan, duration, ahead)
         for r in [r for r in self.running if r.done]:
             self.running.remove(r)
             self.piece_extra.pop(r.request_id, None)
-            self.prepaid.pop(r.request_id, None)
+            # cancelled before its last long piece ran: the debt charged ahead for it is owed to nobody
+            self.debt = max(0.0, self.debt - self.prepaid.pop(r.request_id, 0.0))
             self.pool.release(r.request_id)
         self.step_index += 1
         return self.pool.end_step()

@@ -43,12 +43,12 @@ class CutsShortWhenOwed(Scheduler):
 class NeverSaturates(Scheduler):
     """The debt grows without a cap."""
 
-    def account(self, plan, duration):
+    def account(self, plan, duration, ahead=0.0):
         if plan.long_chunks and plan.decodes and self.prefill_share < 1.0:
             p, t_d = self.prefill_share, self.decode_estimate or 0.0
-            self.debt += max(0.0, duration - t_d) * (1 - p) / p
+            self.debt += max(0.0, max(0.0, duration - t_d) * (1 - p) / p - ahead)
         else:
-            super().account(plan, duration)
+            super().account(plan, duration, ahead)
 
 
 class CountsNoDecoders(Scheduler):
@@ -67,7 +67,7 @@ class CountsNoDecoders(Scheduler):
         self.plan = plan
         return plan
 
-    def account(self, plan, duration):
+    def account(self, plan, duration, ahead=0.0):   # (its schedule() pays nothing ahead)
         p, t = self.prefill_share, duration
         if plan.long_chunks:
             cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t)

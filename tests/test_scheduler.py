@@ -418,6 +418,20 @@ def test_last_long_piece_pays_its_debt_ahead(last_step, debt_after):
 
 def test_a_single_long_piece_has_no_estimate_and_does_not_wait():
     sched, decoders, long_ = decoding_with_long_prompt(0.5, long_len=600)   # one long piece, then 472: short
-    plan = timed_step(sched, 3.0)
+    plan = sched.schedule()
     assert plan.long_chunks == 1 and plan.withheld == 0 and sched.prepaid == {"long": 0.0}
-    assert sched.debt == pytest.approx(3.0)             # owed after it, as for any long piece
+    advance(plan)
+    sched.finish_step(duration=3.0)
+    assert sched.debt == pytest.approx(3.0) and sched.prepaid == {}   # owed after it, as for any long piece
+
+
+def test_a_cancelled_prompt_gives_back_the_debt_it_charged_ahead():
+    sched, decoders, long_ = decoding_with_long_prompt(0.5, long_len=512 + 2 * 128 + 10)
+    timed_step(sched, 1.0)
+    timed_step(sched, 1.0)
+    timed_step(sched, 4.0)                              # owes 3 s; the last long piece is next
+    plan = timed_step(sched, 1.0)                       # withheld: charges 3 s ahead, pays 1
+    assert plan.withheld == 1 and sched.debt == pytest.approx(5.0) and sched.prepaid == {"long": 3.0}
+    sched.cancel("long", {"long": long_})
+    timed_step(sched, 1.0)                              # the long prompt retires at the end of this step
+    assert sched.prepaid == {} and sched.debt == pytest.approx(1.0)   # 5 - 1 paid - 3 given back

@@ -11,6 +11,7 @@ import pytest
 from engine import workload as wl_mod
 from engine.runner import ModelRunner
 from engine.workload import Workload
+from gates.compare import TIE_THRESHOLD
 from gates.golden import golden_path, read_golden, regenerate
 from gates.parity import parity
 
@@ -59,7 +60,7 @@ def test_parity_counts_by_prompt_length(tiny, tmp_path):
     ref = EngineReference("fused", chunk_tokens=32)
     a = ref.generate(TINY.requests())
     b = {k: v for k, v in a.items()}
-    rep = parity(a, b, ref.score, 0.02)
+    rep = parity(a, b, ref.score, TIE_THRESHOLD)
     assert sum(r["requests"] for r in rep["by_prompt_length"].values()) == 4
     assert all(r["differ"] == 0 for r in rep["by_prompt_length"].values())
 

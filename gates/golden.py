@@ -177,6 +177,8 @@ def regenerate(model, workload_name: str, reference_name: str, device: str, dtyp
         old, _ = read_golden(base)
     except GoldenError as e:
         out(f"{base}: no usable previous golden ({e})")
+    if check and old is None:
+        return None
     ref = make_reference(reference_name, None if model == "small" else model, device, dtype,
                          **({} if reference_name == "hf" else {"chunk_tokens": wl.chunk_tokens}))
     records, meta = generate(ref, wl, model, device, dtype)
@@ -194,7 +196,8 @@ def regenerate(model, workload_name: str, reference_name: str, device: str, dtyp
 
 
 def changed(report: GateReport | None) -> bool:
-    """What a gate reading this golden would fail on: a change beyond the tie rule, or a token at another step."""
+    """What a gate reading this golden would fail on: a change beyond the tie rule, a token at another step, or no
+    previous golden at all (None)."""
     return report is None or bool(report.failures or report.schedule_diffs)
 
 

@@ -35,13 +35,15 @@ except ImportError:  # pragma: no cover
 
 
 def pytest_addoption(parser):
+    from gates.compare import TIE_THRESHOLD
     g = parser.getgroup("stepgate")
     g.addoption("--device", default="cpu", help="device the engine runs on (cpu, cuda)")
     g.addoption("--dtype", default=None, help="float32 / float16 / bfloat16 (default: float32 on cpu, float16 on cuda)")
     g.addoption("--backend", default="all", help="attention backend(s) to gate: torch, flex, flash, or all present")
     g.addoption("--engine", default="all", help="engine configuration(s) to gate: chunked, fused, flash, or all")
     g.addoption("--golden-dir", default=None, help="where goldens live (default: golden/ in the repo)")
-    g.addoption("--tie-threshold", type=float, default=0.02, help="raw-logit gap under which a flip is a tie")
+    g.addoption("--tie-threshold", type=float, default=TIE_THRESHOLD,
+                help="raw-logit gap under which a flip is a tie")
     g.addoption("--flip-cap", type=int, default=3, help="most distinct flip sites a gate accepts")
     g.addoption("--regen-golden", action="store_true", help="write goldens instead of checking them")
     g.addoption("--model", default="small", help="small (embedded), qwen2.5-1.5b-random, or a checkpoint dir")

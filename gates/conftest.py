@@ -122,7 +122,7 @@ class Runs:
             regenerate(o.model, workload, reference, o.device, o.dtype, o.golden_dir, o.threshold)
             self.cache[(reference, workload)] = True
         try:
-            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype),
+            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype, o.golden_dir),
                                model_checksum=self.model_checksum)[0]
         except GoldenError as e:
             pytest.fail(str(e), pytrace=False)

@@ -219,17 +219,21 @@ class Engine:
         bad = [r.request_id for r, nf in zip(sampled, nonfinite) if nf]
         row = list(nonfinite).index(True)
         reader = sampled[row].request_id
-        slots = self.runner.poisoned_reads(plan, self.pool.owned, self.config.forward, row)
+        found = self.runner.poisoned_reads(plan, self.pool.owned, self.config.forward, row)
         lines = [f"step {plan.index} ({plan.kind}): non-finite logits for {bad}: a kernel read a freed or "
                  f"never-written KV slot."]
-        if slots is None:
+        if found is None:
             lines.append(f"  {reader}: its logits stay non-finite with every NaN slot made finite: the NaN comes "
                          f"from the step's own computation, not from a slot it read")
+        slots, more = found or ([], False)
         whose = []
-        for slot in slots or []:
+        for slot in slots:
             page = slot // self.pool.page_size
             whose.append(self.slot_holder(plan, page, slot))
             lines.append(f"  {reader} read slot {slot} (page {page}): {whose[-1]}")
+        if more:
+            lines.append(f"  {reader} also read NaN in other pages (not searched: each costs about "
+                         f"log2(pages) + log2(page_size) forwards)")
         lines.append("Requests in this step and the pages they own:")
         for c in plan.chunks:
             lines.append(f"  {c.request.request_id}: prompt chunk [{c.start}, {c.start + c.length}) of "
@@ -241,7 +245,7 @@ class Engine:
         return errors.PoisonedLogitsError(
             plan.index, bad, "\n".join(lines), reader=reader, slot=first,
             page=None if first is None else first // self.pool.page_size,
-            owner=whose[0] if whose else None, reads=list(slots or []))
+            owner=whose[0] if whose else None, reads=slots)
 
     def slot_holder(self, plan, page: int, slot: int) -> str:
         """Whose `slot` is or was: owner and position, and whether it was written, freed or never handed out."""

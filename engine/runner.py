@@ -71,13 +71,14 @@ class ModelRunner:
     # -- which poisoned slot a row read ---------------------------------------------------------------------
     @torch.inference_mode()
     def poisoned_reads(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str, row: int,
-                       max_reads: int = 3) -> list[int] | None:
-        """After a step whose sampled `row` got non-finite logits: the flat cache slots (page * page_size + offset)
-        that row's logits depend on, one per page, at most `max_reads` pages. Kernel-agnostic: every slot holding
-        NaN (poisoned, or written NaN by an earlier forward) is made finite, then group by group put back while
-        the same step is run again (idempotent: it rewrites the same slots); the row turns non-finite again only
-        when a group it reads is NaN. Bisects pages, then slots in the page found. Leaves the cache as found, but
-        for the step's own slots. None: the row stays non-finite with every such slot finite."""
+                       max_reads: int = 1) -> tuple[list[int], bool] | None:
+        """After a step whose sampled `row` got non-finite logits: (slots, more): flat cache slots (page * page_size
+        + offset) that row's logits depend on, one per page, at most `max_reads`; `more`: it reads NaN in other
+        pages too. Kernel-agnostic: every slot holding NaN (poisoned, or written NaN by an earlier forward) is made
+        finite, then group by group put back while the same step is run again (idempotent: it rewrites the same
+        slots); the row turns non-finite again only when a group it reads is NaN. Bisects pages, then slots in the
+        page found: about log2(pages) + log2(page_size) forwards a slot. Leaves the cache as found, but for the
+        step's own slots. None: the row stays non-finite with every such slot finite."""
         ps = self.page_size
         flat = [t.view(t.shape[0] * ps, -1) for kv in self.kv_caches for t in kv]
         poisoned = torch.isnan(flat[0]).all(-1)     # never written since poisoned: NaN in every layer
@@ -130,7 +131,8 @@ class ModelRunner:
                     page = bisect(left, lambda s: s // ps)
                     found.append(int(bisect(page, lambda s: s)[0]))
                     left = left[left // ps != found[-1] // ps]
-            return found
+            rest = cand[~torch.isin(cand // ps, torch.tensor(found, device=cand.device) // ps)]
+            return found, bool(rest.numel()) and reads(rest)
         finally:
             put(cand, True)
 

@@ -199,6 +199,8 @@ def test_decode_kernel_reading_one_slot_past_the_length_is_caught_by_poison(monk
         batch.prepared[kind] = (slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
 
     monkeypatch.setattr(TorchBackend, "prepare", prepare)
+    reads = ModelRunner.poisoned_reads
+    monkeypatch.setattr(ModelRunner, "poisoned_reads", lambda self, *a: reads(self, *a, max_reads=3))
     with pytest.raises(PoisonedLogitsError) as e:
         EngineReference("fused", poison=True, chunk_tokens=128).generate(SUBSET.requests())
     msg, x = str(e.value), e.value
@@ -207,6 +209,7 @@ def test_decode_kernel_reading_one_slot_past_the_length_is_caught_by_poison(monk
     # read past its length too), after it
     assert x.owner.startswith(f"owned by {x.reader} (position ") and ", never written (" in x.owner, msg
     assert f"written with NaN at step {x.step - 1} (layers past the first)" in msg, msg
+    assert len(x.reads) == 3 and len({s // 64 for s in x.reads}) == 3, msg
 
 
 SHORT = [RequestSpec(f"short-{i}", [(53 * i + 7 * k) % 3000 + 3 for k in range(n)], 8) for i, n in enumerate((24, 9))]
@@ -294,6 +297,7 @@ def test_poisoned_read_of_a_never_written_slot_names_its_owner_and_cached_length
     # step 1 decodes position 20 (its input token) and reads position 21, never written
     assert x.reader == "A" and x.step == 1 and x.slot == e.requests["A"].pages[0] * 64 + 21
     assert x.owner == "owned by A (position 21), never written (A has cached 21 positions, this step's included)"
+    assert x.reads == [x.slot] and "also read NaN in other pages" not in str(x), str(x)
 
 
 def test_golden_edited_by_hand_is_caught(golden, hf, tmp_path):

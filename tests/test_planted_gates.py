@@ -73,6 +73,16 @@ def assert_caught(report):
     return msg
 
 
+def assert_caught_in_decode_rows(golden, hf) -> str:
+    """A bug in decode rows that needs no batch: caught, traced to a decode row, and triaged "always" (the prefix
+    read as a prompt passes). Returns the first problem."""
+    report, message = run_gate(golden, hf, SUBSET.requests(), chunk_tokens=SUBSET.chunk_tokens)
+    first = assert_caught(report)
+    msg = assert_triaged(message, ALWAYS, "from a decode row")
+    assert "in decode rows only" in verdict_of(msg), msg
+    return first
+
+
 def test_unplanted_subset_passes(golden, hf):
     report = gate(golden, hf)
     assert report.ok, report.problems()
@@ -87,10 +97,7 @@ def test_decode_row_with_wrong_rotary_position_is_caught(golden, hf, monkeypatch
         return tokens, positions, ctx, rows
 
     monkeypatch.setattr(ModelRunner, "build", bugged)
-    report, message = run_gate(golden, hf, SUBSET.requests(), chunk_tokens=SUBSET.chunk_tokens)
-    assert_caught(report)
-    msg = assert_triaged(message, ALWAYS, "from a decode row")
-    assert "in decode rows only" in verdict_of(msg)
+    assert_caught_in_decode_rows(golden, hf)
 
 
 def test_cache_length_off_by_one_is_caught(golden, hf, monkeypatch):
@@ -105,11 +112,8 @@ def test_cache_length_off_by_one_is_caught(golden, hf, monkeypatch):
         return tokens, positions, ctx, rows
 
     monkeypatch.setattr(ModelRunner, "build", bugged)
-    report, message = run_gate(golden, hf, SUBSET.requests(), chunk_tokens=SUBSET.chunk_tokens)
-    assert_caught(report)
     # batch-free, prompt-chunk-free: it reads as a decode row's numbers gone wrong, as a rotary bug does
-    msg = assert_triaged(message, ALWAYS, "from a decode row")
-    assert "in decode rows only" in verdict_of(msg)
+    assert_caught_in_decode_rows(golden, hf)
 
 
 def test_decode_rows_choosing_their_runner_up_are_caught(golden, hf, monkeypatch):
@@ -133,10 +137,7 @@ def test_decode_rows_choosing_their_runner_up_are_caught(golden, hf, monkeypatch
             del self.sample
 
     monkeypatch.setattr(ModelRunner, "run", bugged)
-    report, message = run_gate(golden, hf, SUBSET.requests(), chunk_tokens=SUBSET.chunk_tokens)
-    assert "not a near tie under 0.02" in assert_caught(report)
-    msg = assert_triaged(message, ALWAYS, "from a decode row")
-    assert "in decode rows only" in verdict_of(msg)
+    assert "not a near tie under 0.02" in assert_caught_in_decode_rows(golden, hf)
 
 
 def test_prompt_chunks_after_the_first_at_shifted_positions_are_caught(golden, hf, monkeypatch):

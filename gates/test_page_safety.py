@@ -9,7 +9,7 @@ import pytest
 
 from engine.workload import Workload
 
-from . import summary
+from . import summary, triage
 from .compare import compare, compare_request
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
 from .records import GenRecord
@@ -41,11 +41,11 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
     assert eng.pool.num_free == eng.pool.capacity, \
         f"page leak: {eng.pool.capacity - eng.pool.num_free} pages still owned after the run"
     eng.pool.check()
+    score = runs.reference(engine, workload).score
     report = compare(f"{engine}[{backend}] tiny pool ({num_pages - 1} pages of {page_size}) vs uncapped", full,
-                     tiny, runs.reference(engine, workload).score, opts.threshold, opts.flip_cap,
-                     check_steps=False)
+                     tiny, score, opts.threshold, opts.flip_cap, check_steps=False)
     summary.record(report)
-    assert report.ok, "\n".join(report.problems())
+    assert report.ok, triage.failure_message(report, eng, full, score)
 
 
 SOAK = Workload("soak", (4, 16, 64, 256), (8, 32), 300, seed=99, chunk_tokens=128)

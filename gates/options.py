@@ -246,6 +246,7 @@ class UnrunFiles:
         runs.tests += report.when == "setup"
         if report.skipped and not hasattr(report, "wasxfail"):
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            reason = reason.removeprefix("Skipped: ")
             runs.reasons += (reason,) if reason not in runs.reasons else ()
         elif report.when == "call" or report.failed:
             runs.ran += 1

@@ -13,7 +13,7 @@ from engine.workload import get_workload
 
 from . import summary
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
-from .options import CANDIDATES, GateOptions, gate_options  # noqa: F401  (CANDIDATES: imported by the gates)
+from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
 
 
@@ -136,13 +136,25 @@ def gate_order(items) -> list:
     return sorted(items, key=lambda item: slot[item.path])
 
 
+def candidate_of(item, o: GateOptions) -> tuple[str, str]:
+    """The (engine, backend) a test is parametrised with; a selected one stands in for a missing parameter."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("engine", o.engines[0]), params.get("backend", o.backends[0])
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """On CPU the flex engine configuration compiles a FlexAttention kernel per shape (about 2 minutes for the
     engine gates), so there it counts as slow: `pytest gates/ -m slow` runs it. The kernel gates still cover flex
     on CPU in the default run, and on CUDA the flex engine gates run by default."""
+    o = gate_options(config)
     items[:] = gate_order(items)
-    if gate_options(config).is_cuda:
+    # deselected, not skipped: a candidate the options leave out was asked to be left out, not hidden
+    unselected = {item for item in items if is_gate_file(item.nodeid) and not o.selects(*candidate_of(item, o))}
+    if unselected:
+        config.hook.pytest_deselected(items=[item for item in items if item in unselected])
+        items[:] = [item for item in items if item not in unselected]
+    if o.is_cuda:
         return
     for item in items:
         if "fused-flex" in item.nodeid:

@@ -50,6 +50,9 @@ class GateOptions:
     def is_cuda(self) -> bool:
         return torch.device(self.device).type == "cuda"
 
+    def selects(self, engine: str, backend: str) -> bool:
+        return engine in self.engines and backend in self.backends
+
     def requires(self, backend: str) -> bool:
         """On CUDA a selected backend that cannot run fails the run: skipping it would leave its engine
         configuration ungated behind a green run. Naming fewer backends (`--backend torch,flex`) opts out."""
@@ -105,10 +108,14 @@ def read_options(get) -> GateOptions:
         raise pytest.UsageError(f"--tie-threshold {threshold}: must be a finite number >= 0 (the default is 0.02)")
     if flip_cap < 0:
         raise pytest.UsageError(f"--flip-cap {flip_cap}: must be >= 0 (the default is 3)")
-    return GateOptions(device, dtype, dtype_given, model, cls, golden_dir, threshold, flip_cap, regen,
-                       names("--engine", get("--engine"), tuple(LINEAGE), "engine configuration"),
-                       names("--backend", get("--backend"), tuple(kernels.BACKENDS), "attention backend"),
-                       bool(get("--allow-skipped-files")))
+    engines = names("--engine", get("--engine"), tuple(LINEAGE), "engine configuration")
+    backends = names("--backend", get("--backend"), tuple(kernels.BACKENDS), "attention backend")
+    if not any(e in engines and b in backends for e, b in CANDIDATES):
+        raise pytest.UsageError(f"--engine {get('--engine')} --backend {get('--backend')}: no engine configuration "
+                                f"runs on these backends; the candidates: "
+                                f"{', '.join(f'{e}[{b}]' for e, b in CANDIDATES)}")
+    return GateOptions(device, dtype, dtype_given, model, cls, golden_dir, threshold, flip_cap, regen, engines,
+                       backends, bool(get("--allow-skipped-files")))
 
 
 def unknown(option: str, value: str, known, what: str, also: str = "") -> pytest.UsageError:
@@ -198,7 +205,8 @@ def is_gate_file(nodeid: str) -> bool:
 
 def pytest_configure(config):
     gate_options(config)
-    config.pluginmanager.register(UnrunFiles(config), "stepgate-unrun-files")
+    if not hasattr(config, "workerinput"):      # an xdist worker sees part of a file: its controller counts
+        config.pluginmanager.register(UnrunFiles(config), "stepgate-unrun-files")
 
 
 def pytest_collection_finish(session):

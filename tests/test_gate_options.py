@@ -59,6 +59,7 @@ def test_a_typo_in_engine_is_a_usage_error_that_names_the_known_values(gate_dir)
     assert not r.stdout.lines, "a usage error must stop the run before collection"
 
 
+# messages are fnmatch patterns: `*` for any text, `?` for a bracket (which fnmatch would read as a set)
 @pytest.mark.parametrize("args,message", [
     (("--backend", "torch,fussed"), "--backend torch,fussed: unknown attention backend 'fussed'*known: torch, flex, "
                                     "flash, all"),
@@ -72,6 +73,8 @@ def test_a_typo_in_engine_is_a_usage_error_that_names_the_known_values(gate_dir)
                           "qwen2.5-1.5b-random, or a checkpoint directory*"),
     (("--model", "golden"), "--model golden: the directory has no config.json*"),
     (("--engine", "fused,,flash"), "--engine 'fused,,flash': an empty name*"),
+    (("--engine", "chunked", "--backend", "flex"), "--engine chunked --backend flex: no engine configuration runs on "
+                                                   "these backends; the candidates: chunked?torch?, fused?torch?*"),
 ])
 def test_bad_option_values_are_usage_errors(gate_dir, args, message, monkeypatch):
     monkeypatch.setattr(options, "cuda_devices", lambda: 0)     # the same on a GPU machine
@@ -308,11 +311,15 @@ def test_gate_files_run_cheap_first_and_unknown_files_keep_their_slot():
         ["test_kernels.py::0", "test_kernels.py::1"]
 
 
-def test_the_real_gates_collect_in_that_order(pytester):
+def test_the_real_gates_collect_in_that_order_and_deselect_what_is_not_selected(pytester):
     r = pytester.runpytest_inprocess(str(REPO / "gates"), "--collect-only", "-q", "-p", "no:cacheprovider",
-                                     "--rootdir", str(REPO))
+                                     "--rootdir", str(REPO), "--engine", "chunked,flash", "--backend", "torch")
     assert r.ret == 0, r.stdout.str()[-2000:]
-    files = list(dict.fromkeys(line.split("::")[0] for line in r.stdout.lines if "::" in line))
+    ids = [line for line in r.stdout.lines if "::" in line]
+    files = list(dict.fromkeys(i.split("::")[0] for i in ids))
     assert files == ["gates/test_kernels.py", "gates/test_admission.py", "gates/test_tokens.py",
                      "gates/test_page_safety.py", "gates/test_graphs.py", "gates/test_prefill_share.py",
                      "gates/test_step_timings.py"], files
+    tokens = [i for i in ids if i.startswith("gates/test_tokens.py")]
+    assert tokens and all("chunked-torch" in i for i in tokens), "only the selected candidate is collected"
+    assert "deselected" in r.stdout.lines[-1]

@@ -180,9 +180,9 @@ def why_cannot_run(opts: GateOptions, backend: str) -> str | None:
     """Why a backend cannot run this run's candidates (at the page size of its first candidate), or None."""
     page = next((LINEAGE[e]["page_size"] for e, b in CANDIDATES if b == backend), None)
     reason = kernels.why_unavailable(backend, opts.device, page)
-    check_dtype_of = getattr(kernels.backend_class(backend), "why_unsupported_dtype", None)
-    if reason is None and check_dtype_of is not None:
-        reason = check_dtype_of(DTYPES[opts.dtype])
+    dtype_reason = getattr(kernels.backend_class(backend), "why_unsupported_dtype", None)
+    if reason is None and dtype_reason is not None:
+        reason = dtype_reason(DTYPES[opts.dtype])
     return reason
 
 

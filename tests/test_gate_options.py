@@ -168,7 +168,8 @@ def test_on_cuda_a_backend_that_cannot_run_fails_the_run_with_the_reason(gate_di
     assert r.ret == pytest.ExitCode.USAGE_ERROR
     r.stderr.fnmatch_lines(["ERROR: --device cuda: every selected attention backend must run on CUDA*",
                             "  flash: flash-attn does not import: No module named 'flash_attn' (simulated)",
-                            "Fix the install, or gate without them by naming the backends to run: --backend torch,flex"])
+                            "Fix the install, or gate without them by naming the backends to run: "
+                            "--backend torch,flex"])
 
 
 def test_naming_the_backends_opts_out_and_cpu_still_skips(gate_dir, cuda_without_flash):

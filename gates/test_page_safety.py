@@ -16,8 +16,8 @@ from .records import GenRecord
 from .reference import EngineReference
 
 # The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
-# largest requests. The CPU workloads are scaled by 4, so the small model gets 4,608 slots.
-TINY_POOL_SLOTS = {"small": 4608, "small-trained": 4608}
+# largest requests. The CPU workloads are scaled by 4, so a small model (by class) gets 4,608 slots.
+TINY_POOL_SLOTS = {"small": 4608}
 TINY_POOL_BYTES = 1 << 29
 
 
@@ -31,7 +31,7 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
     full, _ = runs.candidate(engine, backend, workload)
     from engine.engine import torch_dtype
     from engine.runner import ModelRunner
-    slots = TINY_POOL_SLOTS.get(opts.model) or \
+    slots = TINY_POOL_SLOTS.get(opts.model_class) or \
         TINY_POOL_BYTES // ModelRunner.bytes_per_page(runs.loaded[0].shape, 1, torch_dtype(opts.dtype))
     num_pages = slots // page_size + 1
     tiny, eng = runs.candidate(engine, backend, workload, page_size=page_size, num_pages=num_pages)

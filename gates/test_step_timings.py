@@ -48,6 +48,8 @@ from engine.request import Request, State
 from engine.scheduler import Chunk, StepPlan
 from engine.workload import MIXED, MIXED_CPU, SEED, UNIFORM_CPU, Workload
 
+from .options import gate_options
+
 ROWS = 32                                   # decode rows of the fixed state (max batch)
 KINDS = ("pure-decode", "loaded", "chunk-only")
 KERNEL_BACKENDS = ("torch", "flex", "flash")
@@ -57,21 +59,12 @@ BUILD_CHUNK = 1024                          # chunk_tokens while building the st
 
 
 # -- options -------------------------------------------------------------------------------------------------------
-def _opt(config, name, default):
-    try:
-        v = config.getoption(name)
-    except ValueError:
-        return default
-    return default if v is None else v
-
-
 def run_device(config) -> str:
-    return str(_opt(config, "--device", "cpu"))
+    return gate_options(config).device
 
 
 def run_dtype(config) -> str:
-    d = _opt(config, "--dtype", None)
-    return d or ("float16" if torch.device(run_device(config)).type == "cuda" else "float32")
+    return gate_options(config).dtype
 
 
 def is_cuda(device) -> bool:
@@ -91,13 +84,12 @@ class ModelCase:
 
 
 def model_cases(config) -> list[ModelCase]:
-    device = run_device(config)
-    model = str(_opt(config, "--model", "small"))
-    if model != "small":
-        return [ModelCase(model, MIXED if is_cuda(device) else MIXED_CPU)]
-    if is_cuda(device):
-        return [ModelCase("small", MIXED_CPU), ModelCase(RANDOM_1P5B, MIXED)]
-    return [ModelCase("small", MIXED_CPU)]
+    """The model under test with its class's workload; on CUDA the default small model also brings the 1.5B shape."""
+    o = gate_options(config)
+    if o.model_class == "small":
+        extra = [ModelCase(RANDOM_1P5B, MIXED)] if o.model == "small" and o.is_cuda else []
+        return [ModelCase(o.model, MIXED_CPU)] + extra
+    return [ModelCase(o.model, MIXED if o.is_cuda else MIXED_CPU)]
 
 
 def ratio_case_for(case: ModelCase, device) -> ModelCase:

@@ -90,6 +90,7 @@ class CapturedSteps:
         self.host = torch.empty(n, dtype=torch.int32, pin_memory=self.capture_graphs)
         self.host_np = self.host.numpy()
         self.dev = torch.empty(n, dtype=torch.int32, device=runner.device)
+        self.copied = torch.cuda.Event() if self.capture_graphs else None    # the last upload's copy is done
         self.host_view, self.dev_view = {}, {}
         for name, shape in sections:
             lo, size = self.offsets[name], int(np.prod(shape))
@@ -108,17 +109,24 @@ class CapturedSteps:
         self.pool_bytes = 0
 
     def upload(self, upto: int | None = None) -> None:
-        """Copy the host buffer's first `upto` entries (all by default) to the device. Rewriting the pinned buffer
-        next step is safe: every step ends with a readback, which waits for this copy."""
+        """Copy the host buffer's first `upto` entries (all by default) to the device, asynchronously."""
         n = self.host.numel() if upto is None else upto
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def wait_copied(self) -> None:
+        """Before rewriting the pinned buffer: the last upload's copy must have read it. Usually long done (a
+        step's readback waits for it), but a chunk-only step that completes no prompt samples nothing."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
     def forward(self, key: tuple) -> torch.Tensor:
         """The captured step of `key` over the device sections, writing the logits buffer (subclasses)."""
         raise NotImplementedError
 
-    def logit_rows_of(self, key: tuple) -> int:
-        raise NotImplementedError
+    def prime(self, key: tuple) -> None:
+        """Make the static buffer a valid step of `key` (all padding) before a warm-up forward runs it."""
 
     def estimate_pool_bytes(self, key: tuple) -> int:
         """A rough upper bound of one forward's activations at `key` (for planning where nothing is captured)."""
@@ -140,7 +148,9 @@ class CapturedSteps:
         stream.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(stream):   # warm-up launches (allocator, kernel selection) off the default stream
             for key in self.keys:
+                self.prime(key)
                 self.forward(key)
+                stream.synchronize()      # the next prime rewrites the pinned buffer this one's copy reads
         torch.cuda.current_stream(r.device).wait_stream(stream)
         torch.cuda.synchronize(r.device)
         for key in tqdm(self.keys, desc=desc, unit="graph", disable=not progress, leave=False):
@@ -227,6 +237,7 @@ class DecodeGraphs(CapturedSteps):
         """Write this step's rows into the host buffer (padding after them) and copy it to the device. Returns the
         table width the rows need (the most pages any row's cache length reaches)."""
         v, ps, n = self.view, self.runner.page_size, len(decodes)
+        self.wait_copied()
         pack([], decodes, pages_of, ps, v["tokens"], v["positions"], v["slots"], self._rows)
         pos = v["positions"][:n]
         np.add(pos, 1, out=v["kv_lens"][:n])
@@ -251,9 +262,6 @@ class DecodeGraphs(CapturedSteps):
         r.backend.prepare(batch, "decode")
         ctx = ForwardContext(sec["slots"].long(), 0, None, batch, r.backend)
         return r.model(sec["tokens"].long(), sec["positions"], r.kv_caches, ctx, None, out=self.logits[:b])
-
-    def logit_rows_of(self, key: tuple) -> int:
-        return key[0]
 
     def estimate_pool_bytes(self, key: tuple) -> int:
         r = self.runner

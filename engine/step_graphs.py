@@ -87,9 +87,7 @@ class StepGraphs(CapturedSteps):
         self.pad_slot = runner.pad_page * runner.page_size
         self.fallbacks = 0                                  # plans no bucket holds: run eagerly
         self._ar = np.arange(T)
-        self.host_np[:] = 0
-        self.host_view["table"][:] = runner.pad_page
-        self.upload()
+        self.prime((T,))
         self.capture([(b,) for b in reversed(self.sizes)], progress, "capturing loaded/chunk-only step graphs")
 
     def seqs_for(self, b: int) -> int:
@@ -116,6 +114,7 @@ class StepGraphs(CapturedSteps):
         hv, ps, pad_page = self.host_view, self.runner.page_size, self.runner.pad_page
         tok, pos, slot, lr = hv["tokens"], hv["positions"], hv["slots"], hv["logit_rows"]
         q, kv, table = self.q_lens, hv["kv_lens"], hv["table"]
+        self.wait_copied()
         t, nrows = pack(chunks, decodes, pages_of, ps, tok, pos, slot, lr)
         seqs = self.seqs_for(b)
         k = 0
@@ -168,8 +167,8 @@ class StepGraphs(CapturedSteps):
         return r.model(dv["tokens"][:b].long(), dv["positions"][:b], r.kv_caches, ctx, dv["logit_rows"][:rows].long(),
                        out=self.logits[:rows])
 
-    def logit_rows_of(self, key: tuple) -> int:
-        return self.rows_for(key[0])
+    def prime(self, key: tuple) -> None:
+        self.fill([], [], {}, key[0])
 
     def estimate_pool_bytes(self, key: tuple) -> int:
         r = self.runner

@@ -141,7 +141,6 @@ class CapturedSteps:
             return
         r = self.runner
         t0 = time.perf_counter()
-        before = torch.cuda.memory_reserved(r.device)
         if r.graph_pool is None:
             r.graph_pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(r.device)
@@ -153,6 +152,8 @@ class CapturedSteps:
                 stream.synchronize()      # the next prime rewrites the pinned buffer this one's copy reads
         torch.cuda.current_stream(r.device).wait_stream(stream)
         torch.cuda.synchronize(r.device)
+        torch.cuda.empty_cache()          # what the warm-ups cached is not the graphs' memory
+        before = torch.cuda.memory_reserved(r.device)
         for key in tqdm(self.keys, desc=desc, unit="graph", disable=not progress, leave=False):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=r.graph_pool):
@@ -174,8 +175,8 @@ class CapturedSteps:
         return self.logits[:n]
 
     def report(self) -> dict:
-        """Graphs captured, capture time and memory: static buffers, the logits buffer, and the graph pool
-        (measured on CUDA; off CUDA, the estimate of the largest key's activations)."""
+        """Graphs captured, capture time and memory: static buffers, the logits buffer, and what the captures added
+        to the graph pool (measured on CUDA; off CUDA, the estimate of the largest key's activations)."""
         keys = getattr(self, "keys", [])
         est = max((self.estimate_pool_bytes(k) for k in keys), default=0)
         return dict(kind=self.kind, graphs=len(self.graphs), keys=len(keys), captured=self.capture_graphs,
@@ -187,7 +188,7 @@ class CapturedSteps:
         r = self.report()
         done = (f"{r['graphs']} {self.kind} graphs captured in {r['capture_s']:.2f} s" if r["captured"] else
                 f"{r['keys']} {self.kind} step shapes emulated (off CUDA: nothing captured)")
-        pool = (f"graph pool {r['pool_bytes'] / MIB:.1f} MiB" if r["captured"] else
+        pool = (f"graph pool +{r['pool_bytes'] / MIB:.1f} MiB" if r["captured"] else
                 f"graph pool about {r['pool_estimate_bytes'] / MIB:.1f} MiB (estimate)")
         logits = f"logits {r['logits_bytes'] / MIB:.1f} MiB" if self.owns_logits else "logits shared"
         return f"{done}; memory: {pool}, {logits}, static inputs {r['static_bytes'] / MIB:.2f} MiB"

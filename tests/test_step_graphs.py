@@ -10,49 +10,32 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 
 from engine import Engine, PoisonedLogitsError
 from engine.config import lineage_config
-from engine.graphs import ladder, width_ladder
+from engine.graphs import activation_bytes, ladder, width_ladder
 from engine.loader import QWEN25_1P5B, qwen2_config
 from engine.model import ModelShape
-from engine.graphs import activation_bytes
 from engine.request import Request, State
 from engine.scheduler import Chunk
 from engine.step_graphs import Q_TILE, StepGraphs, token_ladder
 from engine.workload import Workload
 from gates.compare import compare
 from gates.reference import EngineReference
-from kernels import why_unavailable
-from kernels.torch_backend import TorchBackend
 
 # short prompts (cheap emulated steps), two-piece chunks (chunk 128 = 2 x Q_TILE), more requests than rows
 WORKLOAD = Workload("step-graphs-cpu", (4, 16, 64, 200), (8, 24), 14, chunk_tokens=128)
 MAX_BATCH = 8
 MAX_LEN = 200 + 24
-THRESHOLD = 0.02          # DESIGN.md's tie rule, as gates/ applies it
 
 
-def emulate(monkeypatch):
-    monkeypatch.setattr(TorchBackend, "graph_safe_decode", True)
-    monkeypatch.setattr(TorchBackend, "graph_safe_prefill", True)
-    monkeypatch.setattr(Engine, "use_cuda_graphs", staticmethod(lambda config: bool(config.cuda_graphs)))
+EMULATE_STEP_GRAPHS = True     # tests/conftest.py's cpu-emulated mode graphs loaded and chunk-only steps too
 
 
-@pytest.fixture(params=["cpu-emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
-def mode(request, monkeypatch):
-    if request.param == "cuda":
-        dev = request.config.getoption("--device")
-        if not dev.startswith("cuda") or not torch.cuda.is_available():
-            pytest.skip("captured CUDA graphs need a CUDA device (run with --device cuda on a GPU)")
-        reason = why_unavailable("flash", dev, 256)
-        if reason:
-            pytest.skip(f"no graph-safe prefill backend here: flash: {reason}")
-        return dict(engine="flash", device=dev, dtype="float16", model="small-trained")
-    emulate(monkeypatch)
-    return dict(engine="fused", device="cpu", dtype="float32", model="small")
+@pytest.fixture
+def mode(graph_mode):
+    return graph_mode
 
 
 def run(mode, graphs: bool):
@@ -102,15 +85,11 @@ def test_capture_stays_cheap_at_512_rows():
 
 # -- the static buffers, against the eager packing ----------------------------------------------------------------
 @pytest.fixture(scope="module")
-def emulated_engine():
-    mp = pytest.MonkeyPatch()
-    emulate(mp)
-    try:
-        cfg = lineage_config("fused", chunk_tokens=128, max_batch=MAX_BATCH, cuda_graphs=True,
-                             max_model_len=1088, num_pages=200, progress=False)
-        yield Engine(cfg)
-    finally:
-        mp.undo()
+def emulated_engine(graph_emulation):
+    with pytest.MonkeyPatch.context() as mp:     # only while the engine "captures"
+        graph_emulation(mp, prefill=True)
+        return Engine(lineage_config("fused", chunk_tokens=128, max_batch=MAX_BATCH, cuda_graphs=True,
+                                     max_model_len=1088, num_pages=200, progress=False))
 
 
 plans = st.lists(st.tuples(st.sampled_from(["chunk", "decode"]), st.integers(1, 900), st.integers(0, 128)),
@@ -172,8 +151,8 @@ def test_fill_matches_the_eager_packing(emulated_engine, spec):
         e.pool.end_step()
 
 
-def test_construction_reports_graphs_and_memory(monkeypatch, capsys):
-    emulate(monkeypatch)
+def test_construction_reports_graphs_and_memory(graph_emulation, monkeypatch, capsys):
+    graph_emulation(monkeypatch, prefill=True)
     Engine(lineage_config("fused", chunk_tokens=128, max_batch=MAX_BATCH, cuda_graphs=True, max_model_len=256,
                           num_pages=40, progress=True))
     err = capsys.readouterr().err
@@ -190,7 +169,7 @@ def test_step_graphs_match_eager(mode):
     n = graphed_kinds(e)
     assert sg is not None and sg.replays == n > 0 and sg.fallbacks == 0, (sg and sg.replays, n)
     assert sg.capture_graphs == (mode["device"] != "cpu")
-    report = compare("step graphs vs eager", eager, graphed, eager_ref.score, THRESHOLD, 3, check_steps=True)
+    report = compare("step graphs vs eager", eager, graphed, eager_ref.score, check_steps=True)  # its 0.02 rule
     assert report.ok, report.problems()
     assert e.pool.num_free == e.pool.capacity
 
@@ -223,7 +202,7 @@ def test_stale_metadata_is_caught(mode, monkeypatch, section):
     except PoisonedLogitsError as e:     # poison mode names the step, the requests and their pages
         assert "non-finite logits" in str(e) and "pages" in str(e), str(e)
         return
-    report = compare("step graphs vs eager", eager, graphed, eager_ref.score, THRESHOLD, 3, check_steps=True)
+    report = compare("step graphs vs eager", eager, graphed, eager_ref.score, check_steps=True)  # its 0.02 rule
     assert not report.ok, f"a stale {section} section in the captured step's static buffer went unnoticed"
 
 

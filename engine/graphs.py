@@ -240,13 +240,12 @@ class DecodeGraphs(CapturedSteps):
         v, ps, n = self.view, self.runner.page_size, len(decodes)
         self.wait_copied()
         pack([], decodes, pages_of, ps, v["tokens"], v["positions"], v["slots"], self._rows)
-        pos = v["positions"][:n]
-        np.add(pos, 1, out=v["kv_lens"][:n])
-        used = pos // ps + 1            # pages this row's cache length reaches (it owns all it reserved)
+        np.add(v["positions"][:n], 1, out=v["kv_lens"][:n])
+        used = [r.num_cached // ps + 1 for r in decodes]   # pages its cache length reaches (it owns all it reserved)
         page_rows([pages_of[r.request_id] for r in decodes], used, self.table[:n], self.runner.pad_page)
         self._pad(n)
         self.upload()
-        return int(used.max()) if n else 1
+        return max(used, default=1)
 
     def _device_views(self, b: int, w: int):
         sec = {name: self.dev_view[name][:b] for name in SECTIONS}

@@ -34,11 +34,10 @@ def pack(chunks, decodes, pages_of: dict[str, list[int]], page_size: int, tokens
     d = len(decodes)
     if d:
         end = o + d
-        pos = positions[o:end]
-        pos[:] = [r.num_cached for r in decodes]
+        pos = [r.num_cached for r in decodes]
+        positions[o:end] = pos
         tokens[o:end] = [r.output[-1] for r in decodes]
-        first = np.fromiter((pages_of[r.request_id][r.num_cached // ps] for r in decodes), np.int64, d)
-        slots[o:end] = first * ps + pos % ps
+        slots[o:end] = [pages_of[r.request_id][p // ps] * ps + p % ps for r, p in zip(decodes, pos)]
         logit_rows[nrows:nrows + d] = np.arange(o, end)
         nrows += d
         o = end
@@ -51,15 +50,28 @@ def logit_row_count(chunks, decodes, all_logits: bool = False) -> int:
     return sum(c.completes_prompt for c in chunks) + len(decodes)
 
 
-def page_rows(lists, lengths: np.ndarray, out: np.ndarray, fill: int) -> None:
-    """out[i, :lengths[i]] = lists[i][:lengths[i]], and `fill` after: block-table rows in one pass over the pages
-    (no Python loop per page or per row assignment)."""
+def page_rows(lists, lengths: list[int] | None, out: np.ndarray, fill: int) -> None:
+    """out[i, :lengths[i]] = lists[i][:lengths[i]] (whole lists if lengths is None), and `fill` after: block-table
+    rows in one masked assignment (no numpy call per row)."""
     out[:] = fill
-    if not len(lists):
+    if not lists:
         return
-    flat = np.fromiter(chain.from_iterable(p[:n] for p, n in zip(lists, lengths.tolist())), np.int64,
-                       int(lengths.sum()))
-    out[np.arange(out.shape[1])[None, :] < lengths[:, None]] = flat
+    if lengths is None:
+        lengths = [len(p) for p in lists]
+        flat = chain.from_iterable(lists)
+    else:
+        flat = chain.from_iterable(p[:n] for p, n in zip(lists, lengths))
+    lens = np.array(lengths)
+    out[_columns(out.shape[1]) < lens[:, None]] = np.fromiter(flat, np.int64, int(lens.sum()))
+
+
+_COLUMNS: dict[int, np.ndarray] = {}
+
+
+def _columns(width: int) -> np.ndarray:
+    if width not in _COLUMNS:
+        _COLUMNS[width] = np.arange(width)[None, :]
+    return _COLUMNS[width]
 
 
 __all__ = ["logit_row_count", "pack", "page_rows"]

@@ -131,8 +131,7 @@ class StepGraphs(CapturedSteps):
         d = len(decodes)
         q[k:k + d] = 1
         kv[k:k + d] = pos[t - d:t] + 1
-        owned = [pages_of[r.request_id] for r in decodes]
-        page_rows(owned, np.fromiter(map(len, owned), np.int64, d), table[k:k + d], pad_page)
+        page_rows([pages_of[r.request_id] for r in decodes], None, table[k:k + d], pad_page)
         k += d
         table[k:seqs] = pad_page    # padding pieces and unused sequences read only the pad page
         pad = b - t                 # padding pieces on the pad page: positions 0, 1, ... within each piece

@@ -90,8 +90,12 @@ class Engine:
                                        max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
                                        page_size=config.page_size)
         if graphs:   # after the backend's warm-up: a capture must not include a compile
-            self.runner.capture_decode_graphs(config.max_batch, self.pool.pages_needed(self.max_model_len),
-                                              progress=config.progress)
+            width = self.pool.pages_needed(self.max_model_len)
+            self.runner.capture_decode_graphs(config.max_batch, width, progress=config.progress)
+            if config.forward == "fused" and getattr(self.runner.backend, "graph_safe_prefill", False):
+                # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
+                self.runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, width,
+                                                progress=config.progress)
         self.requests: dict[str, Request] = {}
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []

@@ -1,0 +1,526 @@
+"""Tensor parallel over torch.distributed: the worker processes, their process group, and rank 0's runner.
+
+Rank 0 lives in the caller's process and keeps the one scheduler; ranks 1..tp-1 are worker processes that the engine
+starts (torch.multiprocessing) and stops. Each step rank 0 sends the workers its plan as plain data over a pipe;
+every rank runs the same forward on its shard of the weights and of the KV pool (the same page ids everywhere),
+meeting the others in the all-reduces; every rank makes the greedy choice from the gathered vocabulary shards, and
+the workers send theirs back, so rank 0 checks at every step that all ranks chose the same tokens. A worker that
+dies, raises or does not answer within `tp_timeout` becomes a WorkerError naming its rank."""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from . import tp_layers
+from .config import EngineConfig
+from .errors import RankDisagreementError, WorkerError
+from .model import ModelShape
+from .pool import NULL_PAGE
+from .request import Request, State
+from .runner import ModelRunner, StepOutput
+from .scheduler import Chunk, StepPlan
+
+# forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
+# on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.
+START_METHOD = os.environ.get("STEPGATE_TP_START", "forkserver")
+WORKER_SETUP = None      # tests: a picklable callable(rank) every worker runs first (to plant a bug in a worker)
+STARTUP_TIMEOUT_S = 900  # loading, compiling and capturing take minutes on a GPU
+POLL_S = 0.05            # how often a wait looks at the workers' processes
+GRACE_S = 2.0            # after a failed collective: how long the other ranks get to report what happened
+
+
+# -- the process group ----------------------------------------------------------------------------------------------
+class Group:
+    """This engine's ranks: a process group made without torch.distributed's global default group (as vLLM's
+    stateless groups are), so several engines can live in one process. gloo on CPU, NCCL on CUDA."""
+
+    def __init__(self, rank: int, size: int, store, device: torch.device, timeout: float):
+        from torch.distributed import PrefixStore, ProcessGroup
+        self.rank, self.size = rank, size
+        store = PrefixStore("stepgate-tp", store)
+        td = datetime.timedelta(seconds=timeout)
+        pg = ProcessGroup(store, rank, size)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            backend, kind = dist.ProcessGroupNCCL(store, rank, size, opts), ProcessGroup.BackendType.NCCL
+        else:
+            backend, kind = dist.ProcessGroupGloo(store, rank, size, timeout=td), ProcessGroup.BackendType.GLOO
+        pg._set_default_backend(kind)
+        backend._set_sequence_number_for_group()
+        pg._register_backend(torch.device(device.type), kind, backend)
+        self.pg = pg
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self.pg)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[size, *t.shape]: every rank's t, in rank order."""
+        t = t.contiguous()
+        out = t.new_empty((self.size * t.numel(),))
+        _gather_into(out, t.view(-1), group=self.pg)
+        return out.view(self.size, *t.shape)
+
+    def shutdown(self) -> None:
+        for name in ("abort", "shutdown"):   # abort: an NCCL kernel waiting on a dead peer must not block exit
+            fn = getattr(self.pg, name, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except Exception:  # noqa: BLE001 (best effort on a group that may already be broken)
+                    pass
+
+
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def rank_devices(device: str, tp: int) -> list[str]:
+    """One device per rank: cuda:k, cuda:k+1, ... from the engine's cuda:k; every rank on the CPU otherwise."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return [str(dev)] * tp
+    first = dev.index or 0
+    have = torch.cuda.device_count()
+    if first + tp > have:
+        raise ValueError(f"tp={tp} from {device} needs GPUs {first}..{first + tp - 1}, but {have} are visible")
+    return [f"cuda:{first + r}" for r in range(tp)]
+
+
+# -- one rank's runner ----------------------------------------------------------------------------------------------
+class ShardRunner(ModelRunner):
+    """One rank's runner: its shard of the model and of the KV pool. Sampling gathers every rank's per-row summary
+    of its vocabulary rows, so that each rank makes the whole vocabulary's greedy choice (kept in `choice`)."""
+
+    def __init__(self, model, *args, group: Group, vocab_first: int, **kw):
+        super().__init__(model, *args, **kw)
+        self.group = group
+        self.vocab_first = vocab_first
+        self.choice: list[int] = []
+        self.before_readback = None   # rank 0 on CUDA: watch the workers while the device finishes the step
+
+    def sample(self, logits: torch.Tensor) -> StepOutput:
+        if logits.shape[0] == 0:
+            self.choice = []
+            return StepOutput([])
+        k = self.record_topk
+        gathered = self.group.all_gather(tp_layers.shard_summary(logits, self.vocab_first, k))
+        tokens, nonfinite, top_v, top_i = tp_layers.combine(gathered, k)
+        packed = torch.cat([tokens[:, None], nonfinite[:, None]] + ([top_v, top_i] if k else []), dim=1)
+        if self.before_readback is not None:
+            self.before_readback()
+        rows = packed.tolist()    # one host readback
+        out = StepOutput([int(r[0]) for r in rows])
+        if self.poison:
+            out.nonfinite = [r[1] > 0 for r in rows]
+        if k:
+            out.topk_vals = [r[2:2 + k] for r in rows]
+            out.topk_ids = [[int(x) for x in r[2 + k:]] for r in rows]
+        self.choice = out.tokens
+        return out
+
+    @torch.inference_mode()
+    def score(self, chunk: Chunk, pages: list[int], last_only: bool = False) -> torch.Tensor:
+        local = self.forward([chunk], [], {chunk.request.request_id: pages}, all_logits=not last_only)
+        whole = self.group.all_gather(local)                  # [tp, T, V/tp]
+        return whole.permute(1, 0, 2).reshape(local.shape[0], -1).cpu()
+
+
+def page_problems(runner: ModelRunner, rank: int, free_pages: list[int]) -> list[str]:
+    """One rank's KV pool against rank 0's bookkeeping: the null page is zero, and in poison mode every free page
+    holds NaN in every slot of every layer (freed pages were poisoned on this rank too)."""
+    problems = []
+    free = torch.tensor(sorted(free_pages), dtype=torch.long, device=runner.device)
+    for layer, (k, v) in enumerate(runner.kv_caches):
+        for name, t in (("K", k), ("V", v)):
+            if not bool((t[NULL_PAGE] == 0).all()):
+                problems.append(f"rank {rank}: layer {layer} {name}: the null page is not zero")
+            if runner.poison and len(free):
+                nan = torch.isnan(t[free]).flatten(1).all(1)
+                if not bool(nan.all()):
+                    bad = free[~nan][:5].tolist()
+                    problems.append(f"rank {rank}: layer {layer} {name}: free pages {bad} hold values that are not "
+                                    f"NaN (a freed page was not poisoned on this rank)")
+    return problems
+
+
+# -- the plan as plain data -----------------------------------------------------------------------------------------
+def encode_plan(plan: StepPlan, pages_of: dict[str, list[int]]) -> tuple:
+    """Bookkeeping only: ids, token ids, positions and page lists."""
+    chunks = [(c.request.request_id, c.request.prompt, c.start, c.length, c.long) for c in plan.chunks]
+    decodes = [(r.request_id, r.output[-1], r.num_cached) for r in plan.decodes]
+    rids = [c[0] for c in chunks] + [d[0] for d in decodes]
+    return plan.index, chunks, decodes, {rid: pages_of[rid] for rid in rids}
+
+
+def decode_plan(msg: tuple) -> tuple[StepPlan, dict[str, list[int]]]:
+    """Stand-ins for rank 0's requests, holding what a runner reads of them."""
+    index, chunks, decodes, pages_of = msg
+    plan = StepPlan(index)
+    for rid, prompt, start, length, long in chunks:
+        r = Request(rid, prompt, 1, state=State.PREFILL, num_cached=start)
+        plan.chunks.append(Chunk(r, start, length, long))
+    for rid, token, num_cached in decodes:
+        plan.decodes.append(Request(rid, [], 1, state=State.DECODE, num_cached=num_cached, output=[token]))
+    return plan, pages_of
+
+
+# -- the worker process ---------------------------------------------------------------------------------------------
+@dataclass
+class WorkerSpec:
+    """What a worker needs to build its rank (picklable)."""
+    config: EngineConfig      # with the worker's own device
+    tp: int
+    shape: ModelShape
+    source: object            # a model load_model() can name (loaded by the worker), or None: see `state`
+    state: bytes | None       # the rank's shard (torch.save) when the caller's model has no name to load by
+    num_pages: int
+    max_kv: int
+    table_width: int
+    threads: int
+    port: int
+    setup: object = None
+
+
+def _watch_parent() -> None:
+    """A worker whose caller died exits, even while blocked in a collective that will never complete."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(3)
+    threading.Thread(target=watch, daemon=True, name="stepgate-tp-parent-watch").start()
+
+
+def _load_shard(spec: WorkerSpec, rank: int, group: Group, dtype):
+    device = spec.config.device
+    if spec.state is not None:
+        state = torch.load(io.BytesIO(spec.state), weights_only=True)
+    else:
+        from .loader import load_model
+        full = load_model(spec.source, dtype, device)[0]
+        state = tp_layers.shard_state(full.state_dict(), spec.shape, spec.tp, rank)
+        del full
+    return tp_layers.local_model(state, spec.shape, spec.tp, rank, group, device, dtype)
+
+
+def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
+    _watch_parent()
+    try:
+        if spec.setup is not None:
+            spec.setup(rank)
+        torch.set_num_threads(spec.threads)
+        from .engine import build_runner, torch_dtype
+        cfg, dtype = spec.config, torch_dtype(spec.config.dtype)
+        device = torch.device(cfg.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        conn.send(("ok", os.getpid()))
+        store = dist.TCPStore("127.0.0.1", spec.port, spec.tp, False,
+                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        group = Group(rank, spec.tp, store, device, cfg.tp_timeout)
+        model = _load_shard(spec, rank, group, dtype)
+        conn.send(("ok", "loaded"))
+        runner = build_runner(model, cfg, dtype, spec.num_pages, spec.max_kv, spec.table_width,
+                              runner_cls=ShardRunner, group=group,
+                              vocab_first=tp_layers.vocab_rows(spec.shape, spec.tp, rank).start)
+        conn.send(("ok", "ready"))
+        serve(conn, runner, rank)
+        group.shutdown()
+    except EOFError:      # the caller went away
+        os._exit(0)
+    except BaseException:  # noqa: BLE001 (whatever it is, rank 0 must hear it, then this rank is gone)
+        try:
+            conn.send(("error", traceback.format_exc()))
+        finally:
+            os._exit(1)
+
+
+def serve(conn, runner: ShardRunner, rank: int) -> None:
+    """Run rank 0's calls until it says stop. Calls that return something answer; the others do not (poisoning
+    freed pages follows every step, and a failure there surfaces at the next answer)."""
+    def run(msg, forward_mode, use_graphs):
+        plan, pages_of = decode_plan(msg)
+        runner.run(plan, pages_of, forward_mode, use_graphs=use_graphs)
+        return runner.choice
+
+    def score(rid, tokens, pages, last_only):
+        runner.score(Chunk(Request(rid, tokens, 1), 0, len(tokens)), pages, last_only)
+        return True
+
+    calls = {"run": run, "score": score, "poison": runner.poison_pages, "perturb": runner.perturb_page,
+             "check": lambda free: page_problems(runner, rank, free)}
+    while True:
+        op, *args = conn.recv()
+        if op == "stop":
+            return
+        answer = calls[op](*args)
+        if answer is not None:
+            conn.send(("ok", answer))
+
+
+# -- rank 0 ---------------------------------------------------------------------------------------------------------
+def _stop(procs, conns) -> None:
+    """Stop every worker: ask, then terminate, then kill. Safe to call twice (and at exit)."""
+    for conn in conns:
+        try:
+            conn.send(("stop",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for conn in conns:
+        conn.close()
+
+
+class Workers:
+    """Ranks 1..tp-1 seen from rank 0: start them, talk to them, and turn whatever goes wrong into a WorkerError
+    that names the rank."""
+
+    def __init__(self, specs: list[WorkerSpec]):
+        ctx = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            ctx.set_forkserver_preload(["engine.parallel"])
+        self.procs, self.conns = [], []
+        for rank, spec in enumerate(specs, start=1):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(rank, spec, child), name=f"stepgate-tp-rank{rank}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self._stop = weakref.finalize(self, _stop, self.procs, self.conns)
+
+    def ranks(self):
+        return enumerate(zip(self.procs, self.conns), start=1)
+
+    def send(self, msg: tuple, doing: str) -> None:
+        for rank, (p, conn) in self.ranks():
+            try:
+                conn.send(msg)
+            except (OSError, ValueError):
+                raise self.failure(doing) or WorkerError([rank], f"tensor-parallel rank {rank}'s pipe is closed "
+                                                                 f"while {doing}") from None
+
+    def answers(self, doing: str, timeout: float) -> list:
+        """One answer from every worker, in rank order."""
+        deadline = time.monotonic() + timeout
+        out = []
+        for rank, (p, conn) in self.ranks():
+            while not conn.poll(POLL_S):
+                if not p.is_alive() and not conn.poll():
+                    raise self.failure(doing) or WorkerError([rank], f"tensor-parallel rank {rank} is gone while "
+                                                                     f"{doing}")
+                if time.monotonic() > deadline:
+                    raise WorkerError([rank], f"tensor-parallel rank {rank} (pid {p.pid}) did not answer within "
+                                              f"{timeout:g} s while {doing}: it hangs (tp_timeout)")
+            out.append(self._read(rank, conn, doing))
+        return out
+
+    def _read(self, rank, conn, doing):
+        try:
+            tag, payload = conn.recv()
+        except (EOFError, OSError):
+            raise self.failure(doing) or WorkerError([rank], f"tensor-parallel rank {rank}'s pipe closed while "
+                                                             f"{doing}") from None
+        if tag == "error":
+            raise WorkerError([rank], f"tensor-parallel rank {rank} failed while {doing}:\n{payload}")
+        return payload
+
+    def failure(self, doing: str, cause: BaseException | None = None) -> WorkerError | None:
+        """What happened to the workers after something failed while `doing`: a rank that died (its exit code), one
+        that raised (its traceback), or, after a failed collective, one that stays silent (it hangs). None: every
+        worker finished its part, so the failure was rank 0's own."""
+        deadline = time.monotonic() + GRACE_S
+        dead, raised, silent = [], [], []
+        for rank, (p, conn) in self.ranks():
+            if conn.poll(max(0.0, deadline - time.monotonic())):
+                try:
+                    tag, payload = conn.recv()
+                except (EOFError, OSError):
+                    tag, payload = "dead", None
+                if tag == "error":
+                    raised.append((rank, payload))
+                    continue
+                if tag == "ok":
+                    continue
+            p.join(max(0.0, deadline - time.monotonic()))
+            if not p.is_alive():
+                dead.append((rank, p.pid, p.exitcode))
+            elif cause is not None:
+                silent.append(rank)
+        lines = [f"tensor-parallel rank {r} (pid {pid}) died (exit code {code}) while {doing}"
+                 for r, pid, code in dead]
+        lines += [f"tensor-parallel rank {r} failed while {doing}:\n{tb}" for r, tb in raised]
+        lines += [f"tensor-parallel rank {r} did not answer while {doing}: it hangs" for r in silent]
+        if not lines:
+            return None
+        if cause is not None:
+            lines.append(f"(rank 0 saw: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})")
+        ranks = sorted([r for r, *_ in dead] + [r for r, _ in raised] + silent)
+        return WorkerError(ranks, "\n".join(lines))
+
+    def close(self) -> None:
+        self._stop()
+
+
+class TPRunner:
+    """Rank 0's runner when tp > 1 (the engine sees only this one). Each call goes to the workers first, as plain
+    data, then runs on rank 0's own shard; the workers' answers are checked (the token choices must agree). Anything
+    else a runner has (device, backend, graphs, kv_caches) is rank 0's."""
+
+    def __init__(self, local: ShardRunner, workers: Workers, timeout: float):
+        self.local = local
+        self.workers = workers
+        self.timeout = timeout
+        self.agreed_rows = 0        # (row, rank) choices checked against rank 0's
+        self.broken: WorkerError | None = None
+        if local.device.type == "cuda":
+            local.before_readback = self._watch_device
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["local"], name)
+
+    @classmethod
+    def start(cls, config: EngineConfig, model, dtype, num_pages: int, max_kv: int, table_width: int,
+              source=None) -> "TPRunner":
+        """Start ranks 1..tp-1 and build rank 0. `model`: the whole model (rank 0 shards it); `source`: a name or
+        directory the workers load it from themselves (anything else: rank 0 sends each worker its shard)."""
+        from .engine import build_runner
+        tp, shape = config.tp, model.shape
+        tp_layers.check_tp(shape, tp)
+        devices = rank_devices(config.device, tp)
+        state = model.state_dict()
+        store = dist.TCPStore("127.0.0.1", 0, tp, True, timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S),
+                              wait_for_workers=False)
+        specs = []
+        for rank in range(1, tp):
+            shard = None
+            if not isinstance(source, (str, os.PathLike)):
+                buf = io.BytesIO()   # clones: a slice would save the whole weight it views
+                torch.save({k: v.detach().cpu().clone() for k, v in
+                            tp_layers.shard_state(state, shape, tp, rank).items()}, buf)
+                shard = buf.getvalue()
+            specs.append(WorkerSpec(config.with_(device=devices[rank]), tp, shape, source, shard, num_pages, max_kv,
+                                    table_width, torch.get_num_threads(), store.port, WORKER_SETUP))
+        workers = Workers(specs)
+        try:
+            workers.answers("starting", STARTUP_TIMEOUT_S)
+            group = Group(0, tp, store, torch.device(devices[0]), config.tp_timeout)
+            local = tp_layers.local_model(tp_layers.shard_state(state, shape, tp, 0), shape, tp, 0, group,
+                                          devices[0], dtype)
+            workers.answers("loading the model", STARTUP_TIMEOUT_S)
+            runner = build_runner(local, config, dtype, num_pages, max_kv, table_width, runner_cls=ShardRunner,
+                                  group=group, vocab_first=0)
+            workers.answers("building its runner (warm-up, graph capture)", STARTUP_TIMEOUT_S)
+        except BaseException:
+            workers.close()
+            raise
+        return cls(runner, workers, config.tp_timeout)
+
+    # -- calls that every rank runs ----------------------------------------------------------------------------
+    def _everywhere(self, msg: tuple, doing: str, local_call, answer: bool):
+        if self.broken is not None:
+            raise WorkerError(self.broken.ranks, f"the engine's workers failed earlier (close it):\n{self.broken}")
+        try:
+            self.workers.send(msg, doing)
+            try:
+                out = local_call()
+            except WorkerError:
+                raise
+            except Exception as e:  # noqa: BLE001 (a collective that failed because of a worker, or rank 0's own)
+                err = self.workers.failure(doing, e)
+                if err is None:
+                    raise
+                raise err from e
+            return out, (self.workers.answers(doing, self.timeout) if answer else None)
+        except WorkerError as e:
+            self.broken = e
+            raise
+
+    def run(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
+            use_graphs: bool = True) -> StepOutput:
+        doing = f"step {plan.index} ({plan.kind})"
+        out, answers = self._everywhere(("run", encode_plan(plan, pages_of), forward_mode, use_graphs), doing,
+                                        lambda: self.local.run(plan, pages_of, forward_mode, use_graphs), True)
+        self.check_agreement(plan, out.tokens, answers)
+        return out
+
+    def check_agreement(self, plan: StepPlan, tokens: list[int], answers: list[list[int]]) -> None:
+        rows = plan.sampled
+        bad = []
+        for rank, theirs in enumerate(answers, start=1):
+            if len(theirs) != len(tokens):
+                bad.append(f"rank {rank} chose {len(theirs)} tokens, rank 0 {len(tokens)}")
+                continue
+            bad += [f"request {rows[i].request_id} (row {i}): rank 0 chose {a}, rank {rank} chose {b}"
+                    for i, (a, b) in enumerate(zip(tokens, theirs)) if a != b]
+        if bad:
+            raise RankDisagreementError(plan.index, bad, f"step {plan.index} ({plan.kind}): tensor-parallel ranks "
+                                        f"chose different tokens:\n  " + "\n  ".join(bad[:8]))
+        self.agreed_rows += len(tokens) * len(answers)
+
+    def poison_pages(self, pages: list[int]) -> None:
+        if not (self.local.poison and pages):
+            return
+        self._everywhere(("poison", list(pages)), "poisoning freed pages", lambda: self.local.poison_pages(pages),
+                         False)
+
+    def score(self, chunk: Chunk, pages: list[int], last_only: bool = False) -> torch.Tensor:
+        r = chunk.request
+        assert chunk.start == 0 and chunk.length == r.prompt_len, "score() runs one whole sequence"
+        out, _ = self._everywhere(("score", r.request_id, r.prompt, pages, last_only), "scoring a sequence",
+                                  lambda: self.local.score(chunk, pages, last_only), True)
+        return out
+
+    def perturb_page(self, page: int, scale: float = 1.0, seed: int = 0) -> None:
+        self._everywhere(("perturb", page, scale, seed), "perturbing a page",
+                         lambda: self.local.perturb_page(page, scale, seed), False)
+
+    def page_problems(self, free_pages: list[int]) -> list[str]:
+        """Every rank's KV pool against rank 0's free list (see page_problems)."""
+        mine, answers = self._everywhere(("check", list(free_pages)), "checking its pages",
+                                         lambda: page_problems(self.local, 0, free_pages), True)
+        return mine + [p for a in answers for p in a]
+
+    def _watch_device(self) -> None:
+        """Wait for the device by polling, so that a worker that died or hangs (its peers' NCCL kernels then wait
+        forever) becomes a WorkerError instead of a readback that never returns."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.timeout
+        check = time.monotonic() + POLL_S
+        while not done.query():
+            now = time.monotonic()
+            if now > check:
+                check = now + POLL_S
+                for rank, (p, _) in self.workers.ranks():
+                    if not p.is_alive():   # a worker that raised has sent why, then exited
+                        raise self.workers.failure("a step") or WorkerError([rank], f"rank {rank} is gone")
+                if now > deadline:
+                    raise WorkerError(list(range(1, len(self.workers.procs) + 1)),
+                                      f"the device did not finish a step within {self.timeout:g} s: a worker rank "
+                                      f"hangs (tp_timeout)")
+            time.sleep(0)
+
+    def close(self) -> None:
+        self.workers.close()
+        self.local.group.shutdown()

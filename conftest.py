@@ -5,6 +5,7 @@ Options (all have defaults that run on a CPU-only machine with the embedded smal
   --engine chunked|fused|flash|all   --golden-dir DIR   --tie-threshold 0.02   --flip-cap N
   --regen-golden      write goldens (atomically) instead of checking them, and print what moved
   --model small|qwen2.5-1.5b-random|PATH
+  --tp N              the engine runs tensor parallel over N ranks (gloo on CPU, NCCL on CUDA); goldens stay tp 1
 """
 from __future__ import annotations
 
@@ -47,4 +48,5 @@ def pytest_addoption(parser):
     g.addoption("--flip-cap", type=int, default=3, help="most distinct flip sites a gate accepts")
     g.addoption("--regen-golden", action="store_true", help="write goldens instead of checking them")
     g.addoption("--model", default="small", help="small (embedded), qwen2.5-1.5b-random, or a checkpoint dir")
+    g.addoption("--tp", type=int, default=1, help="tensor-parallel ranks of the engine under test (goldens: tp 1)")
     g.addoption("--gate-summary", default="gate-summary.json", help="where the JSON gate summary is written")

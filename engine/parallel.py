@@ -271,14 +271,14 @@ def serve(conn, runner: ShardRunner, rank: int) -> None:
 
 
 # -- rank 0 ---------------------------------------------------------------------------------------------------------
-def _stop(procs, conns) -> None:
-    """Stop every worker: ask, then terminate, then kill. Safe to call twice (and at exit)."""
+def _stop(procs, conns, patient: list[bool]) -> None:
+    """Stop every worker: ask (unless a failure left one that may never read), then terminate, then kill."""
     for conn in conns:
         try:
             conn.send(("stop",))
         except (OSError, ValueError):
             pass
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + (5.0 if patient[0] else 0.0)
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
@@ -307,7 +307,8 @@ class Workers:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
-        self._stop = weakref.finalize(self, _stop, self.procs, self.conns)
+        self.patient = [True]
+        self._stop = weakref.finalize(self, _stop, self.procs, self.conns, self.patient)
 
     def ranks(self):
         return enumerate(zip(self.procs, self.conns), start=1)
@@ -378,7 +379,9 @@ class Workers:
         ranks = sorted([r for r, *_ in dead] + [r for r, _ in raised] + silent)
         return WorkerError(ranks, "\n".join(lines))
 
-    def close(self) -> None:
+    def close(self, patient: bool = True) -> None:
+        """Stop the workers (once; also at exit or when collected). patient=False: terminate at once."""
+        self.patient[0] = patient
         self._stop()
 
 
@@ -522,5 +525,5 @@ class TPRunner:
             time.sleep(0)
 
     def close(self) -> None:
-        self.workers.close()
+        self.workers.close(patient=self.broken is None)
         self.local.group.shutdown()

@@ -25,10 +25,10 @@ from . import tp_layers
 from .config import EngineConfig
 from .errors import RankDisagreementError, WorkerError
 from .model import ModelShape
-from .pool import NULL_PAGE
-from .request import Request, State
-from .runner import ModelRunner, StepOutput
+from .request import Request
+from .runner import StepOutput
 from .scheduler import Chunk, StepPlan
+from .tp_runner import PlanReceiver, PlanSender, ShardRunner, page_problems
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
 # on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.
@@ -42,13 +42,14 @@ GRACE_S = 2.0            # after a failed collective: how long the other ranks g
 # -- the process group ----------------------------------------------------------------------------------------------
 class Group:
     """This engine's ranks: a process group made without torch.distributed's global default group (as vLLM's
-    stateless groups are), so several engines can live in one process. gloo on CPU, NCCL on CUDA."""
+    stateless groups are), so several engines can live in one process. gloo on CPU, NCCL on CUDA. Made with the
+    startup timeout (connecting, capturing); serving sets the step timeout (set_timeout)."""
 
-    def __init__(self, rank: int, size: int, store, device: torch.device, timeout: float):
+    def __init__(self, rank: int, size: int, store, device: torch.device):
         from torch.distributed import PrefixStore, ProcessGroup
         self.rank, self.size = rank, size
         store = PrefixStore("stepgate-tp", store)
-        td = datetime.timedelta(seconds=timeout)
+        td = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
         pg = ProcessGroup(store, rank, size)
         if device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
@@ -59,7 +60,13 @@ class Group:
         pg._set_default_backend(kind)
         backend._set_sequence_number_for_group()
         pg._register_backend(torch.device(device.type), kind, backend)
-        self.pg = pg
+        self.pg, self.backend = pg, backend
+
+    def set_timeout(self, seconds: float) -> None:
+        """gloo: how long a collective waits for a silent peer before it raises. NCCL keeps the startup timeout: rank
+        0 never blocks on the device (TPRunner polls it), and a shorter watchdog would tear the process down."""
+        if isinstance(self.backend, dist.ProcessGroupGloo):
+            self.backend.set_timeout(datetime.timedelta(seconds=seconds))
 
     def all_reduce(self, t: torch.Tensor) -> None:
         dist.all_reduce(t, group=self.pg)
@@ -95,84 +102,6 @@ def rank_devices(device: str, tp: int) -> list[str]:
     if first + tp > have:
         raise ValueError(f"tp={tp} from {device} needs GPUs {first}..{first + tp - 1}, but {have} are visible")
     return [f"cuda:{first + r}" for r in range(tp)]
-
-
-# -- one rank's runner ----------------------------------------------------------------------------------------------
-class ShardRunner(ModelRunner):
-    """One rank's runner: its shard of the model and of the KV pool. Sampling gathers every rank's per-row summary
-    of its vocabulary rows, so that each rank makes the whole vocabulary's greedy choice (kept in `choice`)."""
-
-    def __init__(self, model, *args, group: Group, vocab_first: int, **kw):
-        super().__init__(model, *args, **kw)
-        self.group = group
-        self.vocab_first = vocab_first
-        self.choice: list[int] = []
-        self.before_readback = None   # rank 0 on CUDA: watch the workers while the device finishes the step
-
-    def sample(self, logits: torch.Tensor) -> StepOutput:
-        if logits.shape[0] == 0:
-            self.choice = []
-            return StepOutput([])
-        k = self.record_topk
-        gathered = self.group.all_gather(tp_layers.shard_summary(logits, self.vocab_first, k))
-        tokens, nonfinite, top_v, top_i = tp_layers.combine(gathered, k)
-        packed = torch.cat([tokens[:, None], nonfinite[:, None]] + ([top_v, top_i] if k else []), dim=1)
-        if self.before_readback is not None:
-            self.before_readback()
-        rows = packed.tolist()    # one host readback
-        out = StepOutput([int(r[0]) for r in rows])
-        if self.poison:
-            out.nonfinite = [r[1] > 0 for r in rows]
-        if k:
-            out.topk_vals = [r[2:2 + k] for r in rows]
-            out.topk_ids = [[int(x) for x in r[2 + k:]] for r in rows]
-        self.choice = out.tokens
-        return out
-
-    @torch.inference_mode()
-    def score(self, chunk: Chunk, pages: list[int], last_only: bool = False) -> torch.Tensor:
-        local = self.forward([chunk], [], {chunk.request.request_id: pages}, all_logits=not last_only)
-        whole = self.group.all_gather(local)                  # [tp, T, V/tp]
-        return whole.permute(1, 0, 2).reshape(local.shape[0], -1).cpu()
-
-
-def page_problems(runner: ModelRunner, rank: int, free_pages: list[int]) -> list[str]:
-    """One rank's KV pool against rank 0's bookkeeping: the null page is zero, and in poison mode every free page
-    holds NaN in every slot of every layer (freed pages were poisoned on this rank too)."""
-    problems = []
-    free = torch.tensor(sorted(free_pages), dtype=torch.long, device=runner.device)
-    for layer, (k, v) in enumerate(runner.kv_caches):
-        for name, t in (("K", k), ("V", v)):
-            if not bool((t[NULL_PAGE] == 0).all()):
-                problems.append(f"rank {rank}: layer {layer} {name}: the null page is not zero")
-            if runner.poison and len(free):
-                nan = torch.isnan(t[free]).flatten(1).all(1)
-                if not bool(nan.all()):
-                    bad = free[~nan][:5].tolist()
-                    problems.append(f"rank {rank}: layer {layer} {name}: free pages {bad} hold values that are not "
-                                    f"NaN (a freed page was not poisoned on this rank)")
-    return problems
-
-
-# -- the plan as plain data -----------------------------------------------------------------------------------------
-def encode_plan(plan: StepPlan, pages_of: dict[str, list[int]]) -> tuple:
-    """Bookkeeping only: ids, token ids, positions and page lists."""
-    chunks = [(c.request.request_id, c.request.prompt, c.start, c.length, c.long) for c in plan.chunks]
-    decodes = [(r.request_id, r.output[-1], r.num_cached) for r in plan.decodes]
-    rids = [c[0] for c in chunks] + [d[0] for d in decodes]
-    return plan.index, chunks, decodes, {rid: pages_of[rid] for rid in rids}
-
-
-def decode_plan(msg: tuple) -> tuple[StepPlan, dict[str, list[int]]]:
-    """Stand-ins for rank 0's requests, holding what a runner reads of them."""
-    index, chunks, decodes, pages_of = msg
-    plan = StepPlan(index)
-    for rid, prompt, start, length, long in chunks:
-        r = Request(rid, prompt, 1, state=State.PREFILL, num_cached=start)
-        plan.chunks.append(Chunk(r, start, length, long))
-    for rid, token, num_cached in decodes:
-        plan.decodes.append(Request(rid, [], 1, state=State.DECODE, num_cached=num_cached, output=[token]))
-    return plan, pages_of
 
 
 # -- the worker process ---------------------------------------------------------------------------------------------
@@ -229,12 +158,13 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         conn.send(("ok", os.getpid()))
         store = dist.TCPStore("127.0.0.1", spec.port, spec.tp, False,
                               timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        group = Group(rank, spec.tp, store, device, cfg.tp_timeout)
+        group = Group(rank, spec.tp, store, device)
         model = _load_shard(spec, rank, group, dtype)
         conn.send(("ok", "loaded"))
         runner = build_runner(model, cfg, dtype, spec.num_pages, spec.max_kv, spec.table_width,
                               runner_cls=ShardRunner, group=group,
                               vocab_first=tp_layers.vocab_rows(spec.shape, spec.tp, rank).start)
+        group.set_timeout(cfg.tp_timeout)
         conn.send(("ok", "ready"))
         serve(conn, runner, rank)
         group.shutdown()
@@ -250,8 +180,10 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 def serve(conn, runner: ShardRunner, rank: int) -> None:
     """Run rank 0's calls until it says stop. Calls that return something answer; the others do not (poisoning
     freed pages follows every step, and a failure there surfaces at the next answer)."""
+    plans = PlanReceiver()
+
     def run(msg, forward_mode, use_graphs):
-        plan, pages_of = decode_plan(msg)
+        plan, pages_of = plans.decode(msg)
         runner.run(plan, pages_of, forward_mode, use_graphs=use_graphs)
         return runner.choice
 
@@ -394,6 +326,7 @@ class TPRunner:
         self.local = local
         self.workers = workers
         self.timeout = timeout
+        self.plans = PlanSender()
         self.agreed_rows = 0        # (row, rank) choices checked against rank 0's
         self.broken: WorkerError | None = None
         if local.device.type == "cuda":
@@ -427,13 +360,14 @@ class TPRunner:
         workers = Workers(specs)
         try:
             workers.answers("starting", STARTUP_TIMEOUT_S)
-            group = Group(0, tp, store, torch.device(devices[0]), config.tp_timeout)
+            group = Group(0, tp, store, torch.device(devices[0]))
             local = tp_layers.local_model(tp_layers.shard_state(state, shape, tp, 0), shape, tp, 0, group,
                                           devices[0], dtype)
             workers.answers("loading the model", STARTUP_TIMEOUT_S)
             runner = build_runner(local, config, dtype, num_pages, max_kv, table_width, runner_cls=ShardRunner,
                                   group=group, vocab_first=0)
             workers.answers("building its runner (warm-up, graph capture)", STARTUP_TIMEOUT_S)
+            group.set_timeout(config.tp_timeout)
         except BaseException:
             workers.close()
             raise
@@ -462,7 +396,7 @@ class TPRunner:
     def run(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
             use_graphs: bool = True) -> StepOutput:
         doing = f"step {plan.index} ({plan.kind})"
-        out, answers = self._everywhere(("run", encode_plan(plan, pages_of), forward_mode, use_graphs), doing,
+        out, answers = self._everywhere(("run", self.plans.encode(plan, pages_of), forward_mode, use_graphs), doing,
                                         lambda: self.local.run(plan, pages_of, forward_mode, use_graphs), True)
         self.check_agreement(plan, out.tokens, answers)
         return out

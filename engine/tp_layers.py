@@ -72,14 +72,15 @@ def _rows(heads: range, d: int) -> slice:
 def shard_state(state: dict[str, torch.Tensor], s: ModelShape, tp: int, rank: int) -> dict[str, torch.Tensor]:
     """That rank's slice of every weight of a transformers-named Qwen2 state dict (norms are replicated)."""
     d, width = s.head_dim, s.intermediate_size // tp
-    q, kv, vocab = _rows(q_heads(s, tp, rank), d), _rows(kv_heads(s, tp, rank), d), vocab_rows(s, tp, rank)
+    q, kv = _rows(q_heads(s, tp, rank), d), _rows(kv_heads(s, tp, rank), d)
+    vocab = slice(vocab_rows(s, tp, rank).start, vocab_rows(s, tp, rank).stop)
     mlp = slice(rank * width, (rank + 1) * width)
     rules = {   # name suffix -> (dimension, slice)
         "q_proj.weight": (0, q), "q_proj.bias": (0, q),
         "k_proj.weight": (0, kv), "k_proj.bias": (0, kv), "v_proj.weight": (0, kv), "v_proj.bias": (0, kv),
         "o_proj.weight": (1, q),
         "gate_proj.weight": (0, mlp), "up_proj.weight": (0, mlp), "down_proj.weight": (1, mlp),
-        "embed_tokens.weight": (0, slice(vocab.start, vocab.stop)), "lm_head.weight": (0, slice(vocab.start, vocab.stop)),
+        "embed_tokens.weight": (0, vocab), "lm_head.weight": (0, vocab),
     }
     out = {}
     for name, t in state.items():
@@ -171,3 +172,20 @@ def combine(gathered: torch.Tensor, k: int):
     cand_i = gathered[..., 3 + k:].permute(1, 0, 2).reshape(rows, tp * k)
     top_v, where = cand_v.topk(k, dim=-1)
     return tokens, nonfinite, top_v, cand_i.gather(1, where)
+
+
+class ChoiceModel(nn.Module):
+    """A rank's model whose output is every row's greedy choice over the whole vocabulary, packed [rows, 2 + 2k]
+    fp32: token, non-finite (on any rank), top-k values, top-k ids. The gather runs inside the forward, so a captured
+    decode step holds it too; every rank computes the same choice from the same gathered summaries."""
+
+    def __init__(self, shard: Qwen2, group, first: int, k: int):
+        super().__init__()
+        self.shard, self.group, self.first, self.k = shard, group, first, k
+        self.shape = shard.shape
+
+    def forward(self, *args):
+        logits = self.shard(*args)
+        gathered = self.group.all_gather(shard_summary(logits, self.first, self.k))
+        tokens, nonfinite, top_v, top_i = combine(gathered, self.k)
+        return torch.cat([tokens[:, None], nonfinite[:, None]] + ([top_v, top_i] if self.k else []), dim=1)

@@ -28,80 +28,15 @@ from .model import ModelShape
 from .request import Request
 from .runner import StepOutput
 from .scheduler import Chunk, StepPlan
-from .tp_runner import PlanReceiver, PlanSender, ShardRunner, page_problems
+from .tp_runner import (STARTUP_TIMEOUT_S, Group, PlanReceiver, PlanSender, ShardRunner, page_problems,
+                        rank_devices)
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
 # on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.
 START_METHOD = os.environ.get("STEPGATE_TP_START", "forkserver")
 WORKER_SETUP = None      # tests: a picklable callable(rank) every worker runs first (to plant a bug in a worker)
-STARTUP_TIMEOUT_S = 900  # loading, compiling and capturing take minutes on a GPU
 POLL_S = 0.05            # how often a wait looks at the workers' processes
 GRACE_S = 2.0            # after a failed collective: how long the other ranks get to report what happened
-
-
-# -- the process group ----------------------------------------------------------------------------------------------
-class Group:
-    """This engine's ranks: a process group made without torch.distributed's global default group (as vLLM's
-    stateless groups are), so several engines can live in one process. gloo on CPU, NCCL on CUDA. Made with the
-    startup timeout (connecting, capturing); serving sets the step timeout (set_timeout)."""
-
-    def __init__(self, rank: int, size: int, store, device: torch.device):
-        from torch.distributed import PrefixStore, ProcessGroup
-        self.rank, self.size = rank, size
-        store = PrefixStore("stepgate-tp", store)
-        td = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
-        pg = ProcessGroup(store, rank, size)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = td
-            backend, kind = dist.ProcessGroupNCCL(store, rank, size, opts), ProcessGroup.BackendType.NCCL
-        else:
-            backend, kind = dist.ProcessGroupGloo(store, rank, size, timeout=td), ProcessGroup.BackendType.GLOO
-        pg._set_default_backend(kind)
-        backend._set_sequence_number_for_group()
-        pg._register_backend(torch.device(device.type), kind, backend)
-        self.pg, self.backend = pg, backend
-
-    def set_timeout(self, seconds: float) -> None:
-        """gloo: how long a collective waits for a silent peer before it raises. NCCL keeps the startup timeout: rank
-        0 never blocks on the device (TPRunner polls it), and a shorter watchdog would tear the process down."""
-        if isinstance(self.backend, dist.ProcessGroupGloo):
-            self.backend.set_timeout(datetime.timedelta(seconds=seconds))
-
-    def all_reduce(self, t: torch.Tensor) -> None:
-        dist.all_reduce(t, group=self.pg)
-
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """[size, *t.shape]: every rank's t, in rank order."""
-        t = t.contiguous()
-        out = t.new_empty((self.size * t.numel(),))
-        _gather_into(out, t.view(-1), group=self.pg)
-        return out.view(self.size, *t.shape)
-
-    def shutdown(self) -> None:
-        for name in ("abort", "shutdown"):   # abort: an NCCL kernel waiting on a dead peer must not block exit
-            fn = getattr(self.pg, name, None)
-            if fn is not None:
-                try:
-                    fn()
-                    return
-                except Exception:  # noqa: BLE001 (best effort on a group that may already be broken)
-                    pass
-
-
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def rank_devices(device: str, tp: int) -> list[str]:
-    """One device per rank: cuda:k, cuda:k+1, ... from the engine's cuda:k; every rank on the CPU otherwise."""
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return [str(dev)] * tp
-    first = dev.index or 0
-    have = torch.cuda.device_count()
-    if first + tp > have:
-        raise ValueError(f"tp={tp} from {device} needs GPUs {first}..{first + tp - 1}, but {have} are visible")
-    return [f"cuda:{first + r}" for r in range(tp)]
 
 
 # -- the worker process ---------------------------------------------------------------------------------------------
@@ -327,6 +262,7 @@ class TPRunner:
         self.workers = workers
         self.timeout = timeout
         self.plans = PlanSender()
+        self.doing = "starting"
         self.agreed_rows = 0        # (row, rank) choices checked against rank 0's
         self.broken: WorkerError | None = None
         if local.device.type == "cuda":
@@ -375,6 +311,7 @@ class TPRunner:
 
     # -- calls that every rank runs ----------------------------------------------------------------------------
     def _everywhere(self, msg: tuple, doing: str, local_call, answer: bool):
+        self.doing = doing
         if self.broken is not None:
             raise WorkerError(self.broken.ranks, f"the engine's workers failed earlier (close it):\n{self.broken}")
         try:
@@ -449,13 +386,10 @@ class TPRunner:
             now = time.monotonic()
             if now > check:
                 check = now + POLL_S
-                for rank, (p, _) in self.workers.ranks():
-                    if not p.is_alive():   # a worker that raised has sent why, then exited
-                        raise self.workers.failure("a step") or WorkerError([rank], f"rank {rank} is gone")
-                if now > deadline:
-                    raise WorkerError(list(range(1, len(self.workers.procs) + 1)),
-                                      f"the device did not finish a step within {self.timeout:g} s: a worker rank "
-                                      f"hangs (tp_timeout)")
+                dead = [r for r, (p, _) in self.workers.ranks() if not p.is_alive()]
+                if dead or now > deadline:   # a worker that raised has sent why, then exited
+                    cause = None if dead else TimeoutError(f"the device did not finish within {self.timeout:g} s")
+                    raise self.workers.failure(self.doing, cause) or WorkerError(dead, f"ranks {dead} are gone")
             time.sleep(0)
 
     def close(self) -> None:

@@ -1,4 +1,5 @@
-"""One tensor-parallel rank's runner, its page check, and the step plan as plain data between the ranks.
+"""One tensor-parallel rank: its process group, its runner and page check, and the step plan as plain data between
+the ranks.
 
 Every rank (rank 0 in the caller's process, the others in worker processes) serves with a ShardRunner: the model
 runner over its shard of the weights and of the KV pool, whose model outputs the whole vocabulary's greedy choice
@@ -6,13 +7,83 @@ runner over its shard of the weights and of the KV pool, whose model outputs the
 PlanReceiver."""
 from __future__ import annotations
 
+import datetime
+
 import torch
+import torch.distributed as dist
 
 from . import tp_layers
 from .pool import NULL_PAGE
 from .request import Request, State
 from .runner import ModelRunner, StepOutput
 from .scheduler import Chunk, StepPlan
+
+STARTUP_TIMEOUT_S = 900  # loading, compiling and capturing take minutes on a GPU
+
+
+class Group:
+    """This engine's ranks: a process group made without torch.distributed's global default group (as vLLM's
+    stateless groups are), so several engines can live in one process. gloo on CPU, NCCL on CUDA. Made with the
+    startup timeout (connecting, capturing); serving sets the step timeout (set_timeout)."""
+
+    def __init__(self, rank: int, size: int, store, device: torch.device):
+        from torch.distributed import PrefixStore, ProcessGroup
+        self.rank, self.size = rank, size
+        store = PrefixStore("stepgate-tp", store)
+        td = datetime.timedelta(seconds=STARTUP_TIMEOUT_S)
+        pg = ProcessGroup(store, rank, size)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = td
+            backend, kind = dist.ProcessGroupNCCL(store, rank, size, opts), ProcessGroup.BackendType.NCCL
+        else:
+            backend, kind = dist.ProcessGroupGloo(store, rank, size, timeout=td), ProcessGroup.BackendType.GLOO
+        pg._set_default_backend(kind)
+        backend._set_sequence_number_for_group()
+        pg._register_backend(torch.device(device.type), kind, backend)
+        self.pg, self.backend = pg, backend
+
+    def set_timeout(self, seconds: float) -> None:
+        """gloo: how long a collective waits for a silent peer before it raises. NCCL keeps the startup timeout: rank
+        0 never blocks on the device (TPRunner polls it), and a shorter watchdog would tear the process down."""
+        if isinstance(self.backend, dist.ProcessGroupGloo):
+            setter = getattr(self.backend, "set_timeout", None) or self.backend._set_default_timeout
+            setter(datetime.timedelta(seconds=seconds))
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=self.pg)
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """[size, *t.shape]: every rank's t, in rank order."""
+        t = t.contiguous()
+        out = t.new_empty((self.size * t.numel(),))
+        _gather_into(out, t.view(-1), group=self.pg)
+        return out.view(self.size, *t.shape)
+
+    def shutdown(self) -> None:
+        for name in ("abort", "shutdown"):   # abort: an NCCL kernel waiting on a dead peer must not block exit
+            fn = getattr(self.pg, name, None)
+            if fn is not None:
+                try:
+                    fn()
+                    return
+                except Exception:  # noqa: BLE001 (best effort on a group that may already be broken)
+                    pass
+
+
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def rank_devices(device: str, tp: int) -> list[str]:
+    """One device per rank: cuda:k, cuda:k+1, ... from the engine's cuda:k; every rank on the CPU otherwise."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return [str(dev)] * tp
+    first = dev.index or 0
+    have = torch.cuda.device_count()
+    if first + tp > have:
+        raise ValueError(f"tp={tp} from {device} needs GPUs {first}..{first + tp - 1}, but {have} are visible")
+    return [f"cuda:{first + r}" for r in range(tp)]
 
 
 class ShardRunner(ModelRunner):

@@ -45,5 +45,6 @@ def tp_vs_tp1(specs: list[RequestSpec], tp: int, threshold: float, flip_cap: int
         ranks = rank_problems(eng)
     finally:
         eng.close()
-    report = compare(f"{engine}[{one.config.backend}] tp={tp} vs tp=1", ref, cand, one.score, threshold, flip_cap, check_steps=True)
+    report = compare(f"{engine}[{one.config.backend}] tp={tp} vs tp=1", ref, cand, one.score, threshold, flip_cap,
+                     check_steps=True)
     return report, ranks, eng

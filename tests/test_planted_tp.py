@@ -14,6 +14,7 @@ import random
 import time
 
 import pytest
+import torch
 import torch.nn as nn
 
 from engine import Engine, EngineConfig
@@ -38,6 +39,18 @@ def specs(n_long: int = 1) -> list[RequestSpec]:
 
 def config(**kw) -> EngineConfig:
     return EngineConfig(poison=True, chunk_tokens=128, tp=2, **kw)
+
+
+# the worker checks also run over NCCL on two GPUs (-m gpu), where rank 0 polls the device instead of blocking
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def tp_engine(device: str, loaded, **kw) -> Engine:
+    if device == "cpu":
+        return Engine(config(**kw), loaded=loaded)
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; {torch.cuda.device_count()} visible")
+    return Engine(config(device="cuda", dtype="float16", **kw), "small-trained")
 
 
 def plant_everywhere(monkeypatch, plant) -> None:
@@ -98,9 +111,10 @@ def other_choice(rank, at_call=3):
     tp_layers.combine = bugged
 
 
-def test_rank_divergent_choice_is_caught(loaded, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rank_divergent_choice_is_caught(loaded, monkeypatch, device):
     monkeypatch.setattr(parallel, "WORKER_SETUP", other_choice)
-    with Engine(config(), loaded=loaded) as eng:
+    with tp_engine(device, loaded) as eng:
         with pytest.raises(RankDisagreementError) as e:
             eng.run(specs())
     msg = str(e.value)
@@ -126,12 +140,13 @@ def fail_at_step(rank, step=3, how="die"):
     parallel.ShardRunner.run = bugged
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how,expect", [("die", "died (exit code 7) while step 3"),
                                         ("raise", "failed while step 3"),
-                                        ("hang", "did not answer")])
-def test_worker_failure_mid_step_names_the_rank(loaded, monkeypatch, how, expect):
+                                        ("hang", "did not answer while step 3")])
+def test_worker_failure_mid_step_names_the_rank(loaded, monkeypatch, how, expect, device):
     monkeypatch.setattr(parallel, "WORKER_SETUP", functools.partial(fail_at_step, how=how))
-    eng = Engine(config(tp_timeout=3.0), loaded=loaded)
+    eng = tp_engine(device, loaded, tp_timeout=3.0)
     try:
         t0 = time.monotonic()
         with pytest.raises(WorkerError) as e:

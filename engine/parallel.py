@@ -96,6 +96,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         group = Group(rank, spec.tp, store, device)
         model = _load_shard(spec, rank, group, dtype)
         conn.send(("ok", "loaded"))
+        group.connect(device)
         runner = build_runner(model, cfg, dtype, spec.num_pages, spec.max_kv, spec.table_width,
                               runner_cls=ShardRunner, group=group,
                               vocab_first=tp_layers.vocab_rows(spec.shape, spec.tp, rank).start)
@@ -300,6 +301,7 @@ class TPRunner:
             local = tp_layers.local_model(tp_layers.shard_state(state, shape, tp, 0), shape, tp, 0, group,
                                           devices[0], dtype)
             workers.answers("loading the model", STARTUP_TIMEOUT_S)
+            group.connect(devices[0])
             runner = build_runner(local, config, dtype, num_pages, max_kv, table_width, runner_cls=ShardRunner,
                                   group=group, vocab_first=0)
             workers.answers("building its runner (warm-up, graph capture)", STARTUP_TIMEOUT_S)

@@ -136,7 +136,8 @@ def local_model(state: dict[str, torch.Tensor], s: ModelShape, tp: int, rank: in
         raise ValueError(f"rank {rank}'s shard is missing weights: {missing[:5]}")
     if ls.tie_word_embeddings:
         m.lm_head.weight = m.model.embed_tokens.weight
-    m.rotary = Rotary(s.head_dim, s.rope_theta).to(device)
+    # cast as load_model's .to(dtype) casts it at tp 1: the rotary frequencies in the model's dtype
+    m.rotary = Rotary(s.head_dim, s.rope_theta).to(device=device, dtype=dtype)
     for layer in m.model.layers:
         layer.self_attn.o_proj.group = layer.mlp.down_proj.group = group
     m.model.embed_tokens.group = group

@@ -43,6 +43,11 @@ class Group:
         pg._register_backend(torch.device(device.type), kind, backend)
         self.pg, self.backend = pg, backend
 
+    def connect(self, device) -> None:
+        """The first collective: NCCL makes its communicator here (blocking until every rank arrives), at a point of
+        the startup where every rank has just said it is alive, rather than in the first step."""
+        self.all_reduce(torch.zeros(1, device=device))
+
     def set_timeout(self, seconds: float) -> None:
         """gloo: how long a collective waits for a silent peer before it raises. NCCL keeps the startup timeout: rank
         0 never blocks on the device (TPRunner polls it), and a shorter watchdog would tear the process down."""

@@ -143,7 +143,7 @@ def fail_at_step(rank, step=3, how="die"):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("how,expect", [("die", "died (exit code 7) while step 3"),
                                         ("raise", "failed while step 3"),
-                                        ("hang", "did not answer while step 3")])
+                                        ("hang", "did not answer while step 3")], ids=["die", "raise", "hang"])
 def test_worker_failure_mid_step_names_the_rank(loaded, monkeypatch, how, expect, device):
     monkeypatch.setattr(parallel, "WORKER_SETUP", functools.partial(fail_at_step, how=how))
     eng = tp_engine(device, loaded, tp_timeout=3.0)

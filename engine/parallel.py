@@ -1,4 +1,5 @@
-"""Tensor parallel over torch.distributed: the worker processes, their process group, and rank 0's runner.
+"""Tensor parallel over torch.distributed, rank 0's side: the worker processes (engine/tp_worker.py) started,
+watched and stopped, and the runner the engine sees.
 
 Rank 0 lives in the caller's process and keeps the one scheduler; ranks 1..tp-1 are worker processes that the engine
 starts (torch.multiprocessing) and stops. Each step rank 0 sends the workers its plan as plain data over a pipe;
@@ -11,11 +12,8 @@ from __future__ import annotations
 import datetime
 import io
 import os
-import threading
 import time
-import traceback
 import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -24,12 +22,10 @@ import torch.multiprocessing as mp
 from . import tp_layers
 from .config import EngineConfig
 from .errors import RankDisagreementError, WorkerError
-from .model import ModelShape
-from .request import Request
 from .runner import StepOutput
 from .scheduler import Chunk, StepPlan
-from .tp_runner import (STARTUP_TIMEOUT_S, Group, PlanReceiver, PlanSender, ShardRunner, page_problems,
-                        rank_devices)
+from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, page_problems, rank_devices
+from .tp_worker import WorkerSpec, worker_main
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
 # on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.
@@ -39,106 +35,13 @@ POLL_S = 0.05            # how often a wait looks at the workers' processes
 GRACE_S = 2.0            # after a failed collective: how long the other ranks get to report what happened
 
 
-# -- the worker process ---------------------------------------------------------------------------------------------
-@dataclass
-class WorkerSpec:
-    """What a worker needs to build its rank (picklable)."""
-    config: EngineConfig      # with the worker's own device
-    tp: int
-    shape: ModelShape
-    source: object            # a model load_model() can name (loaded by the worker), or None: see `state`
-    state: bytes | None       # the rank's shard (torch.save) when the caller's model has no name to load by
-    num_pages: int
-    max_kv: int
-    table_width: int
-    threads: int
-    port: int
-    setup: object = None
-
-
-def _watch_parent() -> None:
-    """A worker whose caller died exits, even while blocked in a collective that will never complete."""
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os._exit(3)
-    threading.Thread(target=watch, daemon=True, name="stepgate-tp-parent-watch").start()
-
-
-def _load_shard(spec: WorkerSpec, rank: int, group: Group, dtype):
-    device = spec.config.device
-    if spec.state is not None:
-        state = torch.load(io.BytesIO(spec.state), weights_only=True)
-    else:
-        from .loader import load_model
-        full = load_model(spec.source, dtype, device)[0]
-        state = tp_layers.shard_state(full.state_dict(), spec.shape, spec.tp, rank)
-        del full
-    return tp_layers.local_model(state, spec.shape, spec.tp, rank, group, device, dtype)
-
-
-def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
-    _watch_parent()
-    try:
-        if spec.setup is not None:
-            spec.setup(rank)
-        torch.set_num_threads(spec.threads)
-        from .engine import build_runner, torch_dtype
-        cfg, dtype = spec.config, torch_dtype(spec.config.dtype)
-        device = torch.device(cfg.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        conn.send(("ok", os.getpid()))
-        store = dist.TCPStore("127.0.0.1", spec.port, spec.tp, False,
-                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
-        group = Group(rank, spec.tp, store, device)
-        model = _load_shard(spec, rank, group, dtype)
-        conn.send(("ok", "loaded"))
-        group.connect(device)
-        runner = build_runner(model, cfg, dtype, spec.num_pages, spec.max_kv, spec.table_width,
-                              runner_cls=ShardRunner, group=group,
-                              vocab_first=tp_layers.vocab_rows(spec.shape, spec.tp, rank).start)
-        group.set_timeout(cfg.tp_timeout)
-        conn.send(("ok", "ready"))
-        serve(conn, runner, rank)
-        group.shutdown()
-    except EOFError:      # the caller went away
-        os._exit(0)
-    except BaseException:  # noqa: BLE001 (whatever it is, rank 0 must hear it, then this rank is gone)
-        try:
-            conn.send(("error", traceback.format_exc()))
-        finally:
-            os._exit(1)
-
-
-def serve(conn, runner: ShardRunner, rank: int) -> None:
-    """Run rank 0's calls until it says stop. Calls that return something answer; the others do not (poisoning
-    freed pages follows every step, and a failure there surfaces at the next answer)."""
-    plans = PlanReceiver()
-
-    def run(msg, forward_mode, use_graphs):
-        plan, pages_of = plans.decode(msg)
-        runner.run(plan, pages_of, forward_mode, use_graphs=use_graphs)
-        return runner.choice
-
-    def score(rid, tokens, pages, last_only):
-        runner.score(Chunk(Request(rid, tokens, 1), 0, len(tokens)), pages, last_only)
-        return True
-
-    calls = {"run": run, "score": score, "poison": runner.poison_pages, "perturb": runner.perturb_page,
-             "check": lambda free: page_problems(runner, rank, free)}
-    while True:
-        op, *args = conn.recv()
-        if op == "stop":
-            return
-        answer = calls[op](*args)
-        if answer is not None:
-            conn.send(("ok", answer))
-
-
 # -- rank 0 ---------------------------------------------------------------------------------------------------------
+def collective_failure(e: BaseException) -> bool:
+    """A collective that failed because of a peer (its connection closed, or it timed out), not rank 0's own bug."""
+    text = str(e).lower()
+    return isinstance(e, (TimeoutError, getattr(dist, "DistError", TimeoutError))) or "gloo" in text or "nccl" in text
+
+
 def _stop(procs, conns, patient: list[bool]) -> None:
     """Stop every worker: ask (unless a failure left one that may never read), then terminate, then kill."""
     for conn in conns:
@@ -166,7 +69,7 @@ class Workers:
     def __init__(self, specs: list[WorkerSpec]):
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(["engine.parallel"])
+            ctx.set_forkserver_preload(["engine.tp_worker"])
         self.procs, self.conns = [], []
         for rank, spec in enumerate(specs, start=1):
             parent, child = ctx.Pipe()
@@ -313,18 +216,21 @@ class TPRunner:
 
     # -- calls that every rank runs ----------------------------------------------------------------------------
     def _everywhere(self, msg: tuple, doing: str, local_call, answer: bool):
+        """Send `msg` to the workers, run `local_call` on rank 0, collect their answers if `answer`. After any
+        failure the ranks are out of step: the engine refuses every later call (close it)."""
         self.doing = doing
         if self.broken is not None:
-            raise WorkerError(self.broken.ranks, f"the engine's workers failed earlier (close it):\n{self.broken}")
+            raise WorkerError(self.broken.ranks, f"the engine's ranks failed earlier (close it):\n{self.broken}")
         try:
             self.workers.send(msg, doing)
             try:
                 out = local_call()
             except WorkerError:
                 raise
-            except Exception as e:  # noqa: BLE001 (a collective that failed because of a worker, or rank 0's own)
-                err = self.workers.failure(doing, e)
-                if err is None:
+            except Exception as e:
+                err = self.workers.failure(doing, e if collective_failure(e) else None)
+                if err is None:    # the workers are fine: the failure is rank 0's own
+                    self.broken = WorkerError([0], f"rank 0 failed while {doing}: {type(e).__name__}: {e}")
                     raise
                 raise err from e
             return out, (self.workers.answers(doing, self.timeout) if answer else None)

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from engine import Engine, EngineConfig
 from engine import parallel, tp_layers
+from engine.tp_runner import ShardRunner
 from engine.errors import RankDisagreementError, WorkerError
 from engine.loader import load_model
 from engine.workload import RequestSpec
@@ -127,7 +128,7 @@ def test_rank_divergent_choice_is_caught(loaded, monkeypatch, device):
 def fail_at_step(rank, step=3, how="die"):
     if rank != 1:
         return
-    run = parallel.ShardRunner.run
+    run = ShardRunner.run
 
     def bugged(self, plan, *a, **kw):
         if plan.index == step:
@@ -137,7 +138,7 @@ def fail_at_step(rank, step=3, how="die"):
                 time.sleep(3600)
             raise RuntimeError("planted worker failure")
         return run(self, plan, *a, **kw)
-    parallel.ShardRunner.run = bugged
+    ShardRunner.run = bugged
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,7 +169,7 @@ def test_worker_failure_mid_step_names_the_rank(loaded, monkeypatch, how, expect
 
 def skip_poison(rank):
     if rank == 1:
-        parallel.ShardRunner.poison_pages = lambda self, pages: None
+        ShardRunner.poison_pages = lambda self, pages: None
 
 
 def test_worker_that_does_not_poison_is_caught(loaded, monkeypatch):

@@ -24,7 +24,7 @@ from .config import EngineConfig
 from .errors import RankDisagreementError, WorkerError
 from .runner import StepOutput
 from .scheduler import Chunk, StepPlan
-from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, page_problems, rank_devices
+from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, kv_page_problems, rank_devices
 from .tp_worker import WorkerSpec, worker_main
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
@@ -173,6 +173,8 @@ class TPRunner:
             local.before_readback = self._watch_device
 
     def __getattr__(self, name):
+        if "local" not in self.__dict__:
+            raise AttributeError(name)
         return getattr(self.__dict__["local"], name)
 
     @classmethod
@@ -278,9 +280,9 @@ class TPRunner:
                          lambda: self.local.perturb_page(page, scale, seed), False)
 
     def page_problems(self, free_pages: list[int]) -> list[str]:
-        """Every rank's KV pool against rank 0's free list (see page_problems)."""
+        """Every rank's KV pool against rank 0's free list (tp_runner.kv_page_problems)."""
         mine, answers = self._everywhere(("check", list(free_pages)), "checking its pages",
-                                         lambda: page_problems(self.local, 0, free_pages), True)
+                                         lambda: kv_page_problems(self.local, 0, free_pages), True)
         return mine + [p for a in answers for p in a]
 
     def _watch_device(self) -> None:

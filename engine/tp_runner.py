@@ -128,7 +128,7 @@ class ShardRunner(ModelRunner):
         return whole.permute(1, 0, 2).reshape(local.shape[0], -1).cpu()
 
 
-def page_problems(runner: ModelRunner, rank: int, free_pages: list[int]) -> list[str]:
+def kv_page_problems(runner: ModelRunner, rank: int, free_pages: list[int]) -> list[str]:
     """One rank's KV pool against rank 0's bookkeeping: the null page is zero, and in poison mode every free page
     holds NaN in every slot of every layer (freed pages were poisoned on this rank too)."""
     problems = []

@@ -18,7 +18,7 @@ from .config import EngineConfig
 from .model import ModelShape
 from .request import Request
 from .scheduler import Chunk
-from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanReceiver, ShardRunner, page_problems
+from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanReceiver, ShardRunner, kv_page_problems
 
 
 @dataclass
@@ -109,7 +109,7 @@ def serve(conn, runner: ShardRunner, rank: int) -> None:
         return True
 
     calls = {"run": run, "score": score, "poison": runner.poison_pages, "perturb": runner.perturb_page,
-             "check": lambda free: page_problems(runner, rank, free)}
+             "check": lambda free: kv_page_problems(runner, rank, free)}
     while True:
         op, *args = conn.recv()
         if op == "stop":

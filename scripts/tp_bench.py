@@ -15,6 +15,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,6 +66,27 @@ def closed(eng: Engine, specs: list[RequestSpec], tag: str) -> dict:
                 tokens={r.request_id.split("-", 1)[1]: r.tokens for r in mine})
 
 
+def build(a, dtype: str, tp: int):
+    """(label, engine, seconds to build). At tp > 1 an engine whose build fails (its traceback printed) is built
+    again with CUDA graphs off, so that one call still measures something; None if that fails too."""
+    for graphs in (None, False) if tp > 1 else (None,):
+        t0 = time.perf_counter()
+        cfg = lineage_config(a.engine, device=a.device, dtype=dtype, chunk_tokens=a.chunk_tokens, sync_trace=True,
+                             progress=False, tp=tp, cuda_graphs=graphs)
+        label = str(tp) if graphs is None else f"{tp}, graphs off"
+        try:
+            eng = Engine(cfg, a.model)
+        except Exception:  # noqa: BLE001 (reported; the other configurations still run)
+            if tp == 1:
+                raise
+            traceback.print_exc()
+            print(f"tp={label}: the build failed", flush=True)
+            continue
+        print(f"tp={label}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+        return label, eng, time.perf_counter() - t0
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -84,48 +106,46 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     dtype = a.dtype or ("float16" if a.device.startswith("cuda") else "float32")
     mixed = MIXED_CPU if is_small(a.model) else MIXED
-    tps = [int(x) for x in a.tp.split(",")]
-    engines, built = {}, {}
-    for tp in tps:
-        t0 = time.perf_counter()
-        cfg = lineage_config(a.engine, device=a.device, dtype=dtype, chunk_tokens=a.chunk_tokens, sync_trace=True,
-                             progress=False, tp=tp)
-        engines[tp] = Engine(cfg, a.model)
-        built[tp] = time.perf_counter() - t0
-        print(f"tp={tp}: built in {built[tp]:.1f} s", flush=True)
-    decode_specs = mixed.scaled(a.rows).requests(engines[tps[0]].shape.vocab_size)
-    steps = {tp: [] for tp in tps}
+    engines, built = {}, {}      # label ("1", "2", or "2, graphs off") -> engine, seconds to build it
+    for tp in [int(x) for x in a.tp.split(",")]:
+        got = build(a, dtype, tp)
+        if got:
+            engines[got[0]], built[got[0]] = got[1], got[2]
+    labels = list(engines)
+    vocab = engines[labels[0]].shape.vocab_size
+    decode_specs = mixed.scaled(a.rows).requests(vocab)
+    steps = {k: [] for k in labels}
     for rnd in range(a.rounds):
-        for tp in tps:
-            steps[tp] += pure_decode(engines[tp], decode_specs, a.steps, f"decode{rnd}")
+        for k in labels:
+            steps[k] += pure_decode(engines[k], decode_specs, a.steps, f"decode{rnd}")
     specs = replace(mixed, name=f"{mixed.name}-new{a.new_tokens}").with_budget(a.new_tokens).scaled(a.closed) \
-        .requests(engines[tps[0]].shape.vocab_size)
+        .requests(vocab)
     runs = {}
-    for tp in tps:
-        closed(engines[tp], specs[:a.warmup_requests], "warmup")
-        runs[tp] = closed(engines[tp], specs, "closed")
-        graphs = engines[tp].runner.graphs
-        runs[tp]["graph_replays"] = graphs.replays if graphs is not None else 0
-        engines[tp].close()
-    base = tps[0]
+    for k in labels:
+        closed(engines[k], specs[:a.warmup_requests], "warmup")
+        runs[k] = closed(engines[k], specs, "closed")
+        graphs = engines[k].runner.graphs
+        runs[k]["graph_replays"] = graphs.replays if graphs is not None else 0
+        engines[k].close()
+    base = labels[0]
     rows = []
-    for tp in tps:
-        med = statistics.median(steps[tp]) * 1e3
-        rows.append(dict(tp=tp, build_s=built[tp], pure_decode_ms=med, pure_decode_steps=len(steps[tp]),
+    for k in labels:
+        med = statistics.median(steps[k]) * 1e3
+        rows.append(dict(tp=k, build_s=built[k], pure_decode_ms=med, pure_decode_steps=len(steps[k]),
                          pure_decode_ratio=med / (statistics.median(steps[base]) * 1e3),
-                         **{k: v for k, v in runs[tp].items() if k != "tokens"}))
-    same = {tp: sum(runs[tp]["tokens"][k] == runs[base]["tokens"][k] for k in runs[base]["tokens"]) for tp in tps}
+                         same_tokens=sum(runs[k]["tokens"][r] == runs[base]["tokens"][r] for r in runs[base]["tokens"]),
+                         **{f: v for f, v in runs[k].items() if f != "tokens"}))
     print(f"\n{a.engine} on {a.model} ({a.device}, {dtype}), chunk {a.chunk_tokens}; pure decode: {a.rows} rows, "
           f"{a.rounds} x {a.steps} steps; closed: {a.closed} requests x {a.new_tokens} new tokens")
-    print("| tp | pure decode step, median (ms) | vs tp %d | closed %d: time to last (s) | req/s | same tokens as "
-          "tp %d |" % (base, a.closed, base))
-    print("|---|---|---|---|---|---|")
+    print(f"| tp | pure decode step, median (ms) | vs tp {base} | closed {a.closed}: time to last (s) | req/s | "
+          f"same tokens as tp {base} | graph replays |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tp']} | {r['pure_decode_ms']:.3f} | {r['pure_decode_ratio']:.3f}x | {r['time_to_last_s']:.3f} "
-              f"| {r['requests_per_s']:.1f} | {same[r['tp']]}/{a.closed} |")
+              f"| {r['requests_per_s']:.1f} | {r['same_tokens']}/{a.closed} | {r['graph_replays']} |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(dict(args=vars(a), rows=rows, same_tokens=same), indent=2) + "\n")
+        Path(a.out).write_text(json.dumps(dict(args=vars(a), rows=rows), indent=2) + "\n")
     return 0
 
 

@@ -23,6 +23,7 @@ from engine.tp_runner import ShardRunner
 from engine.errors import RankDisagreementError, WorkerError
 from engine.loader import load_model
 from engine.workload import RequestSpec
+from gates.compare import TIE_THRESHOLD
 from gates.tp import rank_problems, tp_vs_tp1
 
 
@@ -87,12 +88,12 @@ def swapped_kv_shards(rank, setattr=setattr):
 @pytest.mark.parametrize("plant", [without_o_allreduce, swapped_kv_shards], ids=["no-o-allreduce", "swapped-kv"])
 def test_shared_bug_fails_the_tp_gate(loaded, monkeypatch, plant):
     plant_everywhere(monkeypatch, plant)
-    report, ranks, _ = tp_vs_tp1(specs(), 2, 0.02, 3, loaded=loaded, chunk_tokens=128)
+    report, ranks, _ = tp_vs_tp1(specs(), 2, TIE_THRESHOLD, 3, loaded=loaded, chunk_tokens=128)
     assert_gate_fails(report, ranks)
 
 
 def test_unplanted_tp_passes_the_tp_gate(loaded):
-    report, ranks, eng = tp_vs_tp1(specs(), 2, 0.02, 3, loaded=loaded, chunk_tokens=128)
+    report, ranks, eng = tp_vs_tp1(specs(), 2, TIE_THRESHOLD, 3, loaded=loaded, chunk_tokens=128)
     assert report.ok and not ranks, report.problems() + ranks
     assert eng.runner.agreed_rows == sum(len(r.tokens) for r in eng.results().values()) > 0
 

@@ -11,7 +11,6 @@ from engine.engine import torch_dtype
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
-from . import summary
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
 from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
@@ -113,22 +112,6 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs(opts) -> Runs:
     return Runs(opts)
-
-
-def pytest_sessionstart(session):
-    summary.PATH = Path(session.config.getoption("--gate-summary"))
-
-
-def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    lines = summary.lines()
-    if not lines:
-        return
-    terminalreporter.section("stepgate gate summary")
-    for line in lines:
-        terminalreporter.write_line(line)
-    path = config.getoption("--gate-summary")
-    summary.write_json(path)
-    terminalreporter.write_line(f"(written to {path})")
 
 
 # Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file

@@ -1,0 +1,163 @@
+"""The gates over pytest-xdist workers, a pytest plugin: which device each worker gates on and how much KV cache its
+engines may take, the gates that need their device(s) to themselves (marked `serial`), and a timeout on every gate.
+
+`pytest gates/ -n 4 --device cuda`: on a machine of several GPUs worker k gates on cuda:(k mod GPUs); workers that
+share a GPU split the engine's CUDA KV budget between them, so that their pools fit together. STEPGATE_KV_BYTES sets
+the budget of every engine the gates build instead (bytes, or with a KiB/MiB/GiB suffix). Gates marked `serial`
+(step timings: pytest-benchmark turns itself off under xdist, and a shared device makes them noise; tensor parallel:
+it spans GPUs other workers own) are deselected under xdist: `pytest gates/ -m serial` runs them."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import pytest
+
+GPU_KV_BYTES = 16 << 30     # the engine's own KV budget on CUDA (engine/engine.py), split among a GPU's workers
+KV_ENV = "STEPGATE_KV_BYTES"
+WORKERS_PER_GPU = 4         # `-n auto` on CUDA: the suite is bound by host work (compiling, packing) more than the GPU
+# a gate that runs longer than this has hung (a kernel that never returns): it fails with every thread's stack
+GATE_TIMEOUT_S = {"cuda": 600, "cpu": 1800}
+UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str                # the device this process gates on
+    sharers: int               # processes of this run gating on that device (1: its own)
+    kv_bytes: int | None       # the KV budget of every engine the gates build; None: the engine's default
+    where: str                 # for the header: how it was chosen
+
+
+def kv_bytes_from(value: str) -> int:
+    """STEPGATE_KV_BYTES: bytes, or a number with a KiB/MiB/GiB (or K/M/G) suffix."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in UNITS:
+        raise pytest.UsageError(f"{KV_ENV}={value!r}: not a size (bytes, or a number with KiB, MiB or GiB)")
+    n = int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    if n < 1 << 20:
+        raise pytest.UsageError(f"{KV_ENV}={value!r}: {n} bytes is under 1 MiB, too small for one page of a model")
+    return n
+
+
+def placement(device: str, tp: int, worker: int | None, workers: int, gpus: int, env=os.environ) -> Placement:
+    """Where worker `worker` of `workers` gates (None: a run without xdist), given the `--device` asked for."""
+    explicit = kv_bytes_from(env[KV_ENV]) if env.get(KV_ENV) else None
+    on_cuda = device.startswith("cuda")
+    if worker is None or not on_cuda:
+        return Placement(device, 1, explicit, f"{KV_ENV}" if explicit else "")
+    if device == "cuda" and tp == 1 and gpus > 1:
+        index = worker % gpus
+        device = f"cuda:{index}"
+        sharers = len(range(index, workers, gpus))
+        where = f"worker {worker} of {workers} on GPU {index} of {gpus}"
+    else:       # a named device, one GPU, or tensor parallel from the first GPU: every worker shares
+        sharers = workers
+        where = f"worker {worker} of {workers} sharing {device}" + (f" (tp {tp})" if tp > 1 else "")
+    kv = explicit or (GPU_KV_BYTES // sharers if sharers > 1 else None)
+    return Placement(device, sharers, kv, where)
+
+
+def worker_of(config) -> tuple[int | None, int]:
+    """(this xdist worker's index, the number of workers), or (None, workers) on a controller or a plain run."""
+    wi = getattr(config, "workerinput", None)
+    if wi is None:
+        return None, xdist_workers(config)
+    return int(str(wi["workerid"]).removeprefix("gw")), int(wi["workercount"])
+
+
+def xdist_workers(config) -> int:
+    """The workers this run's controller starts (0: no xdist)."""
+    try:
+        return int(config.getoption("numprocesses") or 0)
+    except (ValueError, KeyError):       # pytest-xdist not installed (KeyError: a test's stand-in config)
+        return 0
+
+
+def under_xdist(config) -> bool:
+    return hasattr(config, "workerinput") or xdist_workers(config) > 0
+
+
+def serial_command(config) -> str:
+    """The command that runs the gates marked serial, under this run's own -m expression."""
+    expr = config.getoption("markexpr", "") or ""
+    return f"pytest gates/ -m {f'serial and ({expr})' if expr else 'serial'!r} (without -n)"
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.4g} MiB"
+
+
+# -- the plugin's hooks --------------------------------------------------------------------------------------------
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` with --device cuda: WORKERS_PER_GPU per GPU (capped by the cores); on CPU, xdist's own count."""
+    if not str(config.getoption("--device")).startswith("cuda"):
+        return None
+    from .options import cuda_devices
+    return max(1, min(os.cpu_count() or 1, WORKERS_PER_GPU * max(1, cuda_devices())))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: needs its device(s) to itself (step timings, tensor parallel): "
+                            "deselected under xdist; run with pytest gates/ -m serial")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    from .options import is_gate_file
+    if hasattr(config, "workerinput"):
+        serial = [item for item in items if item.get_closest_marker("serial")]
+        if serial:
+            config.hook.pytest_deselected(items=serial)
+            items[:] = [item for item in items if not item.get_closest_marker("serial")]
+    add_timeouts(config, [item for item in items if is_gate_file(item.nodeid)])
+
+
+def gate_timeout(config) -> tuple[float, str]:
+    """(seconds, method) of every gate: pytest-timeout's own setting (--timeout, PYTEST_TIMEOUT, the ini) where
+    given, else GATE_TIMEOUT_S for the device; the `thread` method unless another is named, because a kernel that
+    never returns holds the main thread where no signal handler runs: the thread dumps every stack and exits."""
+    from pytest_timeout import get_env_settings
+
+    from .options import gate_options
+    seconds = get_env_settings(config).timeout
+    if seconds is None:
+        seconds = GATE_TIMEOUT_S["cuda" if gate_options(config).is_cuda else "cpu"]
+    method = config.getoption("timeout_method", None) or config.getini("timeout_method") or "thread"
+    return seconds, method
+
+
+def add_timeouts(config, items) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    seconds, method = gate_timeout(config)
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(seconds, method=method))
+
+
+def pytest_report_header(config):
+    from .options import gate_options
+    o = gate_options(config)
+    if config.pluginmanager.hasplugin("timeout"):
+        seconds, method = gate_timeout(config)
+        lines = [f"stepgate: every gate times out after {seconds:g} s ({method} method: every thread's stack, "
+                 f"then the run stops); --timeout N to change it, --timeout 0 for none"]
+    else:
+        lines = ["stepgate: pytest-timeout is not installed: a hung gate hangs the run (pip install -e '.[test]')"]
+    workers = xdist_workers(config)
+    if workers:
+        from .options import cuda_devices
+        gpus = cuda_devices() if o.is_cuda else 0
+        plan = [placement(o.device, o.tp, w, workers, gpus) for w in range(workers)]
+        devices = sorted({p.device for p in plan})
+        kv = {p.kv_bytes for p in plan}
+        budget = ("the engine's default KV budget" if kv == {None} else
+                  "KV budget " + ", ".join(gib(b) for b in sorted(b for b in kv if b)) + " per engine")
+        lines.append(f"stepgate: {workers} xdist workers on {', '.join(devices)} ({budget}); gates marked serial "
+                     f"are deselected here: run them with {serial_command(config)}")
+    elif o.kv_bytes:
+        lines.append(f"stepgate: KV budget {gib(o.kv_bytes)} per engine ({KV_ENV})")
+    return lines

@@ -6,9 +6,12 @@ timeout still leaves what it gated), and a Markdown page for a reviewer (the gat
 verdict, the slowest gates), appended to $GITHUB_STEP_SUMMARY when that is set."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from .compare import GateReport
 from .options import is_gate_file
 
 KEY = "stepgate-gate"            # the user property a gate record travels in
+STACKS_KEY = "stepgate_stacks"   # workerinput: where a worker leaves the stacks of a gate that hung
 PENDING: list[dict] = []         # records of the test now running, not yet in its report
 
 
@@ -70,7 +74,7 @@ class Run:
         self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
         outcome = None
         if report.failed:
-            outcome = "failed" if report.when == "call" else "error"
+            outcome = "error" if report.when in ("setup", "teardown") else "failed"
             self.failures.append(failure_of(report))
         elif report.skipped and report.when in ("setup", "call"):
             outcome = "xfailed" if hasattr(report, "wasxfail") else "skipped"
@@ -79,6 +83,15 @@ class Run:
         if outcome:
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
         return bool(new)
+
+    def timed_out(self, nodeid: str, stacks: str) -> None:
+        """`nodeid` hung: its failure (taken from a crashed worker's report, or new) shows where."""
+        last = self.failures[-1] if self.failures else None
+        if last is None or last.nodeid != nodeid:
+            last = Failure(nodeid, "timeout", [], None)
+            self.failures.append(last)
+            self.outcomes["failed"] = self.outcomes.get("failed", 0) + 1
+        last.when, last.lines = "timeout", hang_lines(stacks)
 
     def slowest(self, n: int = 10) -> list[tuple[str, float]]:
         return sorted(self.durations.items(), key=lambda kv: -kv[1])[:n]
@@ -99,11 +112,40 @@ def failure_of(report, keep: int = 4) -> Failure:
     return Failure(report.nodeid, report.when, lines[:keep], m.group(1).strip() if m else None)
 
 
+def stacks_file(nodeid: str) -> str:
+    return hashlib.sha256(nodeid.encode()).hexdigest()[:16] + ".txt"
+
+
+def hang_lines(stacks: str, keep: int = 14) -> list[str]:
+    """The timeout's first line and the end of the main thread's stack: where it hung."""
+    head, _, main = stacks.partition("Stack of MainThread")
+    return [head.splitlines()[0]] + [ln.rstrip() for ln in main.splitlines()[1:] if ln.strip()][-keep:]
+
+
+def timed_out(item, stacks: str) -> None:
+    """Last words of a process whose gate hung (gates/workers.py ends it next): an xdist worker leaves the stacks
+    for its controller; a run without workers writes its summaries with the hung gate as a failure."""
+    where = getattr(item.config, "workerinput", {}).get(STACKS_KEY)
+    if where:
+        (Path(where) / stacks_file(item.nodeid)).write_text(stacks)
+    collector = item.config.pluginmanager.get_plugin("stepgate-gate-summary")
+    if collector is not None:
+        collector.run.timed_out(item.nodeid, stacks)
+        collector.finish(item.config)
+
+
 class GateSummary:
     def __init__(self, config):
         self.json_path = Path(config.getoption("--gate-summary"))
         self.md_path = Path(config.getoption("--gate-summary-md"))
         self.run = Run()
+        self.stacks_dir: str | None = None
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node):
+        if self.stacks_dir is None:
+            self.stacks_dir = tempfile.mkdtemp(prefix="stepgate-stacks-")
+        node.workerinput[STACKS_KEY] = self.stacks_dir
 
     def pytest_collection_finish(self, session):
         self.run.order = {item.nodeid: i for i, item in enumerate(session.items)}
@@ -115,14 +157,23 @@ class GateSummary:
     def pytest_runtest_logreport(self, report):
         if self.run.add(report):
             write_json(self.json_path, self.run.gates)
+        if self.stacks_dir and report.failed:       # a worker that hung there was ended: its stacks say where
+            stacks = Path(self.stacks_dir, stacks_file(report.nodeid))
+            if stacks.is_file():
+                self.run.timed_out(report.nodeid, stacks.read_text())
 
     def pytest_sessionfinish(self, session):
+        self.finish(session.config)
+        if self.stacks_dir:
+            shutil.rmtree(self.stacks_dir, ignore_errors=True)
+
+    def finish(self, config) -> None:
         if not (self.run.gates or self.run.durations):
             return
         self.run.in_collection_order()
         if self.run.gates:
             write_json(self.json_path, self.run.gates)
-        text = markdown(self.run, header(session.config))
+        text = markdown(self.run, header(config))
         write_text(self.md_path, text)
         step_summary = os.environ.get("GITHUB_STEP_SUMMARY")
         if step_summary:

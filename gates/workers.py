@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from dataclasses import dataclass
 
 import pytest
@@ -136,6 +137,63 @@ def add_timeouts(config, items) -> None:
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(seconds, method=method))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's thread method, with the stacks where a reader finds them: on stderr (an xdist worker's
+    stdout goes nowhere, its stderr reaches the controller's) and in the gate summary (gates/summary.py)."""
+    if settings.method != "thread" or not settings.timeout:
+        return None
+    timer = threading.Timer(settings.timeout, timed_out, (item, settings))
+    timer.name = f"stepgate timeout {item.nodeid}"
+    timer.daemon = True
+
+    def cancel():
+        timer.cancel()
+        timer.join()
+    item.cancel_timeout = cancel
+    timer.start()
+    return True
+
+
+class StackText:
+    """What pytest_timeout.dump_stacks writes to, kept as text."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def sep(self, char: str, title: str) -> None:
+        self.parts.append(f" {title} ".center(100, char) + "\n")
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+
+
+def timed_out(item, settings) -> None:
+    """The timer ran out: every thread's stack to stderr and the gate summary, then the process ends (a kernel that
+    never returns cannot be interrupted; under xdist the controller reports the crash and goes on)."""
+    import pytest_timeout
+
+    from . import summary
+    if not settings.disable_debugger_detection and pytest_timeout.is_debugging():
+        return
+    try:
+        out = StackText()
+        capman = item.config.pluginmanager.getplugin("capturemanager")
+        if capman:      # pytest holds fd 1 and 2 during a test: give them back, with what the test printed
+            capman.suspend_global_capture(item)
+            for name, text in zip(("stdout", "stderr"), capman.read_global_capture()):
+                if text:
+                    out.sep("~", f"Captured {name}")
+                    out.write(text)
+        pytest_timeout.dump_stacks(out)
+        text = (f"+++ Timeout: {item.nodeid} ran past {settings.timeout:g} s (a hung kernel?); every thread's "
+                f"stack follows +++\n" + "".join(out.parts))
+        os.write(2, text.encode())
+        summary.timed_out(item, text)
+    finally:
+        os._exit(1)
 
 
 def pytest_report_header(config):

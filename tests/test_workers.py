@@ -142,11 +142,17 @@ def outcome_counts(r) -> dict:
 
 
 def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
+    """The same gates, counts, unrun files and Markdown from the controller; the serial gate is left to its own run,
+    and the header says which."""
+    (gate_dir.path / "gates" / "test_nothing.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_n(i):\n    pytest.skip('no device')\n")
     plain = run(gate_dir, "-p", "no:xdist", name="plain")
-    spread = run(gate_dir, "-n", "2", name="spread")
+    spread = run(gate_dir, "-n", "2", "-m", "not gpu", name="spread")
     assert plain.ret == spread.ret == pytest.ExitCode.TESTS_FAILED
-    assert outcome_counts(plain) == {"passed": 5, "failed": 1, "skipped": 1}
-    assert outcome_counts(spread) == {"passed": 4, "failed": 1, "skipped": 1}, "the serial gate is left out"
+    assert outcome_counts(plain) == {"passed": 5, "failed": 1, "skipped": 5}
+    assert outcome_counts(spread) == {"passed": 4, "failed": 1, "skipped": 5}, "the serial gate is left out"
+    spread.stdout.fnmatch_lines(["stepgate: 2 xdist workers on cpu (*); gates marked serial are deselected here: "
+                                 "run them with pytest gates/ -m 'serial and (not gpu)' (without -n)"])
     gates = {n: json.loads((gate_dir.path / f"{n}.json").read_text()) for n in ("plain", "spread")}
     assert gates["plain"] == gates["spread"], "the same gates, in the same (collection) order"
     assert [(g["gate"], g["ok"]) for g in gates["plain"]] == [
@@ -156,31 +162,17 @@ def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
         r.stdout.fnmatch_lines(["*stepgate gate summary*", "identical 0 *", "identical 1 *", "identical 2 *",
                                 "flipped  *0  *1  *0  *1  *0  ok", "*flip site r@1: 8->9 gaps ref 0.0050 cand 0.0100",
                                 "planted  *0  *0  *1  *0  *0  FAIL"])
+        r.stdout.fnmatch_lines(["gates/test_nothing.py: 4 collected, all skipped: no device"])
     md = (gate_dir.path / "spread.md").read_text()
-    for part in ("## stepgate gates: FAILED (1 failed, 4 passed, 1 skipped)", "| planted | 0 | 0 | 1 | 0 | 0 | **FAIL** |",
+    for part in ("## stepgate gates: FAILED (1 failed, 4 passed, 5 skipped)",
+                 "| planted | 0 | 0 | 1 | 0 | 0 | **FAIL** |",
                  "- flipped: flip site r@1: 8->9 gaps ref 0.0050 cand 0.0100",
                  "#### `gates/test_synthetic.py::test_planted_failure`", "```text\nAssertionError: gate planted failed:\n"
                  "r position 0: reference token 7, candidate token 9;",
-                 "**triage verdict:** only when batched with r2", "### Slowest gates (6 of 6)"):
+                 "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 10)"):
         assert part in md, f"{part!r} not in the Markdown summary:\n{md}"
     assert "test_timing" not in md and "assert False" not in md
-
-
-def test_under_xdist_serial_gates_are_deselected_and_the_header_says_how_to_run_them(gate_dir):
-    r = run(gate_dir, "-n", "2", "-m", "not gpu", "-k", "timing or identical")
-    r.stdout.fnmatch_lines(["stepgate: 2 xdist workers on cpu (*); gates marked serial are deselected here: run "
-                            "them with pytest gates/ -m 'serial and (not gpu)' (without -n)"])
-    assert outcome_counts(r) == {"passed": 3}
-    r = run(gate_dir, "-m", "serial")
-    assert outcome_counts(r) == {"passed": 1}, "without -n the serial gates run"
-
-
-def test_a_gate_file_that_ran_nothing_fails_a_run_over_workers(gate_dir):
-    (gate_dir.path / "gates" / "test_nothing.py").write_text(
-        "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_n(i):\n    pytest.skip('no device')\n")
-    r = run(gate_dir, "-n", "2", "gates/test_nothing.py")
-    assert r.ret == pytest.ExitCode.TESTS_FAILED
-    r.stdout.fnmatch_lines(["gates/test_nothing.py: 4 collected, all skipped: no device"])
+    assert outcome_counts(run(gate_dir, "-m", "serial")) == {"passed": 1}, "without -n the serial gates run"
 
 
 def test_the_markdown_summary_is_appended_to_the_github_step_summary(gate_dir, monkeypatch):
@@ -234,22 +226,30 @@ def test_every_gate_has_the_default_timeout_unless_one_is_given(gate_dir):
     r.stdout.fnmatch_lines(["TIMEOUT test_identical[0] (7.0,) {'method': 'thread'}"])
 
 
-def test_a_hung_gate_fails_with_every_threads_stack(gate_dir, monkeypatch):
+def test_a_hung_gate_fails_with_every_threads_stack_and_the_summary_says_where(gate_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     (gate_dir.path / "gates" / "test_hang.py").write_text(HANG)
-    r = run(gate_dir, "gates/test_hang.py", "-p", "no:xdist", "--timeout", "2", subprocess=True)
+    r = run(gate_dir, "gates/test_hang.py", "gates/test_synthetic.py", "-k", "hang or identical", "-p", "no:xdist",
+            "--timeout", "2", name="hung", subprocess=True)
     assert r.ret != 0
-    out = r.stdout.str() + r.stderr.str()
-    for part in ("+++ Timeout +++", "Stack of MainThread", "time.sleep(300)   # a kernel that never returns"):
-        assert part in out, f"{part!r} missing from:\n{out[-3000:]}"
+    assert_hung(r.stderr.str(), (gate_dir.path / "hung.md").read_text(), passed=0)
 
 
-def test_a_hung_gate_under_xdist_fails_and_the_controller_still_summarises(gate_dir, monkeypatch):
+def test_a_hung_gate_under_xdist_fails_and_the_controller_goes_on_and_summarises(gate_dir, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     (gate_dir.path / "gates" / "test_hang.py").write_text(HANG)
-    r = run(gate_dir, "gates/test_hang.py", "gates/test_synthetic.py", "-k", "hang or identical", "-n", "2",
+    r = run(gate_dir, "gates/test_hang.py", "gates/test_synthetic.py", "-k", "hang or identical", "-n", "1",
             "--timeout", "3", name="hung", subprocess=True)
     assert r.ret == pytest.ExitCode.TESTS_FAILED
     r.stdout.fnmatch_lines(["*worker 'gw*' crashed while running 'gates/test_hang.py::test_hangs'*"])
-    md = (gate_dir.path / "hung.md").read_text()
-    assert "#### `gates/test_hang.py::test_hangs`" in md and "3 passed" in md, md
+    assert_hung(r.stderr.str(), (gate_dir.path / "hung.md").read_text(), passed=3)
+
+
+def assert_hung(stderr: str, md: str, passed: int) -> None:
+    """The stacks on stderr (where an xdist worker's reach the log), and in the Markdown where it hung."""
+    for part in ("+++ Timeout: gates/test_hang.py::test_hangs ran past", "Stack of MainThread",
+                 "time.sleep(300)   # a kernel that never returns"):
+        assert part in stderr, f"{part!r} missing from stderr:\n{stderr[-3000:]}"
+    assert "#### `gates/test_hang.py::test_hangs` (timeout)" in md, md
+    assert "time.sleep(300)   # a kernel that never returns" in md, md
+    assert f"1 failed, {passed} passed" in md if passed else "(1 failed)" in md, md

@@ -27,6 +27,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None      # replay captured pure decode steps (None: on CUDA when the backend allows)
     compile_elementwise: bool | None = None   # fuse norm / rotary / SiLU with torch.compile (None: on CUDA)
     progress: bool = True                # progress bars for slow construction work (graph capture)
+    prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)
 
     def __post_init__(self):
         if self.forward not in FORWARD_MODES:

@@ -35,7 +35,7 @@ class Chain:
 
 def short(key: bytes | None) -> str:
     """A key as failure messages print it."""
-    return "-" if key is None else key.hex()[:12]
+    return "none" if key is None else key.hex()[:12]
 
 
 class PrefixCache:

@@ -30,3 +30,6 @@ def test_prefix_cache_on_vs_off(runs, opts, engine, backend):
 
 PrefixPage4 = make_prefix_machine(page_size=4)
 TestPrefixCachePage4 = PrefixPage4.TestCase
+# the same machine at the torch kernels' page size: slower (longer prompts), so outside the default run
+PrefixPage64 = make_prefix_machine(page_size=64)
+TestPrefixCachePage64 = pytest.mark.slow(PrefixPage64.TestCase)

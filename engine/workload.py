@@ -27,17 +27,21 @@ class Workload:
     chunk_tokens: int = 512              # the chunk budget this workload is served with (scaled on CPU)
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
-        rng = random.Random(self.seed)
-        lo, hi = self.token_range
-        if vocab_size is not None:
-            hi = min(hi, vocab_size)
+        rng, rand = self.draw(vocab_size)
         out = []
         for i in range(self.num_requests):
             n = rng.choice(self.prompt_lengths)
             budget = rng.randint(*self.budget_range)
-            prompt = [rng.randrange(lo, hi) for _ in range(n)]
-            out.append(RequestSpec(f"{self.name}-{i:04d}", prompt, budget))
+            out.append(RequestSpec(f"{self.name}-{i:04d}", rand(n), budget))
         return out
+
+    def draw(self, vocab_size: int | None):
+        """The seeded generator, and rand(n): n token ids from token_range (cut to the vocabulary)."""
+        rng = random.Random(self.seed)
+        lo, hi = self.token_range
+        if vocab_size is not None:
+            hi = min(hi, vocab_size)
+        return rng, lambda n: [rng.randrange(lo, hi) for _ in range(n)]
 
     def describe(self) -> dict:
         return asdict(self)
@@ -75,11 +79,7 @@ class SharedPrefixWorkload(Workload):
     followup_share: float = 0.2
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
-        rng = random.Random(self.seed)
-        lo, hi = self.token_range
-        if vocab_size is not None:
-            hi = min(hi, vocab_size)
-        rand = lambda n: [rng.randrange(lo, hi) for _ in range(n)]  # noqa: E731
+        rng, rand = self.draw(vocab_size)
         system = rand(self.system_len)
         out = []
         for i in range(self.num_requests):

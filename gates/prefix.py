@@ -24,8 +24,8 @@ from engine.scheduler import Scheduler
 from .compare import compare
 from .reference import EngineReference, records_of
 
-# Served with more requests than rows (4), the CPU workloads' chunk budget, and a pool of 21 pages of 64 slots (the
-# page count scales with the page size): cached pages get evicted while others are still reused.
+# Served with more requests than rows (4), the CPU workloads' chunk budget, and a pool of 21 pages whatever their size
+# (the workload's lengths scale with it): cached pages get evicted while others are still reused.
 MAX_BATCH = 4
 CHUNK_TOKENS = 128
 POOL_PAGES = 22
@@ -63,7 +63,7 @@ def shared_prefix_turns(vocab: int, page_size: int, seed: int = 19) -> list[Turn
         t1 = Turn(f"chat{k}-t1", rand(P - 6), 8)
         t2 = Turn(f"chat{k}-t2", rand(P // 2 + 20), 16, after=t1.request_id)
         t3 = Turn(f"chat{k}-t3", rand(10), 4, after=t2.request_id)
-        turns[3 + 4 * k:3 + 4 * k] = [t1, t2, t3]
+        turns += [t1, t2, t3]       # last: a next turn then waits behind few others and finds its reply cached
     return turns
 
 

@@ -1,26 +1,22 @@
 """The prefix cache's state machine (a gate library module): hypothesis drives PagePool(prefix_cache=True) and the
-Scheduler through submits of prompts that share prefixes (fresh prompts built from a few page-sized blocks, exact
-repeats, and next turns that extend an earlier request's prompt and output), steps, cancellations (between steps and
-mid-step) and drains, against a plain-Python model that knows every page's content by the tokens that wrote it.
+Scheduler through submits of prompts that share prefixes (built from a few page-sized blocks, exact repeats, next
+turns that extend an earlier request's prompt and output), steps, cancellations (between steps and mid-step) and
+drains, against a plain-Python model that knows every page's content by the tokens that wrote it.
 
 After every rule (docs/DESIGN.md, "Prefix cache"):
-- free + cached + owned = total (pool.check() and the model's count);
-- a page's count equals the number of requests holding it;
-- no referenced page is evicted: no held page is evictable (in the LRU), and every eviction takes a page nobody holds;
-- no referenced or cached page is written: every position a step computes lands in a page its request alone holds
-  and that is not cached;
-- a hit holds the request's own prefix: the content of every page a request finds equals its prompt's tokens up to
-  that page's end (a false hit fails here, whatever the hash);
+- free + cached + owned = total (pool.check() and the model's count); a page's count equals its holders;
+- no referenced page is evicted: no held page is evictable (in the LRU), every eviction takes a page nobody holds;
+- no referenced or cached page is written: each position a step computes lands in an uncached page of its own;
+- a hit holds the request's own prefix: every page found holds the prompt's tokens up to that page's end (a false
+  hit fails here, whatever the hash);
 - one page per hash; the pages cached are exactly the model's (the first page computed for each content);
 - eviction in LRU order (pages whose last holder left longest ago first; a request's pages last page first);
 - reservations exact: hits = the longest cached prefix of whole pages, at most (prompt - 1) // page_size; the rest
-  comes from free pages, then from evictions;
-- strict FCFS unchanged: arrival order, the head blocks the rest, and waits only when rows or pages are short;
+  from free pages, then from evictions;
+- strict FCFS unchanged: arrival order, the head blocks the rest and waits only when rows or pages are short;
 - every request completes; afterwards nobody holds a page.
-
 A step's tokens are a function of the request's tokens so far, as a model's would be, so that equal prefixes
-continue alike and a next turn can find the pages its previous turn's decode tokens filled.
-`make_prefix_machine(pool_cls, scheduler_cls, page_size)` builds it for any classes, so that
+continue alike. `make_prefix_machine(pool_cls, scheduler_cls, page_size)` builds it for any classes, so that
 tests/test_planted_prefix.py runs this very gate against planted bugs.
 """
 from __future__ import annotations
@@ -28,12 +24,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hypothesis import event, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, rule
 
 from engine.pool import PagePool
 from engine.prefix_cache import short
-from engine.request import Request, State
+from engine.request import Request
 from engine.scheduler import Scheduler
+
+from .stepping import PHASE_OF, SteppingMachine, check
 
 TOTAL = "free + cached + owned = total"
 COUNT = "a page's count equals its holders"
@@ -53,12 +51,6 @@ BLOCKS = 3          # distinct page-sized blocks prompts are built from
 VOCAB_OUT = 3       # distinct output tokens
 
 
-def check(ok: bool, name: str, detail) -> None:
-    """assert, with a message that names the invariant; `detail` may be a callable (built only on failure)."""
-    if not ok:
-        raise AssertionError(f"{name} violated: {detail() if callable(detail) else detail}")
-
-
 def next_token(tokens) -> int:
     """The token a request emits after `tokens`: a function of them, as a greedy model's choice is."""
     return 5000 + hash(tuple(tokens)) % VOCAB_OUT
@@ -70,12 +62,10 @@ class Model:
     rid: str
     prompt: list[int]
     budget: int
-    arrival: int
     phase: str = "waiting"
     cached: int = 0
     tokens: list[int] = field(default_factory=list)    # prompt + emitted
     table: list[int] = field(default_factory=list)
-    hits: int = 0
     registered: int = 0
     holds: bool = False
 
@@ -88,10 +78,6 @@ class Model:
         return self.phase in ("finished", "cancelled")
 
 
-PHASE_OF = {State.WAITING: "waiting", State.PREFILL: "prefill", State.DECODE: "decode",
-            State.FINISHED: "finished", State.CANCELLED: "cancelled"}
-
-
 def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 4):
     ps = page_size
 
@@ -101,12 +87,7 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
     def tail(n: int, variant: int) -> list[int]:
         return [1000 + variant * 2 * ps + i for i in range(n)]
 
-    class PrefixCacheMachine(RuleBasedStateMachine):
-        def __init__(self):
-            super().__init__()
-            self.pool = None
-            self.busy = False
-
+    class PrefixCacheMachine(SteppingMachine):
         @initialize(num_pages=st.integers(3, 14), max_batch=st.integers(1, 4),
                     chunk_tokens=st.integers(max(1, ps // 2), 3 * ps))
         def setup(self, num_pages, max_batch, chunk_tokens):
@@ -116,16 +97,13 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
             self.cap, self.max_batch, self.chunk_tokens = num_pages - 1, max_batch, chunk_tokens
             self.requests: dict[str, Request] = {}
             self.model: dict[str, Model] = {}
-            self.queue: list[str] = []
-            self.running: list[str] = []
-            self.live: set[str] = set()
+            self.queue, self.running, self.live = [], [], set()     # waiting; holding rows; not yet retired
             self.free = self.cap                         # blank pages
             self.lru: list[int] = []                     # cached pages nobody holds, least recently used first
             self.content: dict[int, tuple] = {}          # cached page -> the tokens from position 0 to its end
             self.page_of: dict[tuple, int] = {}          # content -> its cached page
             self.writer: dict[int, str] = {}             # cached page -> the request that computed it
             self.last_holders: dict[int, list[str]] = {}
-            self.in_step = False
             self.step_index = 0
             self.busy = False
 
@@ -182,27 +160,9 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
             r = Request(rid, prompt, budget)
             self.sched.add(r)
             self.requests[rid] = r
-            self.model[rid] = Model(rid, list(prompt), budget, len(self.model), tokens=list(prompt))
+            self.model[rid] = Model(rid, list(prompt), budget, tokens=list(prompt))
             self.queue.append(rid)
             self.live.add(rid)
-            self.busy = False
-
-        @rule()
-        def step(self):
-            self.busy = True
-            if self.in_step:
-                self.finish_step()
-                self.check_all()
-            self.begin_step()
-            self.busy = False
-
-        @rule()
-        def end_step(self):
-            self.busy = True
-            if not self.in_step:
-                self.begin_step()
-                self.check_all()
-            self.finish_step()
             self.busy = False
 
         @rule(kind=st.sampled_from(["running", "waiting", "any"]), which=st.integers(0, 63))
@@ -221,12 +181,6 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                     if m.phase == "waiting":
                         self.queue.remove(rid)
                     m.phase = "cancelled"
-            self.busy = False
-
-        @rule()
-        def drain(self):
-            self.busy = True
-            self.run_to_completion()
             self.busy = False
 
         # -- the step ----------------------------------------------------------------------------------------------
@@ -274,16 +228,14 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                     check(not self.holders(p) and (p not in self.content or p in gone), REFERENCED,
                           lambda: f"step {i}: {rid} got {self.describe_page(p)} as a new page, but it is held or "
                                   f"still cached")
-                if h:
-                    event("admitted with a hit")
-                    if any(len(self.content[p]) > len(self.model[self.writer[p]].prompt) for p in hits):
-                        event("hit on a page that decode tokens filled")
-                    if any(self.holders(p) for p in hits):
-                        event("hit on a page another request holds")
-                if n_evict:
-                    event("admission evicted cached pages")
+                for what, seen in (("a hit", h), ("an eviction", n_evict),
+                                   ("a hit on a page decode tokens filled",
+                                    any(len(self.content[p]) > len(self.model[self.writer[p]].prompt) for p in hits)),
+                                   ("a hit on a page another request holds", any(self.holders(p) for p in hits))):
+                    if seen:
+                        event(f"admission with {what}")
                 self.queue.pop(0)
-                m.phase, m.holds, m.table, m.hits, m.registered, m.cached = "prefill", True, table, h, h, h * ps
+                m.phase, m.holds, m.table, m.registered, m.cached = "prefill", True, table, h, h * ps
                 self.running.append(rid)
                 check(len(self.running) <= self.max_batch, FCFS,
                       lambda: f"step {i}: {len(self.running)} requests hold rows, max_batch {self.max_batch}")
@@ -383,19 +335,12 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                   lambda: f"finish_step() of step {i} returned {sorted(freed)} as freed (to be poisoned); the "
                           f"retired requests {retiring} leave {sorted(expected)} uncached and unheld")
 
-        def run_to_completion(self):
-            if self.in_step:
-                self.finish_step()
-                self.check_all()
-            bound = sum(max(0, len(m.prompt) - m.cached) + m.budget - m.emitted + 1 for m in self.model.values()
-                        if not m.done) + 2
-            for _ in range(bound):
-                if not self.sched.has_work:
-                    break
-                self.begin_step()
-                self.check_all()
-                self.finish_step()
-                self.check_all()
+        def outstanding_steps(self) -> int:
+            """Each step with work left computes at least one prompt position or decode token."""
+            return sum(max(0, len(m.prompt) - m.cached) + m.budget - m.emitted + 1 for m in self.model.values()
+                       if not m.done) + 2
+
+        def check_drained(self, bound: int):
             left = [rid for rid, m in self.model.items() if not m.done]
             check(not self.sched.has_work and not left, COMPLETES,
                   lambda: f"after {bound} more steps work is left: unfinished {left}, waiting "
@@ -406,13 +351,6 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                           f"{self.pool.refs}")
 
         # -- invariants --------------------------------------------------------------------------------------------
-        @invariant()
-        def invariants(self):
-            if self.pool is not None:
-                self.busy = True
-                self.check_all()
-                self.busy = False
-
         def check_counts(self):
             for p in range(1, self.cap + 1):
                 who = self.holders(p)
@@ -458,13 +396,6 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                       lambda: f"{rid}: (state, num_cached) = {got[:2]}, expected {(m.phase, m.cached)}")
                 if m.done and not m.holds:
                     self.live.discard(rid)
-
-        def teardown(self):
-            if self.pool is None or self.busy:
-                return
-            self.busy = True
-            self.run_to_completion()
-            self.busy = False
 
     PrefixCacheMachine.__name__ = PrefixCacheMachine.__qualname__ = \
         f"PrefixCache_{pool_cls.__name__}_{scheduler_cls.__name__}_page{page_size}"

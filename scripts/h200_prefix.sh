@@ -10,8 +10,9 @@
 #                timed, as the peer's warm pass), and the shared-prefix workload (200: one 1024-token system prompt,
 #                repeats, next turns; pass 1 is its cold run: first token and throughput)
 #   ours512      the mixed 200 twice at 512 rows, cache on and off (max model len 8192, the peer's)
-# Files in $OUT (7): nv32.log nv512.log ours32.log ours512.log runs32.jsonl runs512.jsonl table.txt; the table is
-# printed last.
+#   gates        only with GATES=1, last: the prefix-cache gates on the GPU (small-trained, fp16, every backend)
+# Files in $OUT (7, 8 with GATES=1): nv32.log nv512.log ours32.log ours512.log runs32.jsonl runs512.jsonl table.txt
+# (gates.log); the table is printed last.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -46,6 +47,8 @@ BENCH=(python3 -m engine.bench --model $M15 --device cuda --engine flash --no-pr
        --new-tokens 128 --chunk-tokens $CHUNK --prefix-cache on,off --passes 2 --warmups 0 --reps 1)
 part ours32 150 "${BENCH[@]}" --out results/prefix32 --max-batch 32 --batches 200 --shared 200
 part ours512 110 "${BENCH[@]}" --out results/prefix512 --max-batch 512 --max-model-len 8192 --batches 200
+[ "${GATES:-0}" = 1 ] && part gates 120 python3 -m pytest gates/test_prefix_cache.py --device cuda --model small-trained \
+  -q -p no:cacheprovider -rs --gate-summary /tmp/gate_summary_prefix.json
 cp results/prefix32/flash/runs.jsonl "$OUT/runs32.jsonl" 2>/dev/null
 cp results/prefix512/flash/runs.jsonl "$OUT/runs512.jsonl" 2>/dev/null
 
@@ -90,5 +93,5 @@ for mode in ("on", "off"):
     else:
         print(f"| {mode} | (no row: see ours32.log) |")
 EOF
-tail -n 4 "$OUT"/ours32.log "$OUT"/ours512.log 2>/dev/null | grep -v "^$"
+tail -n 4 "$OUT"/ours32.log "$OUT"/ours512.log "$OUT"/gates.log 2>/dev/null | grep -v "^$"
 cat "$OUT/table.txt"

@@ -153,6 +153,9 @@ class PagePool:
         the null page never out."""
         held = self.holders()
         lru = list(self.cache.lru) if self.cache else []
+        bad = [p for p in lru if p in held]
+        assert not bad, "; ".join(f"page {p} (hash {short(self.cache.key_of(p))}) is evictable (in the LRU) while "
+                                  f"held by {held[p]}" for p in bad)
         seen = list(self.free) + lru + list(held)
         what = "free + cached + owned" if self.cache else "free + owned"
         assert len(seen) == self.capacity, f"{what} = {len(seen)} pages, capacity {self.capacity}"

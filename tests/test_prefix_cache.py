@@ -158,7 +158,8 @@ def test_check_names_page_hash_and_holders():
         pool.check()
     pool.refs[page] -= 1
     pool.cache.park(page)
-    with pytest.raises(AssertionError, match=r"free \+ cached \+ owned = 12 pages, capacity 11"):
+    with pytest.raises(AssertionError, match=rf"page {page} \(hash [0-9a-f]{{12}}\) is evictable \(in the LRU\) "
+                                             rf"while held by \['b'\]"):
         pool.check()
 
 

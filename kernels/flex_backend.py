@@ -58,6 +58,7 @@ BLOCK = 128          # FlexAttention's default block size (both Q and KV)
 MIN_BLOCKS = 2       # the shortest padded length, in blocks: one block would be a size-1 dim, specialised apart
 ROWS = 32            # decode rows are padded to a multiple of this
 DYNAMIC_ENV = "STEPGATE_FLEX_DYNAMIC"
+COMPILER = "inductor"  # torch.compile's backend; tests/test_flex_compile.py checks the dynamic path with "aot_eager"
 
 
 def q_bucket(n: int) -> int:
@@ -131,12 +132,12 @@ def dynamic_shapes(device_type: str = "cuda") -> bool:
 
 
 def _attend_blocks(q, k, v, block_mask, scale):
-    """flex_attention over lengths that are whole blocks (the ladder's): said with torch._check, so that Inductor
-    keeps its divisible-length kernel when the lengths are symbolic."""
+    """flex_attention, telling Inductor which lengths are whole blocks (the ladder's keys and prefill queries), so
+    that it keeps its divisible-length kernel when the lengths are symbolic."""
     from torch.nn.attention.flex_attention import flex_attention
-    torch._check(k.size(2) % BLOCK == 0)
-    if q.size(2) >= BLOCK:           # decode rows (one query each) are not padded to a block
-        torch._check(q.size(2) % BLOCK == 0)
+    for n in (q.size(2), k.size(2)):
+        if n % BLOCK == 0:          # a guard; decode rows (one query each, or 32 packed) are not whole blocks
+            torch._check(n % BLOCK == 0)
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
@@ -149,7 +150,7 @@ def _no_duck_shapes():
 
 
 @functools.lru_cache(maxsize=None)
-def _flex(dynamic: bool):
+def _flex(dynamic: bool, compiler: str = "inductor"):
     """The compiled flex attention, created once per process and mode (its graphs are shared by every instance)."""
     from .compile_cache import use_compile_cache
     use_compile_cache()      # STEPGATE_COMPILE_CACHE, before the first compile
@@ -161,7 +162,7 @@ def _flex(dynamic: bool):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), at_least))
     # fullgraph: a graph break inside would otherwise run part of flex eagerly, unseen
-    return torch.compile(_attend_blocks, dynamic=dynamic, fullgraph=True)
+    return torch.compile(_attend_blocks, dynamic=dynamic, fullgraph=True, backend=compiler)
 
 
 def _flex_import_error() -> str | None:
@@ -292,8 +293,8 @@ class FlexBackend(AttentionBackend):
             # no duck sizing: lengths equal at the first compile (a fresh prompt's Tq_p == Tk_p) would share one
             # symbol, a graph of their own, and Inductor's CPU flex template miscompiles it (torch 2.13)
             with _no_duck_shapes():
-                return _flex(True)(q, k, v, mask, float(scale))
-        return _flex(False)(q, k, v, mask, float(scale))
+                return _flex(True, COMPILER)(q, k, v, mask, float(scale))
+        return _flex(False, COMPILER)(q, k, v, mask, float(scale))
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
         return self._in_inference_mode(self._prefill, q, k_cache, v_cache, batch, scale)

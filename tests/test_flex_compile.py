@@ -59,18 +59,25 @@ def test_dynamic_switch_is_checked(monkeypatch):
         dynamic_shapes("cpu")
 
 
-@pytest.mark.slow
-def test_dynamic_lengths_share_one_decode_graph(monkeypatch):
-    """The CUDA default path, forced on CPU for decode (its prefill mask miscompiles there): decode histories on
-    three rungs of the ladder run on one graph, exact under the kernel gate."""
+def test_dynamic_lengths_share_one_graph_per_kind(monkeypatch):
+    """The CUDA default (dynamic lengths), traced on CPU with the aot_eager compiler (Inductor's C++ flex template
+    miscompiles it): every rung of the ladder, decode and prefill, a fresh prompt's equal lengths first, runs on one
+    graph per kind, breaks none, and stays exact under the kernel gate."""
     needs_flex()
+    import kernels.flex_backend as fb
     from gates.test_kernels import check_kernel
     monkeypatch.setenv(DYNAMIC_ENV, "1")
+    monkeypatch.setattr(fb, "COMPILER", "aot_eager")
     torch._dynamo.reset()
-    g0 = frames()
-    for lens in ([5, 100], [5, 900, 17], [3000, 4]):
-        check_kernel("flex", "decode", num_heads=4, kv_heads=2, head_dim=64, page_size=64, kv_lens=lens)
-    assert frames() - g0 == 1 and breaks() == 0, f"{frames() - g0} graphs for three padded lengths"
+    for kind, cases in (("decode", [([5, 100], None), ([5, 900, 17], None), ([3000, 4], None)]),
+                        ("prefill", [([128], [128]), ([600, 900, 40], [300, 400, 40]), ([1, 2000], [1, 100])])):
+        g0 = frames()
+        for kv_lens, q_lens in cases:
+            check_kernel("flex", kind, num_heads=4, kv_heads=2, head_dim=64, page_size=64, kv_lens=kv_lens,
+                         q_lens=q_lens)
+        assert frames() - g0 == 1, f"{kind}: {frames() - g0} graphs for three padded lengths"
+    assert breaks() == 0
+    torch._dynamo.reset()
 
 
 # -- no compile in a measured step ---------------------------------------------------------------------------------

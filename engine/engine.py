@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import errors
-from .config import EngineConfig
+from .config import KV_CACHE_BYTES, EngineConfig
 from .loader import load_model
 from .pool import PagePool
 from .request import Request, RequestResult
@@ -86,8 +86,8 @@ class Engine:
         self.shape = self.model.shape
         num_pages = config.num_pages
         if num_pages is None:
-            budget = config.kv_cache_bytes or ((16 << 30) if torch.device(config.device).type == "cuda"
-                                               else (256 << 20))
+            kind = torch.device(config.device).type
+            budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
             per_row = -(-min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
                         // config.page_size)
             # no more than max_batch rows of the longest request can ever use, plus the null page

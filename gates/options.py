@@ -19,7 +19,7 @@ from engine.loader import NAMED_MODELS, RANDOM_1P5B, model_class
 
 from .compare import TIE_THRESHOLD
 from .golden import GOLDEN_DIR
-from .workers import placement, worker_of
+from .workers import placement_of
 
 ALL = "all"
 MODELS = (*NAMED_MODELS, RANDOM_1P5B)
@@ -90,19 +90,11 @@ _KEY = pytest.StashKey["GateOptions"]()
 
 
 def gate_options(config) -> GateOptions:
-    """This run's checked options, read once per session, placed on this xdist worker's device."""
+    """This run's checked options, read once per session, with this process's KV budget (gates/workers.py)."""
     if _KEY not in config.stash:
-        config.stash[_KEY] = on_this_process(read_options(config.getoption), *worker_of(config))
+        opts = read_options(config.getoption)
+        config.stash[_KEY] = replace(opts, kv_bytes=placement_of(config, opts.device, opts.tp).kv_bytes)
     return config.stash[_KEY]
-
-
-def on_this_process(opts: GateOptions, worker: int | None, workers: int) -> GateOptions:
-    """The options with the device and KV budget of this process (gates/workers.py). A worker given a GPU of its
-    own makes it torch's current device before any CUDA context, so that a bare "cuda" anywhere means it too."""
-    p = placement(opts.device, opts.tp, worker, workers, cuda_devices() if opts.is_cuda else 0)
-    if p.device != opts.device:
-        torch.cuda.set_device(torch.device(p.device))
-    return replace(opts, device=p.device, kv_bytes=p.kv_bytes)
 
 
 def cuda_devices() -> int:

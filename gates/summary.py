@@ -239,9 +239,12 @@ def write_json(path, gates: list[dict]) -> None:
 # -- Markdown -------------------------------------------------------------------------------------------------------
 def header(config) -> str:
     from .options import gate_options
-    o = gate_options(config)
+    from .workers import serial_note, xdist_workers
+    o, workers = gate_options(config), xdist_workers(config)
+    note = serial_note(config)
     return (f"device {o.device}, dtype {o.dtype}, model {o.model}, engines {','.join(o.engines)}, "
-            f"backends {','.join(o.backends)}")
+            f"backends {','.join(o.backends)}" + (f"; {workers} xdist workers" if workers else "")
+            + (f"\n\n{note}." if note else ""))
 
 
 def cell(text) -> str:

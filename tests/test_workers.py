@@ -10,11 +10,10 @@ import types
 from pathlib import Path
 
 import pytest
-import torch
 
 from gates import options, summary, workers
-from gates.options import GateOptions, gate_options
-from gates.workers import GPU_KV_BYTES, KV_ENV, placement
+from engine.config import KV_CACHE_BYTES
+from gates.workers import KV_ENV, placement
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = 'pytest_plugins = ["gates.workers", "gates.options", "gates.snapshot", "gates.summary"]\n'
@@ -62,6 +61,14 @@ def test_timing():
     pass
 '''
 
+REWRITE = """
+from pathlib import Path
+
+def test_rewrites_a_golden():     # the same bytes, written again: the guard sees the write
+    golden = Path("golden/g.json")
+    golden.write_bytes(golden.read_bytes())
+"""
+
 
 @pytest.fixture
 def gate_dir(pytester):
@@ -83,19 +90,29 @@ def run(pytester, *args, name="serial", subprocess=False):
 
 
 # -- each worker's device and KV budget ----------------------------------------------------------------------------
+GPU = KV_CACHE_BYTES["cuda"]
+
+
 @pytest.mark.parametrize("device,tp,worker,workers,gpus,want", [
-    ("cpu", 1, None, 0, 0, ("cpu", 1, None)),                       # a plain CPU run: the engine's default
-    ("cpu", 1, 1, 2, 0, ("cpu", 1, None)),                          # CPU workers share memory, not a GPU
-    ("cuda", 1, None, 0, 1, ("cuda", 1, None)),                     # a plain GPU run
-    ("cuda", 1, 2, 4, 1, ("cuda", 4, GPU_KV_BYTES // 4)),           # four workers on one GPU split its budget
-    ("cuda", 1, 3, 4, 2, ("cuda:1", 2, GPU_KV_BYTES // 2)),         # two GPUs: worker k on GPU k mod 2
-    ("cuda", 1, 2, 4, 4, ("cuda:2", 1, None)),                      # a GPU each: the whole budget
-    ("cuda:1", 1, 0, 3, 2, ("cuda:1", 3, GPU_KV_BYTES // 3)),       # a named device: every worker shares it
-    ("cuda", 2, 1, 2, 2, ("cuda", 2, GPU_KV_BYTES // 2)),           # tp 2 spans the GPUs from the first: shared
+    ("cpu", 1, None, 0, 0, (None, 1, None)),                        # a plain CPU run: the engine's default
+    ("cpu", 1, 1, 2, 0, (None, 1, None)),                           # CPU workers share memory, not a GPU
+    ("cuda", 1, None, 0, 1, (None, 1, None)),                       # a plain GPU run
+    ("cuda", 1, 2, 4, 1, (None, 4, GPU // 4)),                      # four workers on one GPU split its budget
+    ("cuda", 1, 3, 4, 2, ("1", 2, GPU // 2)),                       # two GPUs: worker k on GPU k mod 2
+    ("cuda", 1, 2, 4, 4, ("2", 1, None)),                           # a GPU each: the whole budget
+    ("cuda", 1, 4, 5, 4, ("0", 2, GPU // 2)),                       # five on four: GPU 0 has two
+    ("cuda:1", 1, 0, 3, 2, (None, 3, GPU // 3)),                    # a named device: every worker shares it
+    ("cuda", 2, 1, 2, 2, (None, 2, GPU // 2)),                      # tp 2 spans the GPUs from the first: shared
 ])
-def test_each_worker_gets_a_device_and_a_share_of_its_kv_budget(device, tp, worker, workers, gpus, want):
+def test_each_worker_gets_a_gpu_and_a_share_of_its_kv_budget(device, tp, worker, workers, gpus, want):
     p = placement(device, tp, worker, workers, gpus, env={})
-    assert (p.device, p.sharers, p.kv_bytes) == want
+    assert (p.visible, p.sharers, p.kv_bytes) == want
+    assert p.device == device, "a worker names its device as the run does: the mask makes its GPU cuda:0"
+
+
+def test_a_worker_gets_its_gpu_by_the_controllers_own_mask():
+    env = {"CUDA_VISIBLE_DEVICES": "5, 7"}
+    assert [placement("cuda", 1, w, 4, 2, env=env).visible for w in range(4)] == ["5", "7", "5", "7"]
 
 
 def test_the_kv_budget_can_be_named_and_a_bad_one_is_a_usage_error():
@@ -107,26 +124,76 @@ def test_the_kv_budget_can_be_named_and_a_bad_one_is_a_usage_error():
             placement("cpu", 1, None, 0, 0, env={KV_ENV: bad})
 
 
-def worker_config(workerid: str, workercount: int, **given):
-    values = {"--device": "cuda", "--dtype": None, "--backend": "torch", "--engine": "fused", "--golden-dir": None,
-              "--tie-threshold": 0.02, "--flip-cap": 3, "--regen-golden": False, "--model": "small",
-              "--allow-skipped-files": False, "--tp": 1, **given}
-    return types.SimpleNamespace(stash=pytest.Stash(), getoption=values.__getitem__,
-                                 workerinput={"workerid": workerid, "workercount": workercount})
+# Simulated GPUs for a CPU run over workers: as many as CUDA_VISIBLE_DEVICES names, --device cuda
+# accepted, the backends' CUDA check left out. Each gate writes where it ran and what its engines may take.
+FAKE_GPUS = """
+import os
+import pytest
+from gates import options
+
+def fake_gpus():
+    return len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+
+FAKE = pytest.MonkeyPatch()     # an inline run's controller is the test's own process: undone when it ends
+FAKE.setattr(options, "cuda_devices", fake_gpus)
+FAKE.setattr(options, "check_required_backends", lambda opts: None)
+
+def pytest_unconfigure(config):
+    FAKE.undo()
+"""
+WHERE = """
+import json, os
+import pytest
+from gates import reference
+from gates.options import gate_options
+
+@pytest.mark.parametrize("i", range(8))
+def test_where(request, i):
+    o = gate_options(request.config)
+    seen = dict(worker=os.environ["PYTEST_XDIST_WORKER"], visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                gpus=options_gpus(), device=o.device, kv=o.kv_bytes, engines_kv=reference.KV_BYTES)
+    with open(f"where-{seen['worker']}.jsonl", "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+
+def options_gpus():
+    from gates import options
+    return options.cuda_devices()
+"""
 
 
-def test_a_worker_on_a_machine_of_two_gpus_makes_its_gpu_current_before_any_cuda_work(monkeypatch):
+def where_workers_ran(pytester, *args) -> dict:
+    r = run(pytester, "gates/test_where.py", "--device", "cuda", *args)
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()[-3000:]
+    seen = {}
+    for path in pytester.path.glob("where-gw*.jsonl"):
+        rows = {json.dumps(row, sort_keys=True) for row in map(json.loads, path.read_text().splitlines())}
+        assert len(rows) == 1, f"one worker, one placement: {rows}"
+        row = json.loads(rows.pop())
+        seen[row.pop("worker")] = row
+    return seen
+
+
+def test_three_workers_on_two_gpus_see_one_each_and_the_pair_on_one_gpu_split_its_kv_budget(gate_dir, monkeypatch):
+    """The controller's own mask names the GPUs (7 and 5 here): each worker sees only its own."""
     monkeypatch.delenv(KV_ENV, raising=False)
-    monkeypatch.setattr(options, "cuda_devices", lambda: 2)
-    current = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
-    o: GateOptions = gate_options(worker_config("gw3", 4))
-    assert (o.device, o.kv_bytes) == ("cuda:1", GPU_KV_BYTES // 2)
-    assert current == [torch.device("cuda:1")], "a bare 'cuda' must mean the worker's own GPU"
-    current.clear()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,5")
+    gate_dir.makeconftest(PLUGINS + FAKE_GPUS)
+    (gate_dir.path / "gates" / "test_where.py").write_text(WHERE)
+    seen = where_workers_ran(gate_dir, "-n", "3", "--dist", "each")
+    assert seen == {"gw0": dict(visible="7", gpus=1, device="cuda", kv=GPU // 2, engines_kv=GPU // 2),
+                    "gw1": dict(visible="5", gpus=1, device="cuda", kv=None, engines_kv=None),
+                    "gw2": dict(visible="7", gpus=1, device="cuda", kv=GPU // 2, engines_kv=GPU // 2)}
+
+
+def test_a_worker_whose_cuda_started_before_its_mask_stops_the_run(monkeypatch):
+    """CUDA reads the mask once: a worker that still sees every GPU would gate on GPU 0 with all the others."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(options, "cuda_devices", lambda: 2)          # the mask came too late: both still seen
+    with pytest.raises(pytest.UsageError, match=r"CUDA_VISIBLE_DEVICES=1 set too late .* sees 2 GPUs"):
+        workers.see_only("1")
     monkeypatch.setattr(options, "cuda_devices", lambda: 1)
-    o = gate_options(worker_config("gw0", 1))
-    assert (o.device, o.kv_bytes) == ("cuda", None) and not current, "one worker on one GPU: as a plain run"
+    workers.see_only("1")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_engines_built_by_the_gates_take_the_budget(monkeypatch):
@@ -146,13 +213,19 @@ def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
     and the header says which."""
     (gate_dir.path / "gates" / "test_nothing.py").write_text(
         "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_n(i):\n    pytest.skip('no device')\n")
+    (gate_dir.path / "gates" / "test_rewrite.py").write_text(REWRITE)
+    (gate_dir.path / "golden" / "g.json").write_text("{}\n")
     plain = run(gate_dir, "-p", "no:xdist", name="plain")
     spread = run(gate_dir, "-n", "2", "-m", "not gpu", name="spread")
     assert plain.ret == spread.ret == pytest.ExitCode.TESTS_FAILED
-    assert outcome_counts(plain) == {"passed": 5, "failed": 1, "skipped": 5}
-    assert outcome_counts(spread) == {"passed": 4, "failed": 1, "skipped": 5}, "the serial gate is left out"
+    assert outcome_counts(plain) == {"passed": 6, "failed": 1, "skipped": 5}
+    assert outcome_counts(spread) == {"passed": 5, "failed": 1, "skipped": 5}, "the serial gate is left out"
     spread.stdout.fnmatch_lines(["stepgate: 2 xdist workers on cpu (*); gates marked serial are deselected here: "
                                  "run them with pytest gates/ -m 'serial and (not gpu)' (without -n)"])
+    spread.stdout.fnmatch_lines(["stepgate: 1 gate(s) marked serial were deselected under xdist: run them with "
+                                 "pytest gates/ -m 'serial and (not gpu)' (without -n)"])
+    for r in (plain, spread):       # a worker's write is seen by the controller's snapshot
+        r.stdout.fnmatch_lines(["*stepgate: the run changed the goldens*", "*changed  g.json: rewritten*"])
     gates = {n: json.loads((gate_dir.path / f"{n}.json").read_text()) for n in ("plain", "spread")}
     assert gates["plain"] == gates["spread"], "the same gates, in the same (collection) order"
     assert [(g["gate"], g["ok"]) for g in gates["plain"]] == [
@@ -164,12 +237,13 @@ def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
                                 "planted  *0  *0  *1  *0  *0  FAIL"])
         r.stdout.fnmatch_lines(["gates/test_nothing.py: 4 collected, all skipped: no device"])
     md = (gate_dir.path / "spread.md").read_text()
-    for part in ("## stepgate gates: FAILED (1 failed, 4 passed, 5 skipped)",
+    for part in ("## stepgate gates: FAILED (1 failed, 5 passed, 5 skipped)",
+                 "1 gate(s) marked serial were deselected under xdist: run them with pytest gates/ -m",
                  "| planted | 0 | 0 | 1 | 0 | 0 | **FAIL** |",
                  "- flipped: flip site r@1: 8->9 gaps ref 0.0050 cand 0.0100",
                  "#### `gates/test_synthetic.py::test_planted_failure`", "```text\nAssertionError: gate planted failed:\n"
                  "r position 0: reference token 7, candidate token 9;",
-                 "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 10)"):
+                 "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 11)"):
         assert part in md, f"{part!r} not in the Markdown summary:\n{md}"
     assert "test_timing" not in md and "assert False" not in md
     assert outcome_counts(run(gate_dir, "-m", "serial")) == {"passed": 1}, "without -n the serial gates run"

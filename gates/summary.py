@@ -62,8 +62,11 @@ class Run:
     order: dict[str, int] = field(default_factory=dict)         # each test's place in the collection
 
     def in_collection_order(self) -> None:
-        """Gates in the order of the tests that recorded them, whichever worker finished first."""
-        self.gates.sort(key=lambda g: self.order.get(g.get("test", ""), len(self.order)))
+        """Gates and failures in the order of their tests, whichever worker finished first."""
+        def place(nodeid: str) -> int:
+            return self.order.get(nodeid, len(self.order))
+        self.gates.sort(key=lambda g: place(g.get("test", "")))
+        self.failures.sort(key=lambda f: place(f.nodeid))
 
     def add(self, report) -> bool:
         """Take one test report; True if it brought a gate record."""

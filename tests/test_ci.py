@@ -1,9 +1,12 @@
 """The CI workflows linted: GitHub's schema (check-jsonschema's vendored copy, offline), the structure and file checks
-of scripts/check_workflows.py (each shown failing on a planted mistake), and actionlint where it is installed."""
+of scripts/check_workflows.py (each shown failing on a planted mistake), actionlint where it is installed, and the
+durations pytest-split divides the gates by."""
 from __future__ import annotations
 
 import copy
 import importlib.util
+import json
+import re
 import shutil
 import subprocess
 import sys
@@ -134,3 +137,27 @@ def test_actionlint_passes_where_it_is_installed():
     r = subprocess.run([exe, "-config-file", str(REPO / ".github/actionlint.yaml")], cwd=REPO, capture_output=True,
                        text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# -- pytest-split's durations -------------------------------------------------------------------------------------
+def stale_durations(durations: dict[str, float], repo: Path = REPO) -> list[str]:
+    """Entries of a .test_durations that name no gate of this repository (a file or test renamed or removed)."""
+    out = []
+    for nodeid, seconds in durations.items():
+        path, _, rest = nodeid.partition("::")
+        name = re.escape(rest.split("::")[0].split("[")[0])      # a test function, or a test class
+        f = repo / path
+        if not (path.startswith("gates/") and f.is_file()
+                and re.search(rf"^(def|class) {name}\b|^{name} = ", f.read_text(), re.M)):
+            out.append(f"{nodeid}: no such gate")
+        elif not (isinstance(seconds, (int, float)) and seconds >= 0):
+            out.append(f"{nodeid}: {seconds!r} is not a duration")
+    return out
+
+
+def test_the_committed_durations_name_the_gates_as_they_are():
+    durations = json.loads((REPO / ".test_durations").read_text())
+    assert len(durations) > 50 and stale_durations(durations) == []
+    assert {n.split("::")[0] for n in durations} >= {"gates/test_tokens.py", "gates/test_kernels.py"}
+    planted = {**durations, "gates/test_tokens.py::test_against_hf_renamed[x]": 1.0}
+    assert stale_durations(planted) == ["gates/test_tokens.py::test_against_hf_renamed[x]: no such gate"]

@@ -293,11 +293,16 @@ def test_every_gate_has_the_default_timeout_unless_one_is_given(gate_dir):
         "    for item in session.items:\n"
         "        m = item.get_closest_marker('timeout')\n"
         "        print('TIMEOUT', item.name, m.args, m.kwargs)\n")
-    r = run(gate_dir, "--collect-only", "-s", "-k", "identical and 0")
-    r.stdout.fnmatch_lines([f"stepgate: every gate times out after {workers.GATE_TIMEOUT_S['cpu']} s (thread method*",
-                            f"TIMEOUT test_identical[0] ({workers.GATE_TIMEOUT_S['cpu']},) {{'method': 'thread'}}"])
-    r = run(gate_dir, "--collect-only", "-q", "-s", "-k", "identical and 0", "--timeout", "7")
-    r.stdout.fnmatch_lines(["TIMEOUT test_identical[0] (7.0,) {'method': 'thread'}"])
+    (gate_dir.path / "gates" / "test_own.py").write_text(
+        "import pytest\n\n@pytest.mark.timeout(5)\ndef test_own_timeout():\n    pass\n")
+    cpu = workers.GATE_TIMEOUT_S["cpu"]
+    r = run(gate_dir, "--collect-only", "-s", "-k", "identical and 0 or own")
+    r.stdout.fnmatch_lines([f"stepgate: every gate times out after {cpu} s (thread method*",
+                            "TIMEOUT test_own_timeout (5,) {}",           # its own, kept
+                            f"TIMEOUT test_identical[0] ({cpu},) {{'method': 'thread'}}"])
+    r = run(gate_dir, "--collect-only", "-q", "-s", "-k", "identical and 0 or own", "--timeout", "7")
+    r.stdout.fnmatch_lines(["TIMEOUT test_own_timeout (5,) {}",
+                            "TIMEOUT test_identical[0] (7.0,) {'method': 'thread'}"])
 
 
 def test_a_hung_gate_fails_with_every_threads_stack_and_the_summary_says_where(gate_dir, monkeypatch):

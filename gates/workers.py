@@ -163,8 +163,9 @@ def pytest_testnodedown(node, error):
 def serial_note(config) -> str | None:
     """What a run over workers left out, and the command that runs it; None when it left nothing out."""
     n = config.stash.get(_SERIAL, 0)
-    return f"{n} gate(s) marked serial were deselected under xdist: run them with {serial_command(config)}" if n \
-        else None
+    if not n:
+        return None
+    return f"{n} gate(s) marked serial were deselected under xdist: run them with {serial_command(config)}"
 
 
 def pytest_terminal_summary(terminalreporter, config):

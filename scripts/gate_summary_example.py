@@ -9,6 +9,7 @@ The gate run loads this file as a plugin (-p gate_summary_example), which plants
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import subprocess
@@ -28,11 +29,9 @@ def pytest_configure(config):
 
     def late_chunks(self, chunks, decodes, pages_of, all_logits=False):
         tokens, positions, ctx, rows = build(self, chunks, decodes, pages_of, all_logits)
-        i = 0
-        for c in chunks:
-            if c.start > 0:                   # a prompt chunk after the prompt's first, one position late
-                positions[i:i + c.length] += 1
-            i += c.length
+        starts = itertools.accumulate([c.length for c in chunks], initial=0)
+        for c, i in zip(chunks, starts):   # a prompt chunk after its prompt's first: each position one late
+            positions[i:i + c.length] += int(c.start > 0)
         return tokens, positions, ctx, rows
 
     ModelRunner.build = late_chunks

@@ -40,3 +40,18 @@ def graph_mode(request, monkeypatch) -> dict:
         return dict(engine="flash", device=dev, dtype="float16", model="small-trained")
     emulate_graphs(monkeypatch, getattr(request.module, "EMULATE_STEP_GRAPHS", False))
     return dict(engine="fused", device="cpu", dtype="float32", model="small")
+
+
+@pytest.fixture
+def gate_folder(pytester):
+    """make(conftest, **gate_files): a synthetic gate folder for pytester runs (an empty golden/, gates/ holding the
+    files given, markers as the project registers them), whose conftest loads the stepgate plugins it names."""
+    def make(conftest: str, **gate_files: str):
+        pytester.makeconftest(conftest)
+        pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+        (pytester.path / "golden").mkdir()
+        (pytester.path / "gates").mkdir()
+        for name, text in gate_files.items():
+            (pytester.path / "gates" / name).write_text(text)
+        return pytester
+    return make

@@ -1,6 +1,6 @@
-"""The gates over xdist workers (gates/workers.py, gates/summary.py): each worker's device and KV budget, one summary
-from the controller equal to a plain run's, serial gates left to their own run, the unrun-file check counted on the
-controller, and a hung gate that fails with a trace instead of holding the runner. Inner runs use tiny synthetic gate
+"""The gates over xdist workers (gates/workers.py, gates/summary.py): each worker's GPU and KV budget (GPUs
+simulated), one summary from the controller equal to a plain run's, serial gates left to their own run, the unrun-file
+and golden checks on the controller, and a hung gate that fails with a trace instead of holding the runner. Inner runs use tiny synthetic gate
 folders (pytester), not the real gates."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from gates import options, summary, workers
 from engine.config import KV_CACHE_BYTES
+from gates import options, summary, workers
 from gates.workers import KV_ENV, placement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,13 +71,8 @@ def test_rewrites_a_golden():     # the same bytes, written again: the guard see
 
 
 @pytest.fixture
-def gate_dir(pytester):
-    pytester.makeconftest(PLUGINS)
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
-    (pytester.path / "golden").mkdir()
-    (pytester.path / "gates").mkdir()
-    (pytester.path / "gates" / "test_synthetic.py").write_text(GATES)
-    return pytester
+def gate_dir(gate_folder):
+    return gate_folder(PLUGINS, **{"test_synthetic.py": GATES})
 
 
 def run(pytester, *args, name="serial", subprocess=False):

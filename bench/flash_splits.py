@@ -1,10 +1,9 @@
 """flash-attn's paged decode inside a CUDA graph: per-layer time by split count and block-table width.
 
-Why: torch's profiler put the 1.5B shape's flash decode at 84 us per layer call inside the captured decode step
-(32 rows of the mixed draw, mean history about 800, longest 4,097), against 52 us per call for the eager kernel
-benchmark on the same histories. The graph's block table is as wide as the longest request the engine admits (128
-pages of 256 slots), and flash-attn sizes its split-KV heuristic from that width and from the row count, never from
-the rows' true lengths: one long row then runs unsplit while most SMs idle.
+Why: inside a captured decode step flash decode ran slower per layer call than the eager kernel benchmark on the same
+histories (docs/RESULTS.md). The graph's block table is as wide as the longest request the engine admits (128 pages
+of 256 slots), and flash-attn sizes its split-KV heuristic from that width and from the row count, never from the
+rows' true lengths: one long row then runs unsplit while most SMs idle.
 
 This captures 28 layer calls (each layer its own cache, as in the model) for each (table width, num_splits) and
 times replays with CUDA events; it prints a table and the fastest split count, and writes --out (JSON).

@@ -310,9 +310,11 @@ class Engine:
                 f"forward read a poisoned slot itself")
 
     # -- running ---------------------------------------------------------------------------------------------
-    def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None) -> dict:
+    def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None,
+            until=None) -> dict:
         """Serve `specs` (and whatever is queued) to completion. open_loop: deliver each request at its
-        arrival_time on the engine's clock, while the engine works; otherwise all arrive now."""
+        arrival_time on the engine's clock, while the engine works; otherwise all arrive now. until(engine): checked
+        before each step; once true, return and leave what is queued or running as it is."""
         pending = sorted(specs or [], key=lambda s: s.arrival_time)
         if not open_loop:
             for s in pending:
@@ -325,6 +327,8 @@ class Engine:
                 s = pending[i]
                 self.submit(s.prompt, s.budget, s.request_id, s.arrival_time)
                 i += 1
+            if until is not None and until(self):
+                break
             if not self.scheduler.has_work:
                 time.sleep(max(0.0, min(pending[i].arrival_time - now, 0.01)))
                 continue

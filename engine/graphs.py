@@ -19,7 +19,7 @@ cache length, so the tail is never read.
 Graphs are captured per (rows, table width): widths 16, 32, 64, ... up to W. A step replays the narrowest width
 that holds its longest row, reading the first w columns of the table in place (a strided view). flash-attn's
 split-KV decode divides the table's width, not each row's length, among its splits, so a table as wide as the
-longest admissible request makes every step pay for it (kernels/flash_backend.py has the H200 figures).
+longest admissible request makes every step pay for it (kernels/flash_backend.py says why).
 
 Captured graphs read the runner's KV cache tensors and the model's weights in place (their addresses are fixed
 for the engine's life) and write their logits into one static buffer per graph set. Sampling (argmax, the poison

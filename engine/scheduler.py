@@ -30,9 +30,8 @@ token rate while a long prompt fills.
 - A prompt's LAST long piece (the one after which at most short_prompt_positions are left) also pays its own debt
   ahead, estimated from the extra time of that prompt's previous long piece, and settles the difference after it
   runs. Why: paid after it, that piece's debt would fall due once the prompt already emits its first token, so
-  while a prompt of n long pieces fills the decoders would get only n - 1 of its n debts (44.5% instead of 50% at
-  p = 0.5 with 8 pieces, docs/h200-2026-11-29-s3.md). A prompt's first long piece has no estimate: nothing is
-  paid ahead for it. A prompt cancelled before its last long piece ran gives back what was charged ahead for it.
+  while a prompt of n long pieces fills the decoders would get only n - 1 of its n debts (docs/prefill-share.md).
+  A prompt's first long piece has no estimate: nothing is paid ahead for it. A prompt cancelled before its last long piece ran gives back what was charged ahead for it.
 - A pure decode step pays off its duration; a step with decode tokens and short-prompt pieces (no long work) pays
   off the decode part of it (min(t, t_d)). No credit: the debt never goes below 0.
 - Debt counts only runnable decoders: a step with no decode tokens (nobody decoding, or every decoder finished or

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 INNER_CONFTEST = 'pytest_plugins = ["gates.options", "gates.snapshot"]\n'
 DEFAULTS = {"--device": "cpu", "--dtype": None, "--backend": "all", "--engine": "all", "--golden-dir": None,
             "--tie-threshold": 0.02, "--flip-cap": 3, "--regen-golden": False, "--model": "small",
-            "--allow-skipped-files": False}
+            "--allow-skipped-files": False, "--tp": 1}
 
 
 def opts_of(**given) -> GateOptions:

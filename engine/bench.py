@@ -41,7 +41,8 @@ from pathlib import Path
 import torch
 
 from .config import LINEAGE, lineage_config
-from .engine import Engine, torch_dtype
+from .dtypes import torch_dtype
+from .engine import Engine
 from .loader import QWEN25_1P5B, RANDOM_1P5B, is_small, load_model
 from .runner import ModelRunner
 from .workload import MIXED, MIXED_CPU, UNIFORM, UNIFORM_CPU, RequestSpec, Workload, poisson_arrivals

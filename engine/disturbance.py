@@ -49,7 +49,8 @@ from pathlib import Path
 
 
 from .config import LINEAGE, lineage_config
-from .engine import Engine, torch_dtype
+from .dtypes import torch_dtype
+from .engine import Engine
 from .loader import is_small, load_model
 
 try:

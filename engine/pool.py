@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from collections import deque
 
+from .errors import PoolInvariantError
+
 NULL_PAGE = 0
+
+
+def require(ok: bool, message: str) -> None:
+    """An invariant of the pool, checked in every interpreter mode (`python -O` drops an assert)."""
+    if not ok:
+        raise PoolInvariantError(message)
 
 
 def pages_for(slots: int, page_size: int) -> int:
@@ -24,7 +32,7 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.free: deque[int] = deque(range(1, num_pages))
-        self.owned: dict[str, list[int]] = {}
+        self.owned: dict[str, list[int]] = {}   # owner (a request id, or an engine-internal key) -> pages
         self.pending: list[tuple[str, list[int]]] = []   # released during a step, returned at its end
         self.in_step = False
         self.step = 0       # the open (or next) step: begin_step/end_step pairs, so the scheduler's step index
@@ -52,8 +60,8 @@ class PagePool:
     def reserve(self, owner: str, slots: int) -> list[int]:
         """Give `owner` all the pages it will ever need; they stay its own until released."""
         n = self.pages_needed(slots)
-        assert owner not in self.owned, f"{owner} already owns pages"
-        assert n <= self.num_free, f"reserve of {n} pages with {self.num_free} free"
+        require(owner not in self.owned, f"{owner!r} already owns pages")
+        require(n <= self.num_free, f"reserve of {n} pages with {self.num_free} free")
         pages = [self.free.popleft() for _ in range(n)]
         self.owned[owner] = pages
         return pages
@@ -63,6 +71,7 @@ class PagePool:
 
     def release(self, owner: str) -> None:
         """Hand back `owner`'s pages; they reach the free list at the end of the current (or next) step, never sooner."""
+        require(owner in self.owned, f"release of {owner!r}, which owns no pages")
         pages = self.owned.pop(owner)
         self.pending.append((owner, pages))
         for p in pages:
@@ -93,6 +102,6 @@ class PagePool:
         """The pool's own invariants: free + owned = capacity, no page with two owners, the null page never out."""
         seen = list(self.free) + [p for pages in self.owned.values() for p in pages] + \
             [p for _, pages in self.pending for p in pages]
-        assert len(seen) == self.capacity, f"free + owned = {len(seen)} pages, capacity {self.capacity}"
-        assert len(set(seen)) == len(seen), "a page has two owners (or is free and owned)"
-        assert NULL_PAGE not in seen, "the null page was handed out"
+        require(len(seen) == self.capacity, f"free + owned = {len(seen)} pages, capacity {self.capacity}")
+        require(len(set(seen)) == len(seen), "a page has two owners (or is free and owned)")
+        require(NULL_PAGE not in seen, "the null page was handed out")

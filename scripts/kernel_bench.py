@@ -39,10 +39,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import kernels  # noqa: E402
+from engine.dtypes import torch_dtype  # noqa: E402
 from kernels import AttnBatch  # noqa: E402
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def mixed_histories(n: int, seed: int) -> list[int]:
@@ -152,7 +151,7 @@ def main(argv=None) -> int:
     if args.tiny:
         args.requests, args.heads, args.kv_heads, args.head_dim = min(args.requests, 8), 4, 2, 64
         args.page_size = 64 if args.page_size == 256 and device.type == "cpu" else args.page_size
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    dtype = torch_dtype(args.dtype) if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     if args.histories:
         hist = [int(x) for x in args.histories.split(",")]
     else:

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from engine import Engine, lineage_config  # noqa: E402
-from engine.engine import torch_dtype  # noqa: E402
+from engine.dtypes import torch_dtype  # noqa: E402
 from engine.graphs import DecodeGraphs  # noqa: E402
 from engine.loader import load_model  # noqa: E402
 from engine.request import State  # noqa: E402

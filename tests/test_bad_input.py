@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import (BadBudgetError, DuplicateRequestIdError, EmptyPromptError, Engine, EngineConfig,
+from engine import (BadBudgetError, BadPromptError, DuplicateRequestIdError, EmptyPromptError, Engine, EngineConfig,
                     ExceedsMaxPositionsError, NeverFitsError, RequestError, TokenOutOfVocabError)
 from engine.loader import load_model
 
@@ -89,7 +89,8 @@ def BAD(shape):
                             dict(prompt=[5, -1, 6], budget=3)),
         "token-vocab-size": (TokenOutOfVocabError, rf"prompt\[0\] = {v} is outside the vocabulary",
                              dict(prompt=[v], budget=3)),
-        "token-not-an-id": (TokenOutOfVocabError, "is not a token id", dict(prompt=[5, 2.5], budget=3)),
+        "token-not-an-id": (BadPromptError, r"prompt\[1\] = 2.5 \(float\) is not a token id",
+                            dict(prompt=[5, 2.5], budget=3)),
         "exceeds-max-positions": (ExceedsMaxPositionsError, rf"= {maxpos + 1} exceeds the max positions served",
                                   dict(prompt=[1] * maxpos, budget=1)),
         "budget-zero": (BadBudgetError, "integer >= 1, got 0", dict(prompt=[5], budget=0)),

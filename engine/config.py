@@ -88,6 +88,7 @@ class EngineConfig:
     tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/parallel.py)
     tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
     trace_limit: int | None = None       # keep the last this many steps in Engine.trace (None: every step)
+    prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -103,7 +104,7 @@ class EngineConfig:
         integer("record_topk", self.record_topk, 0)
         integer("short_prompt_positions", self.short_prompt_positions, 0)
         integer("trace_limit", self.trace_limit, 1, none="every step kept")
-        for name in ("poison", "sync_trace", "progress"):
+        for name in ("poison", "sync_trace", "progress", "prefix_cache"):
             flag(name, getattr(self, name))
         for name in ("compile_warmup", "cuda_graphs", "compile_elementwise"):
             flag(name, getattr(self, name), none=True)

@@ -87,7 +87,7 @@ class Engine:
         self.shape = self.model.shape
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
         num_pages = self.pool_pages(config, dtype)
-        self.pool = PagePool(num_pages, config.page_size)
+        self.pool = PagePool(num_pages, config.page_size, prefix_cache=config.prefix_cache)
         if config.max_model_len is not None and self.pool.pages_needed(self.max_model_len) > self.pool.capacity:
             raise errors.ConfigError(
                 f"max_model_len={config.max_model_len}: one request of {self.max_model_len} positions needs "
@@ -257,11 +257,14 @@ class Engine:
         with self.lock:
             start = self.now()
             plan = self.scheduler.schedule()
+            # cached pages evicted to admit this step's requests: NaN before their new owners write them
+            evicted = self.pool.take_evicted()
             for r in plan.admitted:
                 r.admit_time = start
             blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
             # the forward's own view: a submit or cancel during it changes no page of the plan's requests
             pages_of = dict(self.pool.owned)
+        self.runner.poison_pages(evicted)
         out = self.runner.run(plan, pages_of, cfg.forward) if not plan.empty else None
         if cfg.sync_trace:
             self._sync()
@@ -384,6 +387,8 @@ class Engine:
             with self.lock:
                 self.pool.reserve(SCORE_OWNER, len(tokens))
                 pages = self.pool.owned[SCORE_OWNER]
+                evicted = self.pool.take_evicted()
+            self.runner.poison_pages(evicted)
             try:
                 return self.runner.score(Chunk(Request(SCORE_OWNER, list(tokens), 1), 0, len(tokens)), pages,
                                          last_only)

@@ -3,6 +3,8 @@ bounded traces and top-k records, scoring beside requests whose ids look like it
 every bad field with the field and the value named."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 import torch
 
@@ -144,6 +146,7 @@ BAD_CONFIGS = [
     (dict(poison=1), "poison=1: must be True or False"),
     (dict(cuda_graphs="off"), r"cuda_graphs='off': must be True or False \(or None: automatic\)"),
     (dict(progress=None), "progress=None: must be True or False"),
+    (dict(prefix_cache="yes"), "prefix_cache='yes': must be True or False"),
 ]
 
 
@@ -155,6 +158,13 @@ def test_a_bad_config_field_is_refused_naming_it(kw, message):
     assert isinstance(info.value, ValueError)
     with pytest.raises(ConfigError, match=message):        # with_() checks as well
         EngineConfig().with_(**kw)
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(EngineConfig)])
+def test_every_field_is_checked(name):
+    # a field added without a check in __post_init__ would take any value: this catches it
+    with pytest.raises(ConfigError, match=rf"^{name}=<object object at"):
+        EngineConfig(**{name: object()})
 
 
 def test_cuda_without_a_gpu_is_a_config_error(monkeypatch):

@@ -1,6 +1,7 @@
 """Unit tests for engine/pool.py: rounding, reserve on admit, eviction at the end of the step, the null page."""
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -181,15 +182,28 @@ for call in (lambda: pool.reserve('a', 64), lambda: pool.reserve('b', 1000), lam
     except PoolInvariantError as e:
         caught.append(str(e))
 pool.free.append(pool.owned['a'][0])
-try:
-    pool.check()
-except PoolInvariantError as e:
-    caught.append(str(e))
+cached = p.PagePool(4, 4, prefix_cache=True)      # the prefix cache's invariants too
+cached.reserve('c', 4)
+cached.refs[cached.owned['c'][0]] += 1
+for check in (pool.check, cached.check):
+    try:
+        check()
+    except PoolInvariantError as e:
+        caught.append(str(e))
 print('|'.join(caught))
 """
     out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     caught = out.stdout.strip().split("|")
-    assert len(caught) == 4, caught
+    assert len(caught) == 5, caught
     assert "'a' already owns pages" in caught[0] and "reserve of 16 pages with 2 free" in caught[1]
     assert "which owns no pages" in caught[2] and "free + owned = 4 pages, capacity 3" in caught[3]
+    assert "has count 2 but is held by 1: ['c']" in caught[4]
+
+
+@pytest.mark.parametrize("module", ["pool.py", "prefix_cache.py"])
+def test_no_invariant_is_an_assert(module):
+    """An assert is gone under `python -O`: the pool's and the prefix cache's checks raise PoolInvariantError."""
+    tree = ast.parse((REPO / "engine" / module).read_text())
+    lines = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+    assert not lines, f"engine/{module} checks with assert at lines {lines}: use require() / PoolInvariantError"

@@ -9,27 +9,13 @@ import torch
 
 from engine import (BadArrivalTimeError, BadBudgetError, BadPromptError, BadRequestIdError, DuplicateRequestIdError, EmptyPromptError, Engine, EngineConfig,
                     ExceedsMaxPositionsError, NeverFitsError, RequestError, TokenOutOfVocabError)
-from engine.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CONFIG = EngineConfig(chunk_tokens=128, num_pages=9)      # 8 pages of 64 slots: 512 slots in all
 A = ([5, 17, 300, 42, 1000, 7, 7, 3], 4)
 B = ([2000, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], 3)
 C = ([99, 98, 97, 96], 3)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The forwards here are tiny; on a shared 2-core machine torch's second intra-op thread makes each step up to
-    ~100x slower (spinning against other processes). One thread for this module, restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(None, torch.float32, "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -10,24 +10,12 @@ import torch
 
 from engine import (ConfigError, Engine, EngineConfig, RequestError, RequestNotDoneError, UnknownRequestError)
 from engine.config import device_problem
-from engine.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CONFIG = EngineConfig(chunk_tokens=128, num_pages=9, record_topk=2)
 A = ([5, 17, 300, 42, 1000, 7, 7, 3], 4)
 B = ([2000, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], 6)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()      # tiny forwards: a second intra-op thread only spins (tests/test_bad_input.py)
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(None, torch.float32, "cpu")
 
 
 def drain(e: Engine, max_steps: int = 200) -> None:

@@ -9,12 +9,10 @@ import random
 import time
 
 import pytest
-import torch
 
 from engine import Engine, EngineConfig
-from engine.loader import load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 CONFIG = EngineConfig(chunk_tokens=64, max_batch=16, num_pages=40, record_topk=2, trace_limit=200)
 IN_FLIGHT = 24          # requests held at once: submitted and not yet popped
@@ -26,14 +24,6 @@ SAMPLE_EVERY = 250
 # 512 bytes or more per request (less than one request's prompt list, Request and RequestResult objects), and
 # leaves the allocator room for its own arenas.
 GROWTH_BOUND = 2 << 20
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()      # tiny forwards: a second intra-op thread only spins (tests/test_bad_input.py)
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def rss() -> int:
@@ -78,11 +68,6 @@ def growth(curve) -> int:
 
 def show(curve) -> str:
     return ", ".join(f"{k}: {m / 2**20:.2f} MiB ({t:.0f} s)" for k, m, t in curve)
-
-
-@pytest.fixture(scope="module")
-def loaded():
-    return load_model(None, torch.float32, "cpu")
 
 
 def test_resident_memory_is_flat_over_5000_requests(loaded):

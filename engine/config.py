@@ -107,7 +107,7 @@ class EngineConfig:
         integer("record_topk", self.record_topk, 0)
         integer("short_prompt_positions", self.short_prompt_positions, 0)
         integer("trace_limit", self.trace_limit, 1, none="every step kept")
-        for name in ("poison", "sync_trace", "progress", "prefix_cache"):
+        for name in ("poison", "sync_trace", "progress", "prefix_cache", "capture_graphs"):
             flag(name, getattr(self, name))
         for name in ("compile_warmup", "cuda_graphs", "compile_elementwise"):
             flag(name, getattr(self, name), none=True)

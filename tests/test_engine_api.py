@@ -135,6 +135,7 @@ BAD_CONFIGS = [
     (dict(cuda_graphs="off"), r"cuda_graphs='off': must be True or False \(or None: automatic\)"),
     (dict(progress=None), "progress=None: must be True or False"),
     (dict(prefix_cache="yes"), "prefix_cache='yes': must be True or False"),
+    (dict(capture_graphs=None), "capture_graphs=None: must be True or False"),
 ]
 
 

@@ -34,7 +34,7 @@ import time
 import torch
 
 import kernels
-from engine.engine import torch_dtype
+from engine.dtypes import torch_dtype
 from kernels import AttnBatch
 
 

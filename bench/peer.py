@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine.engine import torch_dtype
+from engine.dtypes import torch_dtype
 
 from .runs import Setup
 from .stats import progress

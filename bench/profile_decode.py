@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import Engine, lineage_config
-from engine.engine import torch_dtype
+from engine.dtypes import torch_dtype
 from engine.graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.request import State

@@ -78,14 +78,14 @@ class StepPlan:
         """Requests that get a token this step, in the runner's row order: completing chunks, then decodes."""
         return [c.request for c in self.chunks if c.completes_prompt] + self.decodes
 
-    def apply(self, tokens: list[int], t: float) -> None:
-        """Book the step's work: cached positions advance, each sampled request emits its token."""
+    def apply(self, tokens: list[int], t: float) -> list[Request]:
+        """Book the step's work: cached positions advance, each sampled request emits its token (one cancelled
+        while the step ran does not). Returns the requests that emitted."""
         for c in self.chunks:
             c.request.num_cached += c.length
         for r in self.decodes:
             r.num_cached += 1
-        for r, tok in zip(self.sampled, tokens):
-            r.emit(tok, self.index, t)
+        return [r for r, tok in zip(self.sampled, tokens) if r.emit(tok, self.index, t)]
 
     @property
     def kind(self) -> str:

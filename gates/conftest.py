@@ -7,7 +7,7 @@ import pytest
 
 import kernels
 from engine.config import LINEAGE
-from engine.engine import torch_dtype
+from engine.dtypes import torch_dtype
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 

@@ -27,14 +27,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.loader import REPO, model_checksum
+from engine.loader import model_checksum
 from engine.workload import Workload, get_workload
 
 from .compare import TIE_THRESHOLD, GateReport, compare
+from .paths import golden_root
 from .records import GenRecord
 
 SCHEMA_VERSION = 1
-GOLDEN_DIR = REPO / "golden"
+GOLDEN_DIR = golden_root()
 REFERENCES = ("hf", "chunked", "fused", "flash")
 
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from hypothesis import event, strategies as st
 from hypothesis.stateful import initialize, rule
 
-from engine.errors import NeverFitsError
+from engine.errors import NeverFitsError, PoolInvariantError
 from engine.pool import NULL_PAGE, PagePool
 from engine.request import Request
 from engine.scheduler import Scheduler
@@ -325,7 +325,7 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
             pool, cap = self.pool, self.cap
             try:
                 pool.check()
-            except AssertionError as e:
+            except PoolInvariantError as e:
                 raise violated(TOTAL + " / " + OWNERS, f"pool.check(): {e}") from None
             free = list(pool.free)
             owned = [p for pages in pool.owned.values() for p in pages]

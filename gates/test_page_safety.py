@@ -29,7 +29,7 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
         pytest.skip("flash decodes only 256-slot pages")
     workload = workload_for(opts, "mixed-cpu")
     full, _ = runs.candidate(engine, backend, workload)
-    from engine.engine import torch_dtype
+    from engine.dtypes import torch_dtype
     from engine.runner import ModelRunner
     slots = TINY_POOL_SLOTS.get(opts.model_class) or \
         TINY_POOL_BYTES // ModelRunner.bytes_per_page(runs.loaded[0].shape, 1, torch_dtype(opts.dtype))

@@ -39,7 +39,7 @@ def test_a_broken_console_script_is_named():
     problems = smoke_module().script_problems({"gone": "bench.serving:no_such_main", "data": "engine.loader:REPO",
                                                "mod": "engine.no_such_module:main"})
     assert len(problems) == 3, problems
-    assert problems[0].startswith("gone = 'engine.bench:no_such_main': AttributeError")
+    assert problems[0].startswith("gone = 'bench.serving:no_such_main': AttributeError")
     assert problems[1] == "data = 'engine.loader:REPO' is not callable"
     assert problems[2].startswith("mod = 'engine.no_such_module:main': ModuleNotFoundError")
 

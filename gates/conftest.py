@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import kernels
 from engine.config import LINEAGE
@@ -120,6 +121,10 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    short = getattr(config, "stepgate_short_of_gpus", None)
+    if short:
+        terminalreporter.write_line(f"stepgate: not run on {torch.cuda.device_count()} GPU(s), deselected: "
+                                    f"{', '.join(short)}", yellow=True)
     lines = summary.lines()
     if not lines:
         return
@@ -155,6 +160,15 @@ def candidate_of(item, o: GateOptions) -> tuple[str, str]:
     return params.get("engine", o.engines[0]), params.get("backend", o.backends[0])
 
 
+def gpus_needed(item, o: GateOptions) -> int:
+    """GPUs a gate needs on CUDA: a tensor-parallel gate's ranks, else one."""
+    mark = item.get_closest_marker("tp_ranks")
+    if mark is None:
+        return 1
+    n = mark.args[0] if mark.args else None
+    return n if n is not None else max(o.tp, 2)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """On CPU the flex engine configuration compiles a FlexAttention kernel per shape (about 2 minutes for the
@@ -164,6 +178,13 @@ def pytest_collection_modifyitems(config, items):
     items[:] = gate_order(items)
     # deselected, not skipped: a candidate the options leave out was asked to be left out, not hidden
     unselected = {item for item in items if is_gate_file(item.nodeid) and not o.selects(*candidate_of(item, o))}
+    if o.is_cuda:
+        # a machine with fewer GPUs than a tensor-parallel gate's ranks cannot run it: that is the machine, not a
+        # broken install, so the gate is deselected (and said so), not skipped into a failing unrun file
+        short = {item for item in items if gpus_needed(item, o) > torch.cuda.device_count()}
+        if short:
+            config.stepgate_short_of_gpus = sorted({f"{item.path.name} (tp={gpus_needed(item, o)})" for item in short})
+        unselected |= short
     if unselected:
         config.hook.pytest_deselected(items=[item for item in items if item in unselected])
         items[:] = [item for item in items if item not in unselected]

@@ -26,7 +26,7 @@ run_list() {   # run_list GPU PARTS...: each part under what is left of the dead
   local dir=/tmp/gpu$gpu n=0; mkdir -p "$dir"
   for p in "$@"; do
     n=$((n + 1))
-    local left=$(( DEADLINE - $(date +%s) - 25 )) t0=$(date +%s) log="$dir/$n-$p.log"
+    local left=$(( DEADLINE - $(date +%s) - 25 )) t0=$(date +%s) log="$dir/$n-${p##*/}.log"
     if (( left < 30 )); then echo "gpu$gpu $p: not run (deadline)" >> "$dir/status.txt"; continue; fi
     case $p in
       smoke_golden) cmd=(python3 -m gates.golden regen --model small-trained --workload smoke-cpu --reference hf

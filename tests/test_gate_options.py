@@ -325,3 +325,20 @@ def test_the_real_gates_collect_in_that_order_and_deselect_what_is_not_selected(
     tokens = [i for i in ids if i.startswith("gates/test_tokens.py")]
     assert tokens and all("chunked-torch" in i for i in tokens), "only the selected candidate is collected"
     assert "deselected" in r.stdout.lines[-1]
+
+
+def test_tp_gates_need_their_ranks_in_gpus():
+    """On CUDA a tensor-parallel gate with more ranks than GPUs is deselected (the machine, not a broken install);
+    every other gate needs one GPU."""
+    from types import SimpleNamespace
+
+    from gates.conftest import gpus_needed
+
+    def item(*args):
+        mark = None if args == ("none",) else SimpleNamespace(args=args)
+        return SimpleNamespace(get_closest_marker=lambda name: mark if name == "tp_ranks" else None)
+
+    assert gpus_needed(item("none"), SimpleNamespace(tp=1)) == 1
+    assert gpus_needed(item(None), SimpleNamespace(tp=1)) == 2
+    assert gpus_needed(item(None), SimpleNamespace(tp=4)) == 4
+    assert gpus_needed(item(4), SimpleNamespace(tp=1)) == 4

@@ -16,6 +16,7 @@ from engine.workload import get_workload
 from . import summary
 from .golden import GOLDEN_DIR, GoldenError, golden_path, read_golden, regen_command, regenerate
 from .reference import EngineReference, make_reference
+from .schedule_check import check_engine
 
 # (engine configuration, attention backend): the candidates every comparison gate is parametrised over. A new
 # backend joins here, so the token, poison and tiny-pool gates all cover it.
@@ -97,6 +98,8 @@ class Runs:
             ref = EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
             records = ref.generate(wl.requests())
             self.cache[key] = (records, ref.last_engine)
+        # every gate that uses a run fails on its schedule (strict FCFS, eviction at the end of the step, pages back)
+        check_engine(self.cache[key][1], f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip())
         return self.cache[key]
 
     def reference(self, name: str, workload: str):

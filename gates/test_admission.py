@@ -37,36 +37,10 @@ from engine.pool import NULL_PAGE, PagePool
 from engine.request import Request, State
 from engine.scheduler import Scheduler
 
+from .schedule_check import (CANCEL, CAPACITY, COMPLETES, EVICTION, FCFS, NEVER_FITS, OWNERS, PLAN, RESERVE, ROWS,
+                             STATE, TOTAL, ceil_pages, check, violated)
+
 PAGE_SIZES = (64, 256)
-
-# Invariant names: every failure message starts with one of these, followed by " violated: ".
-TOTAL = "free + owned = total"
-OWNERS = "no page has two owners"
-RESERVE = "reserve on admit"
-FCFS = "strict FCFS admission"
-ROWS = "max batch"
-CAPACITY = "no admission beyond capacity"
-EVICTION = "eviction at the end of the step"
-NEVER_FITS = "never fits"
-COMPLETES = "every request completes"
-PLAN = "step plan"
-CANCEL = "cancel outcome"
-STATE = "request state"
-
-
-def violated(invariant_name: str, detail: str) -> AssertionError:
-    return AssertionError(f"{invariant_name} violated: {detail}")
-
-
-def check(ok: bool, invariant_name: str, detail) -> None:
-    """assert, with a message that names the invariant; `detail` may be a callable (built only on failure)."""
-    if not ok:
-        raise violated(invariant_name, detail() if callable(detail) else detail)
-
-
-def ceil_pages(slots: int, page_size: int) -> int:
-    """The gate's own rounding (whole pages, rounded up), independent of engine.pool."""
-    return (slots + page_size - 1) // page_size
 
 
 def submit_or_refuse(pool, scheduler, request: Request) -> None:

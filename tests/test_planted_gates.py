@@ -9,16 +9,14 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from engine import PoisonedLogitsError
-from engine.runner import ModelRunner
 from engine.workload import MIXED_CPU
 from engine.loader import model_checksum
 from gates.compare import compare
 from gates.golden import GoldenError, golden_path, read_golden
 from gates.reference import EngineReference, HFReference
-from kernels.torch_backend import TorchBackend
+from tests import plants
 
 SUBSET = MIXED_CPU.scaled(12)     # the first 12 requests of the golden workload
 
@@ -55,67 +53,23 @@ def test_unplanted_subset_passes(golden, hf):
 
 
 def test_decode_row_with_wrong_rotary_position_is_caught(golden, hf, monkeypatch):
-    build = ModelRunner.build
-
-    def bugged(self, chunks, decodes, pages_of, all_logits=False):
-        tokens, positions, ctx, rows = build(self, chunks, decodes, pages_of, all_logits)
-        positions[ctx.num_prefill:] += 1          # decode rows rotated as if one position later
-        return tokens, positions, ctx, rows
-
-    monkeypatch.setattr(ModelRunner, "build", bugged)
+    plants.rotary(monkeypatch)
     assert_caught(gate(golden, hf))
 
 
 def test_cache_length_off_by_one_is_caught(golden, hf, monkeypatch):
-    build = ModelRunner.build
-
-    def bugged(self, chunks, decodes, pages_of, all_logits=False):
-        tokens, positions, ctx, rows = build(self, chunks, decodes, pages_of, all_logits)
-        if ctx.decode is not None:                # decode attends to one slot fewer than its history
-            ctx.decode.kv_lens = [n - 1 for n in ctx.decode.kv_lens]
-            ctx.decode.kv_lens_t -= 1
-            self.backend.prepare(ctx.decode, "decode")
-        return tokens, positions, ctx, rows
-
-    monkeypatch.setattr(ModelRunner, "build", bugged)
+    plants.cache_len(monkeypatch)
     assert_caught(gate(golden, hf))
 
 
 def test_sampling_change_that_flips_a_non_tie_is_caught(golden, hf, monkeypatch):
-    sample = ModelRunner.sample
-    calls = {"n": 0}
-
-    def bugged(self, logits):
-        calls["n"] += 1
-        if calls["n"] == 25:                      # once, take the runner-up of the first row
-            second = logits[0].topk(2).indices[1]
-            logits = logits.clone()
-            logits[0, second] = logits[0].max() + 0.5
-        return sample(self, logits)
-
-    monkeypatch.setattr(ModelRunner, "sample", bugged)
+    plants.token_choice(monkeypatch, at=25)       # once, the runner-up of a row
     msg = assert_caught(gate(golden, hf))
     assert "not a near tie under 0.02" in msg
 
 
 def test_decode_kernel_reading_one_slot_past_the_length_is_caught_by_poison(monkeypatch):
-    from kernels import torch_backend
-
-    gather = torch_backend.gather_slots
-
-    def one_past(block_tables, kv_lens, max_kv, page_size):
-        return gather(block_tables, kv_lens + 1, max_kv + 1, page_size)
-
-    monkeypatch.setattr(torch_backend, "gather_slots", one_past)
-    orig = TorchBackend.prepare
-
-    def prepare(self, batch, kind):
-        orig(self, batch, kind)
-        slots, mask, s, i = batch.prepared[kind]
-        # the mask still hides the extra slot: poisoning must catch the read itself (0 * NaN = NaN)
-        batch.prepared[kind] = (slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
-
-    monkeypatch.setattr(TorchBackend, "prepare", prepare)
+    plants.read_past_length(monkeypatch)      # the mask still hides the extra slot: poison must catch the read
     with pytest.raises(PoisonedLogitsError) as e:
         EngineReference("fused", poison=True, chunk_tokens=128).generate(SUBSET.requests())
     msg = str(e.value)

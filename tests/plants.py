@@ -1,0 +1,279 @@
+"""Planted bugs, one name each: the planted-bug tests patch them in one at a time, and a whole gate run takes one
+for the session as a pytest plugin:
+
+    python -m pytest gates/ -p tests.plants --plant NAME -x [--plant-record FILE]
+
+`--plant-record FILE` writes the first failing report (node id, wall clock and CPU seconds, message) as JSON, for
+scripts/plant_table.py. Each plant carries what the failure message must match to name its cause."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from engine.pool import PagePool
+from engine.request import State
+from engine.scheduler import Scheduler
+
+
+# -- pool and scheduler plants (subclasses: the hypothesis gate runs its machine over them) -------------------------
+class FlooringPool(PagePool):
+    """A reservation rounded down instead of up."""
+
+    def pages_needed(self, slots: int) -> int:
+        return slots // self.page_size
+
+
+class QueueJumpingScheduler(Scheduler):
+    """Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
+
+    def admit(self):
+        admitted = []
+        for r in list(self.waiting):
+            if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed):
+                self.waiting.remove(r)
+                self.pool.reserve(r.request_id, r.slots_needed)
+                r.state = State.PREFILL
+                r.admit_step = self.step_index
+                self.running.append(r)
+                admitted.append(r)
+        return admitted
+
+
+class EagerFreePool(PagePool):
+    """Pages freed during the step instead of at its end: release() puts them straight back on the free list."""
+
+    def release(self, owner: str) -> None:
+        self.free.extend(self.owned.pop(owner))
+
+
+class OverfullScheduler(Scheduler):
+    """Admission beyond max_batch: the row check is off by one."""
+
+    def admit(self):
+        admitted = []
+        while self.waiting and len(self.running) <= self.max_batch \
+                and self.pool.can_reserve(self.waiting[0].slots_needed):
+            r = self.waiting.popleft()
+            self.pool.reserve(r.request_id, r.slots_needed)
+            r.state = State.PREFILL
+            r.admit_step = self.step_index
+            self.running.append(r)
+            admitted.append(r)
+        return admitted
+
+
+# -- patches: each takes a pytest.MonkeyPatch (a test's `monkeypatch`, or the session's in the plugin) -------------
+def after_build(mp: pytest.MonkeyPatch, change: Callable) -> None:
+    """ModelRunner.build, then `change(runner, positions, ctx)` on what it built."""
+    from engine.runner import ModelRunner
+    build = ModelRunner.build
+
+    def bugged(self, *args, **kwargs):
+        tokens, positions, ctx, rows = build(self, *args, **kwargs)
+        change(self, positions, ctx)
+        return tokens, positions, ctx, rows
+
+    mp.setattr(ModelRunner, "build", bugged)
+
+
+def rotary(mp: pytest.MonkeyPatch) -> None:
+    """Decode rows rotated as if one position later."""
+    def change(runner, positions, ctx):
+        positions[ctx.num_prefill:] += 1
+    after_build(mp, change)
+
+
+def cache_len(mp: pytest.MonkeyPatch) -> None:
+    """Decode attends to one slot fewer than its history."""
+    def change(runner, positions, ctx):
+        if ctx.decode is not None:
+            ctx.decode.kv_lens = [n - 1 for n in ctx.decode.kv_lens]
+            ctx.decode.kv_lens_t -= 1
+            runner.backend.prepare(ctx.decode, "decode")
+    after_build(mp, change)
+
+
+def stale_read(mp: pytest.MonkeyPatch) -> None:
+    """Each decode row reads its history through the previous row's block-table row: another request's pages."""
+    import torch
+
+    def change(runner, positions, ctx):
+        if ctx.decode is not None and ctx.decode.num_seqs > 1:
+            ctx.decode.block_tables = torch.roll(ctx.decode.block_tables, 1, dims=0)
+            runner.backend.prepare(ctx.decode, "decode")
+    after_build(mp, change)
+
+
+def token_choice(mp: pytest.MonkeyPatch, at: int = 25, repeat: bool = False) -> None:
+    """From the `at`-th sampling call on, the first call with rows takes its first row's runner-up (once, or every
+    `at` calls with `repeat`)."""
+    from engine.runner import ModelRunner
+    sample = ModelRunner.sample
+    calls = {"n": 0, "next": at}
+
+    def bugged(self, logits):
+        calls["n"] += 1
+        if calls["n"] >= calls["next"] and logits.shape[0] > 0:
+            calls["next"] = calls["n"] + at if repeat else float("inf")
+            second = logits[0].topk(2).indices[1]
+            logits = logits.clone()
+            logits[0, second] = logits[0].max() + 0.5
+        return sample(self, logits)
+
+    mp.setattr(ModelRunner, "sample", bugged)
+
+
+def read_past_length(mp: pytest.MonkeyPatch) -> None:
+    """The torch kernels gather one slot past each sequence's length; the mask still hides it, so only poisoning
+    can catch the read itself (0 * NaN = NaN)."""
+    import torch
+    from kernels import torch_backend
+    from kernels.torch_backend import TorchBackend
+    gather = torch_backend.gather_slots
+
+    def one_past(block_tables, kv_lens, max_kv, page_size):
+        return gather(block_tables, kv_lens + 1, max_kv + 1, page_size)
+
+    mp.setattr(torch_backend, "gather_slots", one_past)
+    prepare = TorchBackend.prepare
+
+    def padded_mask(self, batch, kind):
+        prepare(self, batch, kind)
+        slots, mask, s, i = batch.prepared[kind]
+        batch.prepared[kind] = (slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
+
+    mp.setattr(TorchBackend, "prepare", padded_mask)
+
+
+def fcfs(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(Scheduler, "admit", QueueJumpingScheduler.admit)
+
+
+def eager_free(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(PagePool, "release", EagerFreePool.release)
+
+
+def slow_step(mp: pytest.MonkeyPatch) -> None:
+    from gates.test_step_timings import PLANT_ENV
+    mp.setenv(PLANT_ENV, "200")
+
+
+def rewrite_a_golden(mp: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A gate run that rewrites a golden byte-identically, through the golden store's own atomic writer. Returns
+    what puts the files' modes back (after the session's own checks), so the checkout is left as it was found."""
+    from gates.golden import _atomic_write, golden_path
+    base = golden_path(None, "small", "mixed-cpu", "hf", "cpu", "float32")
+    modes = {}
+    for path in (base.with_suffix(".meta.json"), base.with_suffix(".json.gz")):
+        modes[path] = path.stat().st_mode & 0o777
+        _atomic_write(path, path.read_bytes())
+    return lambda: [os.chmod(path, mode) for path, mode in modes.items()]
+
+
+GATE_PATHS = ("gates/test_smoke.py", "gates/")      # the smoke gate first, whatever the merged order is
+STORAGE = "{tmp}/benchmarks"                         # the plant table fills in {tmp}
+
+
+@dataclass(frozen=True)
+class Plant:
+    what: str
+    cause: str                          # regex: the failure message names the cause when it matches
+    patch: Callable | None = None       # patch(mp); may return a callable run when the session is over
+    args: tuple[str, ...] = ()          # pytest arguments the plant table adds (a plant of the command line)
+    paths: tuple[str, ...] = GATE_PATHS
+    baseline: tuple[str, ...] = ()      # an unplanted run the plant table makes first (pytest arguments)
+    number_changing: bool = False       # must fail the CPU run within 20 s
+    during_first_test: bool = False     # patched once the first test has run, not at configure
+
+
+PLANTS = {
+    "rotary": Plant("a decode row's rotary position +1", r"decode row", rotary, number_changing=True),
+    "cache-len": Plant("a decode row's cache length one short", r"decode row", cache_len, number_changing=True),
+    "token-choice": Plant("every 25th sampling call takes the first row's runner-up",
+                          r"(?i)token choice|runner-up|ranks? it lower",
+                          lambda mp: token_choice(mp, repeat=True), number_changing=True),
+    "stale-read": Plant("a decode row reads the previous row's block-table row (another request's pages)",
+                        r"(?i)owned by|last owned|owner\b|belongs to", stale_read, number_changing=True),
+    "read-past-length": Plant("the torch kernels read one slot past each length, masked afterwards",
+                              r"(?i)slot \d+.{0,80}(past|beyond|owned|never written)", read_past_length),
+    "fcfs": Plant("admission lets a later request that fits jump the blocked head", r"strict FCFS admission violated",
+                  fcfs),
+    "eager-free": Plant("release() puts pages straight back on the free list, mid-step",
+                        r"eviction at the end of the step violated", eager_free),
+    "golden-write": Plant("a gate run rewrites a golden byte-identically", r"(?i)golden.{0,200}(chang|rewr|modif|touch)",
+                          rewrite_a_golden, during_first_test=True),
+    "typo": Plant("nothing planted: the run is given --engine fussed",
+                  r"(?i)(unknown|invalid|not a known).{0,60}fussed|fussed.{0,80}(known|one of|choose)",
+                  args=("--engine", "fussed")),
+    "slow-step": Plant("a 200 ms sleep inside every timed step (STEPGATE_PLANT_SLOWDOWN_MS), against a baseline "
+                       "of the step benchmarks recorded unplanted first", r"(?i)performance has regressed", slow_step,
+                       args=(f"--benchmark-storage=file://{STORAGE}", "--benchmark-compare",
+                             "--benchmark-compare-fail=median:10%"),
+                       paths=("gates/test_step_timings.py",),
+                       baseline=("gates/test_step_timings.py", f"--benchmark-storage=file://{STORAGE}",
+                                 "--benchmark-autosave")),
+}
+
+
+# -- the plugin -----------------------------------------------------------------------------------------------------
+def pytest_addoption(parser):
+    g = parser.getgroup("plants", "planted bugs (tests/plants.py)")
+    g.addoption("--plant", default=None, help=f"plant one bug for the whole session: {', '.join(PLANTS)}")
+    g.addoption("--plant-record", default=None, help="write the first failing report here (JSON)")
+
+
+class PlantPlugin:
+    def __init__(self, config, plant: Plant | None):
+        self.config, self.plant = config, plant
+        self.mp = pytest.MonkeyPatch()
+        self.undo: list[Callable[[], None]] = []
+        self.record = config.getoption("--plant-record")
+        self.recorded = False
+        if plant is not None and plant.patch is not None and not plant.during_first_test:
+            self.apply()
+
+    def apply(self):
+        done = self.plant.patch(self.mp)
+        if callable(done):
+            self.undo.append(done)
+
+    def pytest_runtest_teardown(self, item):
+        if self.plant is not None and self.plant.during_first_test and self.plant.patch is not None:
+            self.apply()
+            self.plant = None
+
+    def write(self, nodeid: str, when: str, message: str):
+        if self.record and not self.recorded:
+            self.recorded = True
+            with open(self.record, "w") as f:
+                json.dump({"nodeid": nodeid, "when": when, "time": time.time(), "cpu_s": time.process_time(),
+                           "message": message}, f)
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.write(report.nodeid, report.when, report.longreprtext)
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.write(report.nodeid or "(collection)", "collect", report.longreprtext)
+
+    def close(self):
+        self.mp.undo()
+        for f in self.undo:
+            f()
+
+
+def pytest_configure(config):
+    name = config.getoption("--plant")
+    if name is not None and name not in PLANTS:
+        raise pytest.UsageError(f"--plant {name!r}: unknown plant; known: {', '.join(PLANTS)}")
+    if name is None and not config.getoption("--plant-record"):
+        return
+    plugin = PlantPlugin(config, PLANTS.get(name))
+    config.pluginmanager.register(plugin, "stepgate-plant")
+    config.add_cleanup(plugin.close)

@@ -1,0 +1,180 @@
+"""The planted-bug table: for each plant of tests/plants.py, one CPU gate run with that bug planted for the session,
+stopped at the first failure (`-x`); records the first failing gate, the seconds from launch to it (wall clock, and
+the pytest process's CPU seconds, which a loaded machine does not inflate), and whether the message names the cause.
+
+    python scripts/plant_table.py --out docs/plants.md                 # every plant
+    python scripts/plant_table.py --plants rotary,fcfs --timeout 600   # some
+
+A plant that no gate catches is reported as "not caught"; a run that ends with no failing test but a nonzero exit
+(a usage error, a session-level check) is reported as caught by the session. The gate files run smoke gate first
+(the suite's own ordering, where it has one, still decides)."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.plants import PLANTS, Plant  # noqa: E402
+
+MARKERS = "not slow and not gpu"
+FAST_SECONDS = 20.0          # a number-changing plant must fail the CPU run within this
+ISOLATED = "gates/test_admission.py"   # the hypothesis gate: the scheduling plants are also run without it
+
+
+@dataclass(frozen=True)
+class Row:
+    plant: str
+    label: str
+    deselect: tuple[str, ...] = ()
+
+
+def rows(names: list[str]) -> list[Row]:
+    out = []
+    for n in names:
+        out.append(Row(n, n))
+        if n in ("fcfs", "eager-free"):
+            out.append(Row(n, f"{n}, {Path(ISOLATED).name} deselected", (ISOLATED,)))
+    return out
+
+
+def gate_files() -> list[str]:
+    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "gates").glob("test_*.py"))
+    smoke = [f for f in files if f.endswith("test_smoke.py")]
+    return smoke + [f for f in files if f not in smoke]
+
+
+def pytest_cmd(args) -> list[str]:
+    return [sys.executable, "-m", "pytest", *args, "-m", MARKERS, "-q", "-p", "no:cacheprovider"]
+
+
+def child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+@dataclass
+class Result:
+    row: Row
+    caught: bool
+    gate: str
+    seconds: float
+    cpu: float | None
+    named: bool | None
+    excerpt: str
+    exit: int | str
+
+
+def excerpt_of(text: str, cause: str) -> str:
+    """The line that names the cause, else the first assertion line, else the last line."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    m = next((ln for ln in lines if re.search(cause, ln)), None)
+    m = m or next((ln for ln in lines if ln.startswith(("E ", "ERROR", "AssertionError"))), None)
+    m = m or (lines[-1] if lines else "")
+    return m[2:].strip() if m.startswith("E ") else m
+
+
+def run_row(row: Row, timeout: float, log_dir: Path) -> Result:
+    plant: Plant = PLANTS[row.plant]
+    tmp = Path(tempfile.mkdtemp(prefix=f"plant-{row.plant}-"))
+    fill = lambda args: [a.replace("{tmp}", str(tmp)) for a in args]  # noqa: E731
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("STEPGATE_PLANT_SLOWDOWN_MS", None)
+    summary = f"--gate-summary={tmp / 'gate-summary.json'}"
+    if plant.baseline:
+        subprocess.run(pytest_cmd([*fill(plant.baseline), summary]), cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    record = tmp / "first-failure.json"
+    cmd = pytest_cmd([*(plant.paths or gate_files()), "-x", "-p", "tests.plants", "--plant", row.plant,
+                      "--plant-record", str(record), summary, *fill(plant.args)])
+    cmd += [f"--deselect={d}" for d in row.deselect]
+    cpu0, t0 = child_cpu(), time.time()
+    try:
+        p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, out = p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        text = lambda b: b if isinstance(b, str) else (b or b"").decode(errors="replace")  # noqa: E731
+        rc, out = "timeout", text(e.stdout) + text(e.stderr)
+    elapsed = time.time() - t0
+    (log_dir / f"{row.label.replace(' ', '_').replace(',', '')}.log").write_text(" ".join(cmd) + "\n\n" + out)
+    rec = json.loads(record.read_text()) if record.exists() else None
+    return classify(row, rec, rc, out, t0, elapsed, child_cpu() - cpu0 if rc != "timeout" else None)
+
+
+def classify(row: Row, rec: dict | None, rc, out: str, t0: float, elapsed: float, cpu: float | None) -> Result:
+    """A run's row: caught by its first failing report, else by the session (a nonzero exit), else not caught."""
+    cause = PLANTS[row.plant].cause
+    if rec is not None:
+        text = rec["message"] + "\n" + out
+        return Result(row, True, rec["nodeid"], rec["time"] - t0, rec["cpu_s"], bool(re.search(cause, text)),
+                      excerpt_of(text, cause), rc)
+    if rc not in (0, "timeout"):
+        return Result(row, True, f"(session, exit {rc})", elapsed, cpu, bool(re.search(cause, out)),
+                      excerpt_of(out, cause), rc)
+    return Result(row, False, "not caught" if rc == 0 else "not caught (timed out)", elapsed, cpu, None, "", rc)
+
+
+def markdown(results: list[Result], header: str) -> str:
+    esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+    lines = [header, "",
+             "| planted bug | what | first failing gate | s to first failure | CPU s | names the cause | message |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        plant = PLANTS[r.row.plant]
+        secs = f"{r.seconds:.1f}" + (" (over 20 s)" if plant.number_changing and r.caught and r.seconds > FAST_SECONDS
+                                     else "")
+        cpu = "" if r.cpu is None else f"{r.cpu:.1f}"
+        named = "—" if r.named is None else ("yes" if r.named else "no")
+        lines.append(f"| `{r.row.label}` | {esc(plant.what)} | `{esc(r.gate)}` | {secs if r.caught else '—'} | "
+                     f"{cpu if r.caught else '—'} | {named} | {esc(r.excerpt[:140])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python scripts/plant_table.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--plants", default=",".join(PLANTS), help=f"comma-separated, from: {', '.join(PLANTS)}")
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per gate run")
+    ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    ap.add_argument("--logs", default=None, help="where each run's full output goes (default: a temporary folder)")
+    a = ap.parse_args(argv)
+    names = [n.strip() for n in a.plants.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PLANTS]
+    if unknown:
+        ap.error(f"unknown plant(s) {unknown}; known: {', '.join(PLANTS)}")
+    log_dir = Path(a.logs or tempfile.mkdtemp(prefix="plant-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for row in rows(names):
+        print(f"[plant] {row.label} ...", flush=True)
+        r = run_row(row, a.timeout, log_dir)
+        print(f"[plant] {row.label}: {r.gate} after {r.seconds:.1f} s (exit {r.exit})", flush=True)
+        results.append(r)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    header = (f"Planted bugs on CPU ({platform.node()}, {os.cpu_count()} cores, load average "
+              f"{os.getloadavg()[0]:.1f} at the end; commit {commit}, {datetime.date.today().isoformat()}). Each "
+              f"row: `python -m pytest <gate files, smoke first> -m \"{MARKERS}\" -x -p tests.plants --plant NAME`. "
+              f"Seconds are wall clock from launch to the first failing report; CPU s is the pytest process's CPU "
+              f"time then (imports included), which a busy machine does not inflate.")
+    table = markdown(results, header)
+    print(table)
+    print(f"(full output of each run: {log_dir})")
+    if a.out:
+        Path(a.out).write_text("# Planted bugs: where the gates catch them\n\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

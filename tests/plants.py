@@ -28,6 +28,15 @@ class FlooringPool(PagePool):
         return slots // self.page_size
 
 
+def take(sched: Scheduler, r) -> None:
+    """Admit one waiting request, as Scheduler.admit does: its pages, its row."""
+    sched.waiting.remove(r)
+    sched.pool.reserve(r.request_id, r.slots_needed)
+    r.state = State.PREFILL
+    r.admit_step = sched.step_index
+    sched.running.append(r)
+
+
 class QueueJumpingScheduler(Scheduler):
     """Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
 
@@ -35,11 +44,7 @@ class QueueJumpingScheduler(Scheduler):
         admitted = []
         for r in list(self.waiting):
             if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed):
-                self.waiting.remove(r)
-                self.pool.reserve(r.request_id, r.slots_needed)
-                r.state = State.PREFILL
-                r.admit_step = self.step_index
-                self.running.append(r)
+                take(self, r)
                 admitted.append(r)
         return admitted
 
@@ -58,12 +63,8 @@ class OverfullScheduler(Scheduler):
         admitted = []
         while self.waiting and len(self.running) <= self.max_batch \
                 and self.pool.can_reserve(self.waiting[0].slots_needed):
-            r = self.waiting.popleft()
-            self.pool.reserve(r.request_id, r.slots_needed)
-            r.state = State.PREFILL
-            r.admit_step = self.step_index
-            self.running.append(r)
-            admitted.append(r)
+            admitted.append(self.waiting[0])
+            take(self, self.waiting[0])
         return admitted
 
 

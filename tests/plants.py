@@ -194,9 +194,9 @@ class Plant:
 PLANTS = {
     "rotary": Plant("a decode row's rotary position +1", r"decode row", rotary, number_changing=True),
     "cache-len": Plant("a decode row's cache length one short", r"decode row", cache_len, number_changing=True),
-    "token-choice": Plant("every 25th sampling call takes the first row's runner-up",
+    "token-choice": Plant("every 10th sampling call takes the first row's runner-up",
                           r"(?i)token choice|runner-up|ranks? it lower",
-                          lambda mp: token_choice(mp, repeat=True), number_changing=True),
+                          lambda mp: token_choice(mp, at=10, repeat=True), number_changing=True),
     "stale-read": Plant("a decode row reads the previous row's block-table row (another request's pages)",
                         r"(?i)owned by|last owned|owner\b|belongs to", stale_read, number_changing=True),
     "read-past-length": Plant("the torch kernels read one slot past each length, masked afterwards",

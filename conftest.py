@@ -1,15 +1,14 @@
-"""pytest options and markers for the gates and the tests.
+"""pytest setup for the gates and the tests: threads, hypothesis profiles, and the stepgate plugins.
 
-Options (all have defaults that run on a CPU-only machine with the embedded small model):
-  --device cpu|cuda   --dtype float32|float16|bfloat16   --backend torch|flex|flash|all
-  --engine chunked|fused|flash|all   --golden-dir DIR   --tie-threshold 0.02   --flip-cap N
-  --regen-golden      write goldens (atomically) instead of checking them, and print what moved
-  --model small|qwen2.5-1.5b-random|PATH
+The options (`--device`, `--dtype`, `--backend`, `--engine`, `--model`, `--golden-dir`, `--tie-threshold`,
+`--flip-cap`, `--regen-golden`, `--gate-summary`, `--allow-skipped-files`) are declared and checked in
+gates/options.py; gates/snapshot.py fails a plain run that changes the goldens.
 """
 from __future__ import annotations
 
 import os
 
+pytest_plugins = ["pytester", "gates.options", "gates.snapshot"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -20,7 +19,7 @@ def pytest_configure(config):
     import torch
     torch.set_num_threads(int(os.environ.get("STEPGATE_THREADS", "1")))
 
-try:    # hypothesis profiles: bounded in CI, longer locally with HYPOTHESIS_PROFILE=long
+try:    # hypothesis profiles: bounded and seeded in CI (.ci/run sets CI=1), longer locally with HYPOTHESIS_PROFILE=long
     from hypothesis import HealthCheck, settings
 
     settings.register_profile("ci", max_examples=40, stateful_step_count=40, deadline=None,
@@ -32,17 +31,3 @@ try:    # hypothesis profiles: bounded in CI, longer locally with HYPOTHESIS_PRO
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 except ImportError:  # pragma: no cover
     pass
-
-
-def pytest_addoption(parser):
-    g = parser.getgroup("stepgate")
-    g.addoption("--device", default="cpu", help="device the engine runs on (cpu, cuda)")
-    g.addoption("--dtype", default=None, help="float32 / float16 / bfloat16 (default: float32 on cpu, float16 on cuda)")
-    g.addoption("--backend", default="all", help="attention backend(s) to gate: torch, flex, flash, or all present")
-    g.addoption("--engine", default="all", help="engine configuration(s) to gate: chunked, fused, flash, or all")
-    g.addoption("--golden-dir", default=None, help="where goldens live (default: golden/ in the repo)")
-    g.addoption("--tie-threshold", type=float, default=0.02, help="raw-logit gap under which a flip is a tie")
-    g.addoption("--flip-cap", type=int, default=3, help="most distinct flip sites a gate accepts")
-    g.addoption("--regen-golden", action="store_true", help="write goldens instead of checking them")
-    g.addoption("--model", default="small", help="small (embedded), qwen2.5-1.5b-random, or a checkpoint dir")
-    g.addoption("--gate-summary", default="gate-summary.json", help="where the JSON gate summary is written")

@@ -152,6 +152,10 @@ def run_engine(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: st
     bar.close()
     trace = list(eng.trace)
     pool_pages = eng.pool.num_pages
+    captured = [g for g in (eng.runner.graphs, eng.runner.step_graphs) if g is not None]
+    graphs = dict(graph_replays=sum(g.replays for g in captured), graph_capture_s=sum(g.capture_s for g in captured),
+                  graph_fallbacks=getattr(eng.runner.step_graphs, "fallbacks", 0),
+                  graph_pool_mib=sum(g.pool_bytes for g in captured) / (1 << 20))
     del eng
     done = [r for r in results.values() if r.finish_time is not None]
     first_arrival = min(r.arrival_time for r in results.values())
@@ -168,7 +172,7 @@ def run_engine(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: st
              ttft_median_s=median([r.first_token_time - r.arrival_time for r in done if r.first_token_time]),
              gap_median_ms=(median(gaps) or 0) * 1e3 if gaps else None,
              gap_worst_ms=max(gaps) * 1e3 if gaps else None, gap_p99_ms=(quantile(gaps, 0.99) or 0) * 1e3
-             if gaps else None, steps=len(trace), pool_pages=pool_pages)
+             if gaps else None, steps=len(trace), pool_pages=pool_pages, **graphs)
     for kind in STEP_KINDS:
         d = [s.duration for s in trace if s.kind == kind]
         m[f"steps_{kind}"] = len(d)
@@ -627,7 +631,8 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
                     help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
                          "waiting on a descheduled sibling, which can make a step 50x slower")
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
-                    help="replay captured pure decode steps: auto = where the backend allows (flash on CUDA)")
+                    help="replay captured steps (pure decode; loaded and chunk-only where the forward is fused): "
+                         "auto = where the backend allows (flash on CUDA); off = eager, to compare")
     return ap
 
 

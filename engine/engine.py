@@ -90,8 +90,12 @@ class Engine:
                                        max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
                                        page_size=config.page_size)
         if graphs:   # after the backend's warm-up: a capture must not include a compile
-            self.runner.capture_decode_graphs(config.max_batch, self.pool.pages_needed(self.max_model_len),
-                                              progress=config.progress)
+            width = self.pool.pages_needed(self.max_model_len)
+            self.runner.capture_decode_graphs(config.max_batch, width, progress=config.progress)
+            if config.forward == "fused" and getattr(self.runner.backend, "graph_safe_prefill", False):
+                # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
+                self.runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, width,
+                                                progress=config.progress)
         self.requests: dict[str, Request] = {}
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []
@@ -200,8 +204,9 @@ class Engine:
         if out is not None:
             sampled = plan.sampled
             if cfg.poison and any(out.nonfinite):
+                err = self.poison_error(plan, sampled, out.nonfinite)   # reads the cache as the step left it
                 self.scheduler.finish_step()   # keep the pool consistent before raising
-                raise self.poison_error(plan, sampled, out.nonfinite)
+                raise err
             plan.apply(out.tokens, end)
             for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
                 self.topk.setdefault(r.request_id, []).append((ids, vals))
@@ -213,16 +218,64 @@ class Engine:
         return rec
 
     def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
+        """Names the reader, the slot it read (found by re-running the step: ModelRunner.poisoned_reads), that
+        slot's page and whose it is or was, then every request in the step with its pages."""
         bad = [r.request_id for r, nf in zip(sampled, nonfinite) if nf]
+        row = list(nonfinite).index(True)
+        reader = sampled[row].request_id
+        found = self.runner.poisoned_reads(plan, self.pool.owned, self.config.forward, row)
         lines = [f"step {plan.index} ({plan.kind}): non-finite logits for {bad}: a kernel read a freed or "
-                 f"never-written KV slot. Requests in this step and the pages they own:"]
+                 f"never-written KV slot."]
+        if found is None:
+            lines.append(f"  {reader}: its logits stay non-finite with every NaN slot made finite: the NaN comes "
+                         f"from the step's own computation, not from a slot it read")
+        slots, more = found or ([], False)
+        whose = []
+        for slot in slots:
+            page = slot // self.pool.page_size
+            whose.append(self.slot_holder(plan, page, slot))
+            lines.append(f"  {reader} read slot {slot} (page {page}): {whose[-1]}")
+        if more:
+            lines.append(f"  {reader} also read NaN in other pages (not searched: each costs about "
+                         f"log2(pages) + log2(page_size) forwards)")
+        lines.append("Requests in this step and the pages they own:")
         for c in plan.chunks:
             lines.append(f"  {c.request.request_id}: prompt chunk [{c.start}, {c.start + c.length}) of "
                          f"{c.request.prompt_len}, pages {self.pool.owned.get(c.request.request_id)}")
         for r in plan.decodes:
             lines.append(f"  {r.request_id}: decode token at position {r.num_cached}, "
                          f"pages {self.pool.owned.get(r.request_id)}")
-        return errors.PoisonedLogitsError(plan.index, bad, "\n".join(lines))
+        first = slots[0] if slots else None
+        return errors.PoisonedLogitsError(
+            plan.index, bad, "\n".join(lines), reader=reader, slot=first,
+            page=None if first is None else first // self.pool.page_size,
+            owner=whose[0] if whose else None, reads=slots)
+
+    def slot_holder(self, plan, page: int, slot: int) -> str:
+        """Whose `slot` is or was: owner and position, and whether it was written, freed or never handed out."""
+        if page == self.runner.pad_page:
+            return "the pad page of the captured decode steps: no request owns it"
+        owner, state = self.pool.holder(page)
+        if owner is None:
+            return "a page never owned by any request: never written since the pool was made"
+        r = self.requests.get(owner)
+        pages = r.pages if r is not None and page in r.pages else self.pool.owned.get(owner, [])
+        pos = pages.index(page) * self.pool.page_size + slot % self.pool.page_size if page in pages else None
+        at = f"{owner} (position {pos})" if pos is not None else owner
+        if state != "owned":
+            step = self.pool.last_owner[page][1]
+            return f"last owned by {at}, " + ("released in this step" if state == "released" else
+                                              f"freed at the end of step {step}")
+        if r is None or pos is None:
+            return f"owned by {at}"
+        # what this step writes for the owner counts as written: the forward writes before it reads
+        wrote = {c.request.request_id: c.start + c.length for c in plan.chunks}
+        wrote.update({d.request_id: d.num_cached + 1 for d in plan.decodes})
+        cached = wrote.get(owner, r.num_cached)
+        if pos >= cached:
+            return f"owned by {at}, never written ({owner} has cached {cached} positions, this step's included)"
+        return (f"owned by {at}, written with NaN at step {r.step_of(pos)} (layers past the first): that step's "
+                f"forward read a poisoned slot itself")
 
     # -- running ---------------------------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None) -> dict:

@@ -32,7 +32,13 @@ class DuplicateRequestIdError(RequestError):
 class PoisonedLogitsError(RuntimeError):
     """In poison mode a step produced non-finite logits: some kernel read a freed or never-written slot."""
 
-    def __init__(self, step: int, rows: list, message: str):
+    def __init__(self, step: int, rows: list, message: str, reader: str | None = None, slot: int | None = None,
+                 page: int | None = None, owner: str | None = None, reads: list | None = None):
         super().__init__(message)
         self.step = step
         self.rows = rows
+        self.reader = reader      # the first request with non-finite logits
+        self.slot = slot          # a poisoned flat cache slot (page * page_size + offset) it read, if one was found
+        self.page = page
+        self.owner = owner        # whose that slot is or was, in words
+        self.reads = reads or []  # every slot found, one per page

@@ -1,8 +1,9 @@
-"""CUDA graphs of the pure decode step.
+"""CUDA graphs of the pure decode step, and what every captured step shares (`CapturedSteps`).
 
 A pure decode step's shapes depend only on its number of rows, so it can be captured once per batch size and
 replayed: one launch instead of a few hundred (28 layers x ~12 kernels on the 1.5B shape). Sizes are a ladder
-(1, 2, 4, 8, then every 8 up to max_batch); a step pads its rows up to the next captured size.
+(1, 2, 4, then every 8 up to 128, every 16 up to 256, every 32 beyond, up to max_batch); a step pads its rows up to
+the next captured size.
 
 Everything a step changes lives in ONE static int32 buffer, refreshed in place by one host-to-device copy before
 each replay, in sections (each contiguous, as flash-attn wants its block table and cache lengths):
@@ -21,27 +22,39 @@ split-KV decode divides the table's width, not each row's length, among its spli
 longest admissible request makes every step pay for it (kernels/flash_backend.py has the H200 figures).
 
 Captured graphs read the runner's KV cache tensors and the model's weights in place (their addresses are fixed
-for the engine's life). Sampling (argmax, the poison check, top-k) runs after the replay on the graph's static
-logits, the same code as an eager step, so poison mode and the gates see graphed steps exactly like eager ones.
+for the engine's life) and write their logits into one static buffer per graph set. Sampling (argmax, the poison
+check, top-k) runs after the replay on those logits, the same code as an eager step, so poison mode and the gates
+see graphed steps exactly like eager ones. Loaded and chunk-only steps: engine/step_graphs.py.
 """
 from __future__ import annotations
 
+import time
+import weakref
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kernels import AttnBatch
 from .model import ForwardContext
+from .packing import pack, page_rows
 
 if TYPE_CHECKING:
     from .runner import ModelRunner
 
 SECTIONS = ("tokens", "positions", "slots", "kv_lens")
+MIB = 1 << 20
 
 
 def ladder(max_batch: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8)) + [max_batch]
-    return sorted(set(sizes))
+    """Captured row counts: 1, 2, 4, then every 8 up to 128, every 16 up to 256, every 32 beyond (from 64 rows on,
+    a padded step computes at most 1/8 more rows than it has), and max_batch itself: 35 sizes at 512 rows, 7 at 32."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch]
+    b = 8
+    while b < max_batch:
+        sizes.append(b)
+        b += 8 if b < 128 else (16 if b < 256 else 32)
+    return sorted(set(sizes + [max_batch]))
 
 
 def width_ladder(width: int) -> list[int]:
@@ -53,110 +66,206 @@ def width_ladder(width: int) -> list[int]:
     return out + [width]
 
 
-class DecodeGraphs:
+class CapturedSteps:
+    """What every set of captured steps shares: one int32 static input buffer in named sections (pinned on the
+    host, refreshed on the device by one copy of the prefix a step uses), the runner's static fp32 logits buffer that
+    every graph writes (one for all sets: a step's logits are read back before the next step replays anything; at
+    512 rows it is 0.3 GiB on the 1.5B shape), and capture of a list of keys into the runner's graph memory pool,
+    largest first.
+
+    Off CUDA nothing is captured: a "replay" runs the same forward over the same static buffers eagerly, so the
+    buffer bookkeeping (refresh, padding, the pad page) is testable on a CPU."""
+    kind = "captured"
+
+    def __init__(self, runner: "ModelRunner", sections: list[tuple[str, tuple[int, ...]]], logit_rows: int):
+        # a weak reference: the runner owns its graph sets, so the two never form a cycle that keeps a dropped
+        # engine's KV cache alive until the collector runs
+        self.runner = runner if isinstance(runner, weakref.ProxyTypes) else weakref.proxy(runner)
+        self.capture_graphs = runner.device.type == "cuda"
+        self.offsets: dict[str, int] = {}
+        n = 0
+        for name, shape in sections:
+            self.offsets[name] = n
+            n += int(np.prod(shape))
+        self.host = torch.empty(n, dtype=torch.int32, pin_memory=self.capture_graphs)
+        self.host_np = self.host.numpy()
+        self.dev = torch.empty(n, dtype=torch.int32, device=runner.device)
+        self.copied = torch.cuda.Event() if self.capture_graphs else None    # the last upload's copy is done
+        self.host_view, self.dev_view = {}, {}
+        for name, shape in sections:
+            lo, size = self.offsets[name], int(np.prod(shape))
+            self.host_view[name] = self.host_np[lo:lo + size].reshape(shape)
+            self.dev_view[name] = self.dev[lo:lo + size].view(shape)
+        shared = runner.graph_logits
+        self.owns_logits = shared is None or shared.shape[0] < logit_rows
+        if self.owns_logits:
+            runner.graph_logits = torch.empty(logit_rows, runner.shape.vocab_size, dtype=torch.float32,
+                                              device=runner.device)
+        self.logits = runner.graph_logits
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.replays = 0
+        self.last_key: tuple | None = None
+        self.capture_s = 0.0
+        self.pool_bytes = 0
+
+    def upload(self, upto: int | None = None) -> None:
+        """Copy the host buffer's first `upto` entries (all by default) to the device, asynchronously."""
+        n = self.host.numel() if upto is None else upto
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+    def wait_copied(self) -> None:
+        """Before rewriting the pinned buffer: the last upload's copy must have read it. Usually long done (a
+        step's readback waits for it), but a chunk-only step that completes no prompt samples nothing."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+    def forward(self, key: tuple) -> torch.Tensor:
+        """The captured step of `key` over the device sections, writing the logits buffer (subclasses)."""
+        raise NotImplementedError
+
+    def prime(self, key: tuple) -> None:
+        """Make the static buffer a valid step of `key` (all padding) before a warm-up forward runs it."""
+
+    def estimate_pool_bytes(self, key: tuple) -> int:
+        """A rough upper bound of one forward's activations at `key` (for planning where nothing is captured)."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def capture(self, keys: list[tuple], progress: bool, desc: str) -> None:
+        """Capture every key, largest first (the smaller graphs reuse the memory the largest one took)."""
+        from tqdm.auto import tqdm
+        self.keys = list(keys)
+        if not self.capture_graphs:
+            return
+        r = self.runner
+        t0 = time.perf_counter()
+        if r.graph_pool is None:
+            r.graph_pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(r.device)
+        stream.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(stream):   # warm-up launches (allocator, kernel selection) off the default stream
+            for key in self.keys:
+                self.prime(key)
+                self.forward(key)
+                stream.synchronize()      # the next prime rewrites the pinned buffer this one's copy reads
+        torch.cuda.current_stream(r.device).wait_stream(stream)
+        torch.cuda.synchronize(r.device)
+        torch.cuda.empty_cache()          # what the warm-ups cached is not the graphs' memory
+        before = torch.cuda.memory_reserved(r.device)
+        for key in tqdm(self.keys, desc=desc, unit="graph", disable=not progress, leave=False):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=r.graph_pool):
+                self.forward(key)
+            self.graphs[key] = g
+        torch.cuda.synchronize(r.device)
+        self.capture_s = time.perf_counter() - t0
+        self.pool_bytes = torch.cuda.memory_reserved(r.device) - before
+
+    def replay_key(self, key: tuple, n: int) -> torch.Tensor:
+        """The first n logit rows of the step captured at `key` (a view of the static buffer: read it before the
+        next replay)."""
+        self.replays += 1
+        self.last_key = key
+        if self.capture_graphs:
+            self.graphs[key].replay()
+        else:
+            self.forward(key)
+        return self.logits[:n]
+
+    def report(self) -> dict:
+        """Graphs captured, capture time and memory: static buffers, the logits buffer, and what the captures added
+        to the graph pool (measured on CUDA; off CUDA, the estimate of the largest key's activations)."""
+        keys = getattr(self, "keys", [])
+        est = max((self.estimate_pool_bytes(k) for k in keys), default=0)
+        return dict(kind=self.kind, graphs=len(self.graphs), keys=len(keys), captured=self.capture_graphs,
+                    capture_s=round(self.capture_s, 3), static_bytes=self.host.numel() * 4,
+                    logits_bytes=self.logits.numel() * 4 if self.owns_logits else 0, pool_bytes=self.pool_bytes,
+                    pool_estimate_bytes=est)
+
+    def describe(self) -> str:
+        r = self.report()
+        done = (f"{r['graphs']} {self.kind} graphs captured in {r['capture_s']:.2f} s" if r["captured"] else
+                f"{r['keys']} {self.kind} step shapes emulated (off CUDA: nothing captured)")
+        pool = (f"graph pool +{r['pool_bytes'] / MIB:.1f} MiB" if r["captured"] else
+                f"graph pool about {r['pool_estimate_bytes'] / MIB:.1f} MiB (estimate)")
+        logits = f"logits {r['logits_bytes'] / MIB:.1f} MiB" if self.owns_logits else "logits shared"
+        return f"{done}; memory: {pool}, {logits}, static inputs {r['static_bytes'] / MIB:.2f} MiB"
+
+
+def activation_bytes(shape, tokens: int, logit_rows: int, element: int) -> int:
+    """The live tensors of one forward at `tokens` packed positions, roughly: hidden and residual streams, q/k/v,
+    attention output, gate/up and its product, and the sampled rows' logits before the fp32 copy."""
+    s = shape
+    qkv = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    per_token = 4 * s.hidden_size + qkv + s.num_heads * s.head_dim + 3 * s.intermediate_size
+    return tokens * per_token * element + logit_rows * s.vocab_size * element
+
+
+class DecodeGraphs(CapturedSteps):
+    kind = "decode"
+
     def __init__(self, runner: "ModelRunner", max_batch: int, width: int, progress: bool = True):
         if not getattr(runner.backend, "graph_safe_decode", False):
             raise RuntimeError(f"the {runner.backend.name!r} backend's decode cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_decode")
-        self.runner = runner
-        # off CUDA nothing is captured: a "replay" runs the same forward over the same static buffers eagerly, so the
-        # buffer bookkeeping (refresh, padding, the pad page) is testable on a CPU (tests/test_graph_buffers.py)
-        self.capture_graphs = runner.device.type == "cuda"
         self.sizes = ladder(max_batch)
         self.widths = width_ladder(width)
-        self.B = self.sizes[-1]
+        self.B = B = self.sizes[-1]
         self.W = width
-        B, W, pad = self.B, width, runner.pad_page
-        n = len(SECTIONS) * B + B * W
-        self.host = torch.empty(n, dtype=torch.int32, pin_memory=self.capture_graphs)
-        self.host_np = self.host.numpy()
-        self.dev = torch.empty(n, dtype=torch.int32, device=runner.device)
+        super().__init__(runner, [(name, (B,)) for name in SECTIONS] + [("table", (B, width))], logit_rows=B)
+        self.view = {name: self.host_view[name] for name in SECTIONS}
+        self.table = self.host_view["table"]
         self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=runner.device)   # one query row per request
-        self.view = {name: self.host_np[i * B:(i + 1) * B] for i, name in enumerate(SECTIONS)}
-        self.table = self.host_np[len(SECTIONS) * B:].reshape(B, W)
-        self.pad_slot = pad * runner.page_size
-        self._pad_all()
-        self.dev.copy_(self.host)
-        self.replays = 0
-        self.last_key: tuple[int, int] | None = None     # (rows, width) of the last replay
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (rows, table width) -> graph
-        self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self.capture(progress)
+        self.pad_slot = runner.pad_page * runner.page_size
+        self._rows = np.empty(B, dtype=np.int64)
+        self._pad(0)
+        self.upload()
+        self.capture([(b, w) for b in sorted(self.sizes, reverse=True) for w in sorted(self.widths, reverse=True)],
+                     progress, "capturing decode graphs")
 
     # -- static inputs -------------------------------------------------------------------------------------------
-    def _pad_all(self) -> None:
+    def _pad(self, n: int) -> None:
         v = self.view
-        v["tokens"][:] = 0
-        v["positions"][:] = 0
-        v["slots"][:] = self.pad_slot
-        v["kv_lens"][:] = 1
-        self.table[:] = self.runner.pad_page
-
-    def fill(self, decodes, pages_of: dict[str, list[int]]) -> int:
-        """Write this step's rows into the host buffer (padding after them) and copy it to the device. Returns the
-        table width the rows need (the most pages any row's cache length reaches)."""
-        v, ps = self.view, self.runner.page_size
-        n = len(decodes)
-        need = 1
-        for i, r in enumerate(decodes):
-            pages = pages_of[r.request_id]
-            pos = r.num_cached
-            used = pos // ps + 1            # pages this row's cache length reaches (it owns all it reserved)
-            v["tokens"][i] = r.output[-1]
-            v["positions"][i] = pos
-            v["slots"][i] = pages[pos // ps] * ps + pos % ps
-            v["kv_lens"][i] = pos + 1
-            self.table[i, :used] = pages[:used]
-            self.table[i, used:] = self.runner.pad_page
-            need = max(need, used)
         v["tokens"][n:] = 0
         v["positions"][n:] = 0
         v["slots"][n:] = self.pad_slot
         v["kv_lens"][n:] = 1
         self.table[n:] = self.runner.pad_page
-        # safe to rewrite the pinned buffer next step: every step ends with a readback that waits for this copy
-        self.dev.copy_(self.host, non_blocking=True)
-        return need
+
+    def fill(self, decodes, pages_of: dict[str, list[int]]) -> int:
+        """Write this step's rows into the host buffer (padding after them) and copy it to the device. Returns the
+        table width the rows need (the most pages any row's cache length reaches)."""
+        v, ps, n = self.view, self.runner.page_size, len(decodes)
+        self.wait_copied()
+        pack([], decodes, pages_of, ps, v["tokens"], v["positions"], v["slots"], self._rows)
+        np.add(v["positions"][:n], 1, out=v["kv_lens"][:n])
+        used = [r.num_cached // ps + 1 for r in decodes]   # pages its cache length reaches (it owns all it reserved)
+        page_rows([pages_of[r.request_id] for r in decodes], used, self.table[:n], self.runner.pad_page)
+        self._pad(n)
+        self.upload()
+        return max(used, default=1)
 
     def _device_views(self, b: int, w: int):
-        B, W = self.B, self.W
-        sec = {name: self.dev[i * B:i * B + b] for i, name in enumerate(SECTIONS)}
-        table = self.dev[len(SECTIONS) * B:].view(B, W)[:b, :w]     # rows of stride W: read in place
-        return sec, table
+        sec = {name: self.dev_view[name][:b] for name in SECTIONS}
+        return sec, self.dev_view["table"][:b, :w]     # rows of stride W: read in place
 
     # -- capture and replay ----------------------------------------------------------------------------------
-    def _forward(self, b: int, w: int) -> torch.Tensor:
+    def forward(self, key: tuple) -> torch.Tensor:
+        b, w = key
         r = self.runner
         sec, table = self._device_views(b, w)
         # the host lengths are unknown at capture: give the upper bound (the table's width); a graph-safe decode
         # reads the true lengths from the device tensor
-        batch = AttnBatch([1] * b, [w * r.page_size] * b, table, sec["kv_lens"], self.cu_q[:b + 1],
-                          r.page_size)
+        batch = AttnBatch([1] * b, [w * r.page_size] * b, table, sec["kv_lens"], self.cu_q[:b + 1], r.page_size)
         r.backend.prepare(batch, "decode")
         ctx = ForwardContext(sec["slots"].long(), 0, None, batch, r.backend)
-        return r.model(sec["tokens"].long(), sec["positions"], r.kv_caches, ctx, None)
+        return r.model(sec["tokens"].long(), sec["positions"], r.kv_caches, ctx, None, out=self.logits[:b])
 
-    @torch.inference_mode()
-    def capture(self, progress: bool) -> None:
-        from tqdm.auto import tqdm
-        if not self.capture_graphs:
-            return
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.runner.device)
-        stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        keys = [(b, w) for b in sorted(self.sizes, reverse=True) for w in sorted(self.widths, reverse=True)]
-        with torch.cuda.stream(stream):   # warm-up launches (allocator, kernel selection) off the default stream
-            for b, w in keys:
-                self._forward(b, w)
-        torch.cuda.current_stream(self.runner.device).wait_stream(stream)
-        torch.cuda.synchronize(self.runner.device)
-        # largest first: the smaller graphs reuse the memory pool the largest one allocated
-        for b, w in tqdm(keys, desc="capturing decode graphs", unit="graph", disable=not progress, leave=False):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.logits[b, w] = self._forward(b, w)
-            self.graphs[b, w] = g
-        torch.cuda.synchronize(self.runner.device)
+    def estimate_pool_bytes(self, key: tuple) -> int:
+        r = self.runner
+        return activation_bytes(r.shape, key[0], key[0], torch.tensor([], dtype=r.dtype).element_size())
 
     def fits(self, n: int) -> bool:
         return 0 < n <= self.B
@@ -168,17 +277,12 @@ class DecodeGraphs:
         return next(w for w in self.widths if w >= pages)
 
     def replay(self, decodes, pages_of) -> torch.Tensor:
-        """Logits [len(decodes), vocab] of one pure decode step (a view of the graph's static output: read it
-        before the next replay)."""
+        """Logits [len(decodes), vocab] of one pure decode step (a view of the static logits: read it before the
+        next replay)."""
         n = len(decodes)
         b = self.size_for(n)
         w = self.width_for(self.fill(decodes, pages_of))
-        self.replays += 1
-        self.last_key = (b, w)
-        if not self.capture_graphs:
-            return self._forward(b, w)[:n]
-        self.graphs[b, w].replay()
-        return self.logits[b, w][:n]
+        return self.replay_key((b, w), n)
 
 
-__all__ = ["DecodeGraphs", "ladder", "width_ladder"]
+__all__ = ["CapturedSteps", "DecodeGraphs", "activation_bytes", "ladder", "width_ladder"]

@@ -19,15 +19,49 @@ SMALL_TRAINED_DIR = REPO / "golden" / "models" / "qwen2-small-trained"
 NAMED_MODELS = {"small": SMALL_MODEL_DIR, "small-trained": SMALL_TRAINED_DIR}
 
 
-def is_small(model) -> bool:
-    """The embedded small models (served with the CPU-scaled workloads on every device)."""
-    return model is None or str(model) in NAMED_MODELS
 RANDOM_1P5B = "qwen2.5-1.5b-random"
 
 # Qwen2.5-1.5B's config.json, less what does not change the shape.
 QWEN25_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                    num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, hidden_act="silu")
+# Up to this many parameters a model is "small": its steps take milliseconds on one CPU core, so it is served the
+# CPU-scaled workloads on every device. The embedded models are far below it, Qwen2.5-0.5B far above.
+SMALL_MAX_PARAMS = 50_000_000
+
+
+def model_config(model) -> dict:
+    """The model's config as a dict: a checkpoint's config.json, the 1.5B shape, or an in-memory model's config."""
+    source = resolve(model)
+    if isinstance(source, str) and source == RANDOM_1P5B:
+        return dict(QWEN25_1P5B)
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{Path(source)} has no config.json: not a Hugging Face checkpoint directory")
+        return json.loads(path.read_text())
+    return source.config.to_dict()
+
+
+def parameter_count(cfg: dict) -> int:
+    """Parameters of a Qwen2 decoder with this config (biases and norms left out: they do not change its class)."""
+    h, layers, inter = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["intermediate_size"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or h // heads
+    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim      # q, o; k, v
+    embeddings = cfg["vocab_size"] * h * (1 if cfg.get("tie_word_embeddings", True) else 2)
+    return embeddings + layers * (attention + 3 * h * inter)
+
+
+def model_class(model) -> str:
+    """"small" or "large", from the model's config (never its name or path): the gates serve a small model the
+    CPU-scaled workloads and pages, a large one the gate workloads."""
+    return "small" if parameter_count(model_config(model)) <= SMALL_MAX_PARAMS else "large"
+
+
+def is_small(model) -> bool:
+    return model_class(model) == "small"
 
 
 def qwen2_config(**kw):

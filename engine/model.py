@@ -247,8 +247,10 @@ class Qwen2(nn.Module):
             layer.mlp.fuse()
         return self
 
-    def forward(self, tokens, positions, kv_caches, ctx: ForwardContext, logit_rows: torch.Tensor | None):
-        """tokens, positions: [T]; returns fp32 logits [len(logit_rows), vocab] (all rows if None)."""
+    def forward(self, tokens, positions, kv_caches, ctx: ForwardContext, logit_rows: torch.Tensor | None,
+                out: torch.Tensor | None = None):
+        """tokens, positions: [T]; returns fp32 logits [len(logit_rows), vocab] (all rows if None), written into
+        `out` when given (a captured step's static logits: no graph keeps a logits tensor of its own alive)."""
         x = self.model.embed_tokens(tokens)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
@@ -256,4 +258,5 @@ class Qwen2(nn.Module):
             x, residual = layer(x, residual, cos, sin, kc, vc, ctx)
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
-        return self.lm_head(self.model.norm(x, residual)[0]).float()
+        logits = self.lm_head(self.model.norm(x, residual)[0])
+        return logits.float() if out is None else out.copy_(logits)

@@ -27,6 +27,8 @@ class PagePool:
         self.owned: dict[str, list[int]] = {}
         self.pending: list[tuple[str, list[int]]] = []   # released during a step, returned at its end
         self.in_step = False
+        self.step = 0       # the open (or next) step: begin_step/end_step pairs, so the scheduler's step index
+        self.last_owner: dict[int, tuple[str, int]] = {}   # page -> (owner, step at whose end it was freed)
 
     @property
     def capacity(self) -> int:
@@ -63,14 +65,29 @@ class PagePool:
         """Hand back `owner`'s pages; they reach the free list at the end of the current (or next) step, never sooner."""
         pages = self.owned.pop(owner)
         self.pending.append((owner, pages))
+        for p in pages:
+            self.last_owner[p] = (owner, self.step)
 
     def end_step(self) -> list[int]:
         """Eviction at the end of the step: returns the pages that just became free (the runner poisons them)."""
         freed = [p for _, pages in self.pending for p in pages]
         self.pending.clear()
         self.free.extend(freed)
+        self.step += self.in_step
         self.in_step = False
         return freed
+
+    def holder(self, page: int) -> tuple[str | None, str]:
+        """Who holds `page` now, for failure reports: (owner, "owned"), (owner, "released") while it waits for the
+        step's end, (last owner, "freed") once free again, or (None, "never owned")."""
+        for owner, pages in self.owned.items():
+            if page in pages:
+                return owner, "owned"
+        if any(page in pages for _, pages in self.pending):
+            return self.last_owner[page][0], "released"
+        if page in self.last_owner:
+            return self.last_owner[page][0], "freed"
+        return None, "never owned"
 
     def check(self) -> None:
         """The pool's own invariants: free + owned = capacity, no page with two owners, the null page never out."""

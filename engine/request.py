@@ -29,6 +29,8 @@ class Request:
     admit_step: int | None = None
     finish_time: float | None = None
     chunks: list[tuple[int, int]] = field(default_factory=list)   # (start, length) of each prompt chunk, in order
+    chunk_steps: list[int] = field(default_factory=list)   # step index of each prompt chunk
+    pages: list[int] = field(default_factory=list)   # reserved on admit; kept after release, for failure reports
 
     @property
     def prompt_len(self) -> int:
@@ -56,6 +58,14 @@ class Request:
         if len(self.output) >= self.budget:
             self.state = State.FINISHED
             self.finish_time = t
+
+    def step_of(self, pos: int) -> int | None:
+        """The step whose forward wrote the K/V of sequence position `pos` (None: not written yet)."""
+        for (start, length), step in zip(self.chunks, self.chunk_steps):
+            if start <= pos < start + length:
+                return step
+        j = pos - self.prompt_len + 1           # decode row j feeds output[j - 1] at position prompt_len + j - 1
+        return self.token_steps[j] if 1 <= j < len(self.token_steps) else None
 
     @property
     def first_token_time(self) -> float | None:

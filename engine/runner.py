@@ -1,12 +1,14 @@
 """The model runner: the only place that touches the KV cache. It turns a step plan into packed tensors, runs one
 forward (`fused`) or two (`chunked`), and samples greedily with ONE host readback per step.
 
-Pure decode steps can replay CUDA graphs (`DecodeGraphs`): an eager step of a 28-layer model at 32 rows is
-launch-bound on a large GPU, a captured one is not."""
+Pure decode steps can replay CUDA graphs (`DecodeGraphs`), and loaded and chunk-only steps too (`StepGraphs`): an
+eager step of a 28-layer model is launch-bound on a large GPU, a captured one is not."""
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels import AttnBatch, get_backend
@@ -15,7 +17,9 @@ from kernels.base import AttentionBackend
 from .model import ForwardContext, Qwen2
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
+from .packing import logit_row_count, pack
 from .scheduler import Chunk, StepPlan
+from .step_graphs import StepGraphs
 
 
 @dataclass
@@ -45,6 +49,9 @@ class ModelRunner:
         fill = float("nan") if poison else 0.0
         self.pad_page = num_pages if pad_page else None
         self.graphs: DecodeGraphs | None = None
+        self.step_graphs: StepGraphs | None = None
+        self.graph_pool = None          # one CUDA graph memory pool for every captured step
+        self.graph_logits: torch.Tensor | None = None   # the static logits every captured step writes
         self.kv_caches = []
         for _ in range(s.num_layers):
             k = torch.full((num_pages + bool(pad_page), page_size, s.num_kv_heads, s.head_dim), fill, dtype=dtype, device=self.device)
@@ -68,10 +75,75 @@ class ModelRunner:
             k[idx] = float("nan")
             v[idx] = float("nan")
 
-    # -- per-step tensors ------------------------------------------------------------------------------------
-    def _slot(self, pages: list[int], pos: int) -> int:
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+    # -- which poisoned slot a row read ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def poisoned_reads(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str, row: int,
+                       max_reads: int = 1) -> tuple[list[int], bool] | None:
+        """After a step whose sampled `row` got non-finite logits: (slots, more): flat cache slots (page * page_size
+        + offset) that row's logits depend on, one per page, at most `max_reads`; `more`: it reads NaN in other
+        pages too. Kernel-agnostic: every slot holding NaN (poisoned, or written NaN by an earlier forward) is made
+        finite, then group by group put back while the same step is run again (idempotent: it rewrites the same
+        slots); the row turns non-finite again only when a group it reads is NaN. Bisects pages, then slots in the
+        page found: about log2(pages) + log2(page_size) forwards a slot. Leaves the cache as found, but for the
+        step's own slots. None: the row stays non-finite with every such slot finite."""
+        ps = self.page_size
+        flat = [t.view(t.shape[0] * ps, -1) for kv in self.kv_caches for t in kv]
+        poisoned = torch.isnan(flat[0]).all(-1)     # never written since poisoned: NaN in every layer
+        tainted = torch.zeros_like(poisoned)
+        for t in flat:
+            tainted |= torch.isnan(t).any(-1)
+        tainted &= ~poisoned
+        written = self.build(plan.chunks, plan.decodes, pages_of)[2].slot_mapping
+        poisoned[written] = False                   # the step rewrites these before any read
+        tainted[written] = False
+        cand = (poisoned | tainted).nonzero().flatten()
+        if cand.numel() == 0:
+            return None
+        cand_tainted = tainted[cand]
+        saved = [t[cand[cand_tainted]].clone() for t in flat]
 
+        def put(slots: torch.Tensor, nan: bool) -> None:
+            """Put `slots` (a subset of cand) back as found (nan) or make them finite."""
+            sel = torch.isin(cand, slots)
+            p, tn = cand[sel & ~cand_tainted], sel[cand_tainted]
+            q = cand[cand_tainted][tn]
+            for t, keep in zip(flat, saved):
+                t[p] = float("nan") if nan else 0.0
+                t[q] = keep[tn] if nan else torch.nan_to_num(keep[tn], nan=0.0)
+
+        def reads(slots: torch.Tensor) -> bool:
+            """Non-finite with only `slots` NaN?"""
+            put(slots, True)
+            bad = self.run(plan, pages_of, forward_mode).nonfinite[row]
+            put(slots, False)
+            return bad
+
+        def bisect(slots: torch.Tensor, unit) -> torch.Tensor:
+            """The group (slots with one `unit` value) that the row reads, among groups that hold one."""
+            groups = torch.unique(unit(slots))
+            while len(groups) > 1:
+                half = groups[:len(groups) // 2]
+                inside = slots[torch.isin(unit(slots), half)]
+                groups = half if reads(inside) else groups[len(groups) // 2:]
+            return slots[unit(slots) == groups[0]]
+
+        put(cand, False)
+        try:
+            if reads(cand[:0]):
+                return None
+            found = []
+            # slots read while poisoned first: a NaN written by an earlier forward is that forward's read's effect
+            for left in (cand[~cand_tainted], cand[cand_tainted]):
+                while len(found) < max_reads and left.numel() and reads(left):
+                    page = bisect(left, lambda s: s // ps)
+                    found.append(int(bisect(page, lambda s: s)[0]))
+                    left = left[left // ps != found[-1] // ps]
+            rest = cand[~torch.isin(cand // ps, torch.tensor(found, device=cand.device) // ps)]
+            return found, bool(rest.numel()) and reads(rest)
+        finally:
+            put(cand, True)
+
+    # -- per-step tensors ------------------------------------------------------------------------------------
     def _attn_batch(self, q_lens, kv_lens, tables) -> AttnBatch:
         width = max(len(t) for t in tables)
         bt = torch.tensor([t + [NULL_PAGE] * (width - len(t)) for t in tables], dtype=torch.int32,
@@ -84,24 +156,13 @@ class ModelRunner:
                          torch.tensor(cu, dtype=torch.int32, device=self.device), self.page_size)
 
     def build(self, chunks: list[Chunk], decodes, pages_of: dict[str, list[int]], all_logits: bool = False):
-        """Packed inputs for one forward: chunk positions first, decode tokens last."""
-        tokens, positions, slots, logit_rows = [], [], [], []
-        for c in chunks:
-            r, pages = c.request, pages_of[c.request.request_id]
-            for p in range(c.start, c.start + c.length):
-                tokens.append(r.prompt[p])
-                positions.append(p)
-                slots.append(self._slot(pages, p))
-            if all_logits:
-                logit_rows.extend(range(len(tokens) - c.length, len(tokens)))
-            elif c.completes_prompt:
-                logit_rows.append(len(tokens) - 1)
-        num_prefill = len(tokens)
-        for r in decodes:
-            tokens.append(r.output[-1])
-            positions.append(r.num_cached)
-            slots.append(self._slot(pages_of[r.request_id], r.num_cached))
-            logit_rows.append(len(tokens) - 1)
+        """Packed inputs for one forward: chunk positions first, decode tokens last (engine/packing.py), copied to
+        the device in one piece."""
+        n = sum(c.length for c in chunks) + len(decodes)
+        flat = np.empty(3 * n + logit_row_count(chunks, decodes, all_logits), dtype=np.int64)
+        pack(chunks, decodes, pages_of, self.page_size, flat[:n], flat[n:2 * n], flat[2 * n:3 * n],
+                       flat[3 * n:], all_logits)
+        num_prefill = n - len(decodes)
         prefill = decode = None
         if chunks:
             prefill = self._attn_batch([c.length for c in chunks], [c.start + c.length for c in chunks],
@@ -111,9 +172,9 @@ class ModelRunner:
             decode = self._attn_batch([1] * len(decodes), [r.num_cached + 1 for r in decodes],
                                       [pages_of[r.request_id] for r in decodes])
             self.backend.prepare(decode, "decode")
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        ctx = ForwardContext(t(slots), num_prefill, prefill, decode, self.backend)
-        return t(tokens), t(positions), ctx, t(logit_rows)
+        t = torch.from_numpy(flat).to(self.device)
+        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend)
+        return t[:n], t[n:2 * n], ctx, t[3 * n:]
 
     @torch.inference_mode()
     def forward(self, chunks, decodes, pages_of, all_logits=False) -> torch.Tensor:
@@ -126,15 +187,32 @@ class ModelRunner:
         if self.pad_page is None:
             raise RuntimeError("decode graphs need the runner's pad page (ModelRunner(..., pad_page=True))")
         self.graphs = DecodeGraphs(self, max_batch, max_pages_per_seq, progress=progress)
+        self._report(self.graphs, progress)
+
+    def capture_step_graphs(self, max_tokens: int, max_batch: int, max_pages_per_seq: int,
+                            progress: bool = True) -> None:
+        """Capture loaded and chunk-only steps (fused forward) per token-count bucket up to max_tokens (needs the
+        pad page and a backend whose prefill reads only device tensors of fixed shape)."""
+        self.step_graphs = StepGraphs(self, max_tokens, max_batch, max_pages_per_seq, progress=progress)
+        self._report(self.step_graphs, progress)
+
+    @staticmethod
+    def _report(graphs, progress: bool) -> None:
+        if progress:
+            print(f"stepgate: {graphs.describe()}", file=sys.stderr, flush=True)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
             use_graphs: bool = True) -> StepOutput:
-        """use_graphs=False runs a pure decode step eagerly even where graphs were captured (graphs on vs off in
-        one process, for the gates and the step benchmarks)."""
+        """use_graphs=False runs a step eagerly even where graphs were captured (graphs on vs off in one process,
+        for the gates and the step benchmarks)."""
         if use_graphs and self.graphs is not None and not plan.chunks and self.graphs.fits(len(plan.decodes)):
             # a pure decode step is the same in both forward modes: replay the captured one
             return self.sample(self.graphs.replay(plan.decodes, pages_of))
+        if use_graphs and self.step_graphs is not None and plan.chunks and forward_mode == "fused":
+            logits = self.step_graphs.replay(plan.chunks, plan.decodes, pages_of)
+            if logits is not None:
+                return self.sample(logits)
         if forward_mode == "fused":
             logits = self.forward(plan.chunks, plan.decodes, pages_of)
         else:   # chunked: prompt chunks, then the decode batch, as two forwards

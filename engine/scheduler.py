@@ -175,7 +175,7 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch \
                 and self.pool.can_reserve(self.waiting[0].slots_needed):
             r = self.waiting.popleft()
-            self.pool.reserve(r.request_id, r.slots_needed)
+            r.pages = self.pool.reserve(r.request_id, r.slots_needed)
             r.state = State.PREFILL
             r.admit_step = self.step_index
             self.running.append(r)
@@ -229,6 +229,7 @@ class Scheduler:
         self.withheld_steps += bool(withheld)
         for c in plan.chunks:
             c.request.chunks.append((c.start, c.length))
+            c.request.chunk_steps.append(plan.index)
         self.plan = plan
         return plan
 

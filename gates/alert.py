@@ -8,7 +8,15 @@ Rules as vLLM's performance alerting: a latency (a benchmark's median time) over
 its baseline, or a throughput (an `extra_info` entry whose key ends in `_per_s`) under `--throughput-threshold`
 (0.8) times its baseline, is a regression. Prints a table (benchmark, baseline, now, change, verdict); `--markdown`
 writes the same table as Markdown (for a CI summary; `--append` to add to an existing file such as
-$GITHUB_STEP_SUMMARY). Exit status: 0 when nothing regressed, 1 on a regression, 2 when the inputs are missing.
+$GITHUB_STEP_SUMMARY).
+
+A benchmark of the baseline that the current run lacks (skipped, deselected, renamed) fails the comparison unless
+`--allow-missing`; a benchmark new in the current run is listed as new. Runs of different machines (machine_info's
+node, processor, machine and CPU brand, and a GPU name where one is recorded) or different engine configurations (a
+benchmark's `extra_info` entries other than throughputs: model, engine, backend, device, dtype, page size, chunk,
+rows, ...) are not compared unless `--allow-different-machines` / `--allow-different-config`.
+Exit status: 0 when nothing regressed, 1 on a regression or a missing benchmark, 2 when the inputs are missing or
+the runs are not comparable.
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ from pathlib import Path
 
 DEFAULT_STORAGE = Path(__file__).resolve().parent.parent / "golden" / "benchmarks"
 STATS = ("median", "mean", "min", "max")
+GPU_KEYS = ("gpu", "gpu_name", "device_name")    # where a run may record its GPU (machine_info or extra_info)
 
 
 @dataclass
@@ -76,11 +85,14 @@ def load(path: str | Path) -> dict:
     return data
 
 
+def by_name(data: dict) -> dict[str, dict]:
+    return {b.get("fullname") or b.get("name"): b for b in data["benchmarks"]}
+
+
 def metrics(data: dict, stat: str, throughput_suffix: str) -> dict[tuple[str, str], tuple[float, bool]]:
     """(benchmark, metric) -> (value, higher_is_better)."""
     out = {}
-    for b in data["benchmarks"]:
-        name = b.get("fullname") or b.get("name")
+    for name, b in by_name(data).items():
         value = (b.get("stats") or {}).get(stat)
         if value is not None:
             out[(name, "latency")] = (float(value), False)
@@ -113,6 +125,41 @@ def compare(baseline: dict, current: dict, stat: str = "median", latency_thresho
                            "improved" if row.change < 1 / latency_threshold else "ok")
         rows.append(row)
     return rows
+
+
+def machine_identity(data: dict) -> dict[str, str]:
+    """What names the machine a run was measured on; keys a run does not record are left out."""
+    m = data.get("machine_info") or {}
+    ident = {k: m.get(k) for k in ("node", "processor", "machine")}
+    ident["cpu"] = (m.get("cpu") or {}).get("brand_raw")
+    gpus = {str(m[k]) for k in GPU_KEYS if m.get(k)}
+    gpus |= {str(e[k]) for b in data["benchmarks"] for e in [b.get("extra_info") or {}] for k in GPU_KEYS if e.get(k)}
+    ident["gpu"] = ", ".join(sorted(gpus))
+    return {k: str(v) for k, v in ident.items() if v}
+
+
+def machine_differences(baseline: dict, current: dict) -> list[str]:
+    """`key: 'baseline value' -> 'current value'` for what both runs record of their machine and differs."""
+    old, new = machine_identity(baseline), machine_identity(current)
+    return [f"{k} {old[k]!r} -> {new[k]!r}" for k in old if k in new and old[k] != new[k]]
+
+
+def config_differences(baseline: dict, current: dict, throughput_suffix: str = "_per_s") -> list[str]:
+    """Per benchmark in both runs, the extra_info entries both record that differ; throughputs are measurements,
+    not configuration. (params are not compared: they hold reprs of code objects that change with the code.)"""
+    old, new = by_name(baseline), by_name(current)
+    out = []
+    for name in sorted(old.keys() & new.keys()):
+        eo, en = old[name].get("extra_info") or {}, new[name].get("extra_info") or {}
+        diff = [f"{k} {eo[k]!r} -> {en[k]!r}" for k in sorted(eo.keys() & en.keys())
+                if not k.endswith(throughput_suffix) and eo[k] != en[k]]
+        if diff:
+            out.append(f"{name}: " + ", ".join(diff))
+    return out
+
+
+def named(items: list[str], most: int = 5) -> str:
+    return ", ".join(items[:most]) + (f" and {len(items) - most} more" if len(items) > most else "")
 
 
 def _fmt(v: float | None, hib: bool) -> str:
@@ -151,6 +198,34 @@ def markdown_table(head, body) -> str:
     return "\n".join(out)
 
 
+def resolve(a) -> tuple[Path, Path]:
+    """(baseline, current) paths from the command line's --baseline / --current / --storage."""
+    if a.current and a.baseline:
+        return Path(a.baseline), Path(a.current)
+    if a.current:
+        cur_p = Path(a.current)
+        older = sorted(p for p in cur_p.parent.glob("*.json") if p.name < cur_p.name)
+        if not older:
+            raise InputError(f"no baseline given and no earlier run next to {cur_p}")
+        return older[-1], cur_p
+    base_p, cur_p = newest_two(a.storage)
+    return (Path(a.baseline) if a.baseline else base_p), cur_p
+
+
+def comparability(a, baseline: dict, current: dict) -> tuple[list[str], list[str]]:
+    """(refusals, warnings): differences of machine or configuration, refused unless the flag allows them."""
+    refusals, warnings = [], []
+    for what, diffs, allowed, flag in (
+            ("machines", machine_differences(baseline, current), a.allow_different_machines,
+             "--allow-different-machines"),
+            ("engine configurations", config_differences(baseline, current, a.throughput_suffix),
+             a.allow_different_config, "--allow-different-config")):
+        if diffs:
+            line = f"different {what} (baseline -> current): {named(diffs)}"
+            (warnings if allowed else refusals).append(line if allowed else f"{line}; pass {flag} to compare anyway")
+    return refusals, warnings
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gates.alert", description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", help="baseline pytest-benchmark JSON (default: the run saved before --current)")
@@ -166,30 +241,32 @@ def main(argv: list[str] | None = None) -> int:
                     help="extra_info keys ending so are throughputs (higher is better); default _per_s")
     ap.add_argument("--markdown", help="also write the table as Markdown to this path")
     ap.add_argument("--append", action="store_true", help="append to --markdown instead of overwriting it")
-    ap.add_argument("--fail-on-missing", action="store_true",
-                    help="a benchmark in the baseline but not in the current run is a failure too")
+    ap.add_argument("--allow-missing", action="store_true",
+                    help="a benchmark in the baseline but not in the current run is a warning, not a failure")
+    ap.add_argument("--allow-different-machines", action="store_true",
+                    help="compare runs of different machines (a warning instead of a refusal)")
+    ap.add_argument("--allow-different-config", action="store_true",
+                    help="compare benchmarks whose engine configuration (extra_info) differs")
+    ap.add_argument("--fail-on-missing", action="store_true", help=argparse.SUPPRESS)   # the default now
     a = ap.parse_args(argv)
     try:
-        if a.current and a.baseline:
-            base_p, cur_p = Path(a.baseline), Path(a.current)
-        elif a.current:
-            cur_p = Path(a.current)
-            older = sorted(p for p in cur_p.parent.glob("*.json") if p.name < cur_p.name)
-            if not older:
-                raise InputError(f"no baseline given and no earlier run next to {cur_p}")
-            base_p = older[-1]
-        else:
-            base_p, cur_p = newest_two(a.storage)
-            if a.baseline:
-                base_p = Path(a.baseline)
+        base_p, cur_p = resolve(a)
         baseline, current = load(base_p), load(cur_p)
     except InputError as e:
         print(f"gates.alert: {e}", file=sys.stderr)
         return 2
+    refusals, warnings = comparability(a, baseline, current)
+    if refusals:
+        print(f"gates.alert: refusing to compare {cur_p} against baseline {base_p}:\n  " + "\n  ".join(refusals),
+              file=sys.stderr)
+        return 2
     rows = compare(baseline, current, a.stat, a.latency_threshold, a.throughput_threshold, a.throughput_suffix)
     head, body = table(rows, a.stat)
     regressed = [r for r in rows if r.verdict == "REGRESSION"]
-    missing = [r for r in rows if r.verdict == "missing"]
+    present = set(by_name(current))
+    missing = sorted({r.benchmark if r.benchmark not in present else f"{r.benchmark} [{r.metric}]"
+                      for r in rows if r.verdict == "missing"})
+    new = sorted({r.benchmark for r in rows if r.verdict == "new"})
     title = f"Benchmarks: {cur_p} against baseline {base_p}"
     rule = (f"regression: latency ({a.stat}) > {a.latency_threshold:g}x baseline, or throughput < "
             f"{a.throughput_threshold:g}x baseline")
@@ -198,18 +275,25 @@ def main(argv: list[str] | None = None) -> int:
             f"{r.benchmark} [{r.metric}] {r.change:.2f}x" for r in regressed)
     else:
         verdict = "no regression"
+    notes = [f"warning: {w}" for w in warnings]
     if missing:
-        verdict += f"; {len(missing)} benchmark(s) missing from the current run"
+        gone = f"{len(missing)} benchmark(s) of the baseline missing from the current run: {named(missing)}"
+        notes.append(f"warning: {gone} (--allow-missing)" if a.allow_missing else
+                     f"FAIL: {gone} (unmeasured is not unchanged; --allow-missing to accept)")
+    if new:
+        notes.append(f"{len(new)} new benchmark(s), no baseline: {named(new)}")
     print(title)
     print(rule)
     print(text_table(head, body))
     print(verdict)
+    for n in notes:
+        print(n)
     if a.markdown:
         md = f"### {title}\n\n{rule}\n\n{markdown_table(head, body)}\n\n**{verdict}**\n"
+        md += "".join(f"\n- {n}" for n in notes) + ("\n" if notes else "")
         with open(a.markdown, "a" if a.append else "w") as f:
             f.write(md)
-    failed = bool(regressed) or (a.fail_on_missing and bool(missing))
-    return 1 if failed else 0
+    return 1 if regressed or (missing and not a.allow_missing) else 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""The comparator: walk each request's tokens against the reference's under the 0.02 rule.
+"""The comparator: walk each request's tokens against the reference's under the tie rule (TIE_THRESHOLD).
 
 - equal tokens: go on (and, where both sides recorded steps, a token emitted at another step is a schedule
   difference, reported apart from a token difference);
-- a differing token is an accepted flip only if it is a near tie in BOTH engines: the raw-logit gap between the two
-  tokens is under the threshold in the reference's logits and in the candidate's; otherwise the request fails;
+- a differing token is an accepted flip only if it is a near tie in BOTH engines: the absolute raw-logit gap between
+  the two tokens is under the threshold in the reference's logits and in the candidate's; otherwise the request
+  fails (a candidate that emits a token its own logits rank lower by more than the threshold fails too);
 - after an accepted flip, every later position is checked by teacher forcing the reference over the candidate's
   own tokens, with the same rule. Nothing after a flip goes unchecked;
 - flips are counted by distinct site (the same prefix flipping in several requests counts once) and capped."""
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .records import GenRecord
+
+TIE_THRESHOLD = 0.02      # the tie rule's one home: options, regeneration and parity import it
 
 ScoreFn = Callable[[list[int], list[int]], "object"]   # (prompt, tokens) -> logits [len(tokens), vocab]
 
@@ -125,14 +128,21 @@ def compare_request(ref: GenRecord, cand: GenRecord, score: ScoreFn | None, thre
 
 def accept(v: RequestVerdict, ref: GenRecord, cand: GenRecord, pos: int, a: int, b: int, ref_gap, threshold,
            teacher_forced: bool) -> bool:
+    """Reference token a against candidate token b at pos; ref_gap is a's logit minus b's in the reference. A flip
+    needs |gap| under the threshold on both sides: a signed gap lets a side that ranks its own token lower pass."""
     cand_gap = gap_in(cand, pos, b, a)
-    if ref_gap is not None and cand_gap is not None and ref_gap < threshold and cand_gap < threshold:
-        v.flips.append(Flip(cand.request_id, pos, a, b, ref_gap, cand_gap,
+    ref_abs = None if ref_gap is None else abs(ref_gap)
+    cand_abs = None if cand_gap is None else abs(cand_gap)
+    if ref_abs is not None and cand_abs is not None and ref_abs < threshold and cand_abs < threshold:
+        v.flips.append(Flip(cand.request_id, pos, a, b, ref_abs, cand_abs,
                             site_key(cand.prompt, cand.tokens[:pos]), teacher_forced))
         return True
     reason = f"not a near tie under {threshold}" + (" (teacher-forced after an earlier flip)" if teacher_forced
                                                     else "")
-    v.failure = Failure(cand.request_id, pos, reason, a, b, ref_gap, cand_gap,
+    for side, gap, mine, other in (("reference", ref_gap, a, b), ("candidate", cand_gap, b, a)):
+        if gap is not None and gap < 0:
+            reason += f"; the {side}'s own logits rank its token {mine} below {other} by {-gap:.4f}"
+    v.failure = Failure(cand.request_id, pos, reason, a, b, ref_abs, cand_abs,
                         context(cand.prompt, cand.tokens, pos))
     return False
 
@@ -194,7 +204,7 @@ class GateReport:
 
 
 def compare(gate: str, ref: dict[str, GenRecord], cand: dict[str, GenRecord], score: ScoreFn | None,
-            threshold: float = 0.02, flip_cap: int = 3, check_steps: bool = True) -> GateReport:
+            threshold: float = TIE_THRESHOLD, flip_cap: int = 3, check_steps: bool = True) -> GateReport:
     verdicts = []
     for rid, r in ref.items():
         c = cand.get(rid)

@@ -1,73 +1,42 @@
 """Fixtures shared by the gates: options, the loaded model, memoised engine runs, goldens, teacher forcing."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 import kernels
 from engine.config import LINEAGE
 from engine.engine import torch_dtype
-from engine.loader import is_small, load_model, model_checksum
+from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
 from . import summary
-from .golden import GOLDEN_DIR, GoldenError, golden_path, read_golden, regen_command, regenerate
+from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
+from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
 from .schedule_check import check_engine
-
-# (engine configuration, attention backend): the candidates every comparison gate is parametrised over. A new
-# backend joins here, so the token, poison and tiny-pool gates all cover it.
-CANDIDATES = [("chunked", "torch"), ("fused", "torch"), ("fused", "flex"), ("flash", "flash")]
-
-
-@dataclass(frozen=True)
-class GateOptions:
-    device: str
-    dtype: str
-    model: str
-    golden_dir: Path
-    threshold: float
-    flip_cap: int
-    regen: bool
-    engines: tuple[str, ...]
-    backends: tuple[str, ...]
-
-    @property
-    def model_arg(self):
-        return None if self.model == "small" else self.model
 
 
 @pytest.fixture(scope="session")
 def opts(request) -> GateOptions:
-    c = request.config
-    device = c.getoption("--device")
-    dtype = c.getoption("--dtype") or ("float16" if device.startswith("cuda") else "float32")
-    eng = c.getoption("--engine")
-    be = c.getoption("--backend")
-    return GateOptions(device, dtype, c.getoption("--model"), Path(c.getoption("--golden-dir") or GOLDEN_DIR),
-                       c.getoption("--tie-threshold"), c.getoption("--flip-cap"), c.getoption("--regen-golden"),
-                       tuple(LINEAGE) if eng == "all" else tuple(eng.split(",")),
-                       tuple(kernels.BACKENDS) + ("flex", "flash") if be == "all" else tuple(be.split(",")))
+    return gate_options(request.config)
 
 
 def workload_for(opts: GateOptions, name: str) -> str:
-    """The CPU-scaled workloads serve the small model on every device; a large model gets the gate workloads."""
-    return name if is_small(opts.model) else name.replace("-cpu", "-gate")
+    """The CPU-scaled workloads serve a small model on every device; a large model gets the gate workloads."""
+    return name if opts.model_class == "small" else name.replace("-cpu", "-gate")
 
 
 def skip_unless_runs(opts: GateOptions, engine: str, backend: str):
-    """Skip (with the reason) a candidate that was not selected or cannot run here."""
-    if opts.device.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip("--device cuda but torch sees no CUDA device")
+    """Skip (with the reason) a candidate that was not selected or, on CPU, cannot run here; on CUDA a selected
+    candidate that cannot run fails (gates/options.py: GateOptions.requires)."""
     if engine not in opts.engines or backend not in opts.backends:
         pytest.skip(f"not selected (--engine {','.join(opts.engines)} --backend {','.join(opts.backends)})")
-    if backend not in kernels.BACKENDS:
-        pytest.skip(f"attention backend {backend!r} is not built into this checkout")
     page = LINEAGE[engine]["page_size"]
     reason = kernels.why_unavailable(backend, opts.device, page)
+    if reason and opts.requires(backend):
+        pytest.fail(f"{backend} backend is required on {opts.device} and cannot run: {reason}", pytrace=False)
     if reason:
         pytest.skip(f"{backend} backend cannot run here: {reason}")
 
@@ -125,7 +94,7 @@ class Runs:
             regenerate(o.model, workload, reference, o.device, o.dtype, o.golden_dir, o.threshold)
             self.cache[(reference, workload)] = True
         try:
-            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype),
+            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype, o.golden_dir),
                                model_checksum=self.model_checksum)[0]
         except GoldenError as e:
             pytest.fail(str(e), pytrace=False)
@@ -152,12 +121,43 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(f"(written to {path})")
 
 
+# Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file
+# not named here keeps its place among them; tests keep their order within a file.
+GATE_ORDER = ["test_smoke.py", "test_kernels.py", "test_admission.py", "test_tokens.py", "test_page_safety.py",
+              "test_graphs.py", "test_prefill_share.py", "test_step_timings.py"]
+
+
+def gate_order(items) -> list:
+    """Items with the gate files in GATE_ORDER's order; any other file keeps its slot. Stable within a file."""
+    rank = {name: i for i, name in enumerate(GATE_ORDER)}
+
+    def named(path):
+        return path.parent.name == "gates" and path.name in rank
+    files = list(dict.fromkeys(item.path for item in items))
+    in_order = iter(sorted(filter(named, files), key=lambda path: rank[path.name]))
+    slot = {path: i for i, path in enumerate(next(in_order) if named(p) else p for p in files)}
+    return sorted(items, key=lambda item: slot[item.path])
+
+
+def candidate_of(item, o: GateOptions) -> tuple[str, str]:
+    """The (engine, backend) a test is parametrised with; a selected one stands in for a missing parameter."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("engine", o.engines[0]), params.get("backend", o.backends[0])
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """On CPU the flex engine configuration compiles a FlexAttention kernel per shape (about 2 minutes for the
     engine gates), so there it counts as slow: `pytest gates/ -m slow` runs it. The kernel gates still cover flex
     on CPU in the default run, and on CUDA the flex engine gates run by default."""
-    if config.getoption("--device").startswith("cuda"):
+    o = gate_options(config)
+    items[:] = gate_order(items)
+    # deselected, not skipped: a candidate the options leave out was asked to be left out, not hidden
+    unselected = {item for item in items if is_gate_file(item.nodeid) and not o.selects(*candidate_of(item, o))}
+    if unselected:
+        config.hook.pytest_deselected(items=[item for item in items if item in unselected])
+        items[:] = [item for item in items if item not in unselected]
+    if o.is_cuda:
         return
     for item in items:
         if "fused-flex" in item.nodeid:

@@ -3,10 +3,14 @@
 Each golden is two files: `<ref>-<device>-<dtype>.meta.json` (pretty JSON, diff-friendly: model checksum, engine
 config, library versions, device, dtype, schema version, and the data's sha256) and `<ref>-<device>-<dtype>.json.gz`
 (per request: prompt, emitted tokens, top-k ids and raw logits per position, steps for engine configurations).
-Gates only read goldens. Regeneration is deliberate and atomic, and prints what moved:
+Gates only read goldens. Regeneration is deliberate and atomic, and prints what moved, request by request:
 
-    python -m gates.golden regen [--model small] [--workload mixed-cpu] [--reference hf] [--device cpu] [--dtype float32]
+    python -m gates.golden regen [--model small] [--workload mixed-cpu] [--reference hf] [--device cpu]
+                                 [--dtype float32] [--golden-dir DIR] [--check]
     python -m gates.golden show  golden/qwen2-small/mixed-cpu/hf-cpu-float32
+
+`--check` generates and reports against the stored golden and writes nothing; its exit status is 1 when a request
+changed beyond the tie rule or emitted a token at another step (what a gate would fail on), or the golden is missing.
 """
 from __future__ import annotations
 
@@ -17,14 +21,16 @@ import hashlib
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.loader import REPO, model_checksum
 from engine.workload import Workload, get_workload
 
-from .compare import GateReport, compare
+from .compare import TIE_THRESHOLD, GateReport, compare
 from .records import GenRecord
 
 SCHEMA_VERSION = 1
@@ -46,16 +52,38 @@ def golden_path(golden_dir, model, workload: str, reference: str, device: str, d
     return Path(golden_dir or GOLDEN_DIR) / model_key(model) / workload / f"{reference}-{dev}-{dtype}"
 
 
-def regen_command(model, workload, reference, device, dtype) -> str:
+def regen_command(model, workload, reference, device, dtype, golden_dir=None) -> str:
     m = "" if model in (None, "small") else f" --model {model}"
+    default = golden_dir is None or Path(golden_dir).resolve() == GOLDEN_DIR.resolve()
+    g = "" if default else f" --golden-dir {golden_dir}"
     return (f"python -m gates.golden regen{m} --workload {workload} --reference {reference} --device {device} "
-            f"--dtype {dtype}   (or: pytest gates/ --regen-golden)")
+            f"--dtype {dtype}{g}   (or: pytest gates/ --regen-golden{g})")
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` and prove it takes a file, so that an unwritable one fails before a long generation."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-check.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise GoldenError(f"cannot write goldens to {folder} ({e.strerror or e}); nothing was generated: fix its "
+                          f"permissions or pass --golden-dir") from None
+
+
+def _new_file_mode() -> int:
+    """The mode open() would give a new file: mkstemp's 0600 would hide a golden from everyone but its writer."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, _new_file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -124,7 +152,8 @@ def generate(reference, workload: Workload, model, device, dtype, progress=True)
     """Run a reference engine over a workload; returns (records, metadata)."""
     from tqdm import tqdm
     specs = workload.requests()
-    bar = tqdm(total=len(specs), desc=f"{reference.name} on {workload.name}", disable=None if progress else True, leave=False)
+    bar = tqdm(total=len(specs), desc=f"{reference.name} on {workload.name}", disable=None if progress else True,
+               leave=False)
     records = reference.generate(specs, progress=lambda n: bar.update(n))
     bar.close()
     meta = {"model": model_key(model), "model_checksum": model_checksum(model), "workload": workload.describe(),
@@ -135,39 +164,116 @@ def generate(reference, workload: Workload, model, device, dtype, progress=True)
 
 
 def regenerate(model, workload_name: str, reference_name: str, device: str, dtype: str, golden_dir=None,
-               threshold: float = 0.02, out=print) -> GateReport | None:
-    """Write a golden anew and print what changed against the previous one."""
+               threshold: float = TIE_THRESHOLD, out=print, check: bool = False) -> GateReport | None:
+    """Write a golden anew (with `check`, write nothing) and print what changed against the previous one; None when
+    there was no usable previous golden."""
     from .reference import make_reference
     wl = get_workload(workload_name)
-    ref = make_reference(reference_name, None if model == "small" else model, device, dtype,
-                         chunk_tokens=wl.chunk_tokens) if reference_name != "hf" else \
-        make_reference("hf", None if model == "small" else model, device, dtype)
     base = golden_path(golden_dir, model, workload_name, reference_name, device, dtype)
-    records, meta = generate(ref, wl, model, device, dtype)
+    if not check:
+        check_writable(base.parent)
     old = None
     try:
         old, _ = read_golden(base)
     except GoldenError as e:
         out(f"{base}: no usable previous golden ({e})")
-    write_golden(base, records, meta)
-    out(f"wrote {base}.meta.json / .json.gz ({len(records)} requests)")
+    if check and old is None:
+        return None
+    ref = make_reference(reference_name, None if model == "small" else model, device, dtype,
+                         **({} if reference_name == "hf" else {"chunk_tokens": wl.chunk_tokens}))
+    records, meta = generate(ref, wl, model, device, dtype)
+    if check:
+        out(f"checked {base} against a new generation ({len(records)} requests; --check: nothing written)")
+    else:
+        write_golden(base, records, meta)
+        out(f"wrote {base}.meta.json / .json.gz ({len(records)} requests)")
     if old is None:
         return None
     # what moved: the old golden is the reference, the new one the candidate; teacher-force with the new engine
     report = compare(f"regen {base.name}", old, records, ref.score, threshold, flip_cap=10 ** 9, check_steps=True)
-    out(describe_changes(report))
+    out(describe_changes(report, old, records))
     return report
 
 
-def describe_changes(report: GateReport) -> str:
-    c = report.counts()
-    lines = [f"against the previous golden: {c['identical']} identical, {c['flipped']} flipped, {c['failed']} changed "
-             f"beyond tolerance, {len(report.schedule_diffs)} tokens emitted at another step"]
+def changed(report: GateReport | None) -> bool:
+    """What a gate reading this golden would fail on: a change beyond the tie rule, a token at another step, or no
+    previous golden at all (None)."""
+    return report is None or bool(report.failures or report.schedule_diffs)
+
+
+@dataclass
+class LogitMove:
+    size: float
+    request_id: str
+    position: int
+    token: int
+
+    def describe(self, threshold: float) -> str:
+        return (f"{self.size:.4f} at {self.request_id}@{self.position} token {self.token}: "
+                f"{self.size / threshold:.0%} of the {threshold:g} tie rule")
+
+
+def largest_logit_moves(old: dict[str, GenRecord], new: dict[str, GenRecord]
+                        ) -> tuple[LogitMove | None, LogitMove | None]:
+    """(the largest |new - old| over every token id both recorded in a position's top-k, the largest over the old
+    golden's emitted token). Positions up to and including the first differing token only: later ones were computed
+    from different contexts."""
+    top = emitted = None
+    for rid, o in old.items():
+        n = new.get(rid)
+        if n is None or list(o.prompt) != list(n.prompt):
+            continue
+        for pos, (a, b) in enumerate(zip(o.tokens, n.tokens)):
+            now = dict(zip(n.topk_ids[pos], n.topk_vals[pos]))
+            for tok, was in zip(o.topk_ids[pos], o.topk_vals[pos]):
+                if tok in now:
+                    move = LogitMove(abs(now[tok] - was), rid, pos, tok)
+                    top = move if top is None or move.size > top.size else top
+                    if tok == a:
+                        emitted = move if emitted is None or move.size > emitted.size else emitted
+            if a != b:
+                break
+    return top, emitted
+
+
+def name_ranges(names: list[str]) -> str:
+    """Names with consecutive numbers folded: mixed-cpu-0000..0011, mixed-cpu-0013."""
+    runs: list[list[str]] = []          # [prefix, first number, last number]
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        if m and runs and runs[-1][0] == m[1] and runs[-1][2] and int(m[2]) == int(runs[-1][2]) + 1:
+            runs[-1][2] = m[2]
+        else:
+            runs.append([m[1], m[2], m[2]] if m else [name, "", ""])
+    return ", ".join(p + a + (f"..{b}" if b != a else "") for p, a, b in runs)
+
+
+def describe_changes(report: GateReport, old: dict[str, GenRecord] | None = None,
+                     new: dict[str, GenRecord] | None = None) -> str:
+    """Per request, named: identical, flipped, changed beyond tolerance, tokens moved to other steps; with both
+    goldens, the largest logit moves and their share of the tie rule."""
+    moved: dict[str, list] = {}
+    for d in report.schedule_diffs:
+        moved.setdefault(d.request_id, []).append(d)
+    identical = [v.request_id for v in report.verdicts if v.status == "identical" and v.request_id not in moved]
+    flipped = [v for v in report.verdicts if v.status == "flipped"]
+    lines = [f"against the previous golden: {len(identical)} identical, {len(flipped)} flipped, "
+             f"{len(report.failures)} changed beyond tolerance, {len(moved)} with tokens emitted at other steps"]
+    if identical:
+        lines.append(f"  identical: {name_ranges(identical)}")
     for f in report.flips:
-        lines.append(f"  flipped {f.request_id}@{f.position}: {f.ref_token} -> {f.cand_token} "
-                     f"(gaps {f.ref_gap:.4f} / {f.cand_gap:.4f})")
+        lines.append(f"  flipped {f.request_id}@{f.position}: {f.ref_token} -> {f.cand_token} (gap "
+                     f"{f.ref_gap:.4f} in the old golden's logits, {f.cand_gap:.4f} in the new; site {f.site}"
+                     + (", teacher-forced)" if f.teacher_forced else ")"))
     for f in report.failures:
         lines.append(f"  changed {f.message()}")
+    for rid, ds in moved.items():
+        lines.append(f"  moved {rid}: {len(ds)} token(s) emitted at other steps, the first at position "
+                     f"{ds[0].position}: step {ds[0].ref_step} -> {ds[0].cand_step}")
+    if old is not None and new is not None:
+        top, emitted = largest_logit_moves(old, new)
+        for what, move in (("largest logit move", top), ("largest move of an emitted token's logit", emitted)):
+            lines.append(f"  {what}: " + (move.describe(report.threshold) if move else "none (nothing in common)"))
     return "\n".join(lines)
 
 
@@ -181,7 +287,10 @@ def main(argv=None) -> int:
     r.add_argument("--device", default="cpu")
     r.add_argument("--dtype", default="float32")
     r.add_argument("--golden-dir", default=None)
-    r.add_argument("--tie-threshold", type=float, default=0.02)
+    r.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD)
+    r.add_argument("--check", action="store_true",
+                   help="generate and report against the stored golden, write nothing; exit 1 if a request changed "
+                        "beyond the tie rule or moved to another step")
     s = sub.add_parser("show", help="print a golden's metadata and per-request summary")
     s.add_argument("base")
     a = ap.parse_args(argv)
@@ -191,10 +300,17 @@ def main(argv=None) -> int:
         for rec in records.values():
             print(f"{rec.request_id}: prompt {len(rec.prompt)}, {len(rec.tokens)} tokens {rec.tokens[:8]}...")
         return 0
-    for wl in a.workload or ["mixed-cpu", "uniform-cpu"]:
-        for ref in a.reference or ["hf"]:
-            regenerate(a.model, wl, ref, a.device, a.dtype, a.golden_dir, a.tie_threshold)
-    return 0
+    targets = [(wl, ref) for wl in a.workload or ["mixed-cpu", "uniform-cpu"] for ref in a.reference or ["hf"]]
+    try:
+        if not a.check:      # every folder before the first generation
+            for wl, ref in targets:
+                check_writable(golden_path(a.golden_dir, a.model, wl, ref, a.device, a.dtype).parent)
+        reports = [regenerate(a.model, wl, ref, a.device, a.dtype, a.golden_dir, a.tie_threshold, check=a.check)
+                   for wl, ref in targets]
+    except GoldenError as e:
+        print(f"gates.golden: {e}", file=sys.stderr)
+        return 2
+    return 1 if a.check and any(changed(r) for r in reports) else 0
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from engine.workload import get_workload
 
-from .compare import compare
+from .compare import TIE_THRESHOLD, compare
 from .golden import golden_path, read_golden, regen_command
 from .reference import make_reference
 
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tie-threshold", type=float, default=0.02)
+    ap.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD)
     ap.add_argument("--json", default=None, help="also write the report here")
     ap.add_argument("--offline", action="store_true",
                     help="two goldens, no live engine (e.g. GPU goldens read on a CPU): a first difference is judged "

@@ -35,8 +35,8 @@ import kernels
 from kernels import AttnBatch
 from kernels.base import AttentionBackend
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+from .options import gate_options
+
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 EPS = 1e-5          # absolute slack on top of 2x the plain-attention error (flash-attn's tests use the same)
 
@@ -257,44 +257,28 @@ def compare_decode_kernels(backends, case: PagedCase) -> dict:
 
 
 # -- pytest plumbing ----------------------------------------------------------------------------------------------
-def _opt(config, name, default=None):
-    try:
-        return config.getoption(name)
-    except (ValueError, AttributeError):
-        return default
-
-
 def _device(config) -> str:
-    return str(_opt(config, "--device", "cpu") or "cpu")
+    return gate_options(config).device
 
 
 def _is_cuda(config) -> bool:
-    return torch.device(_device(config)).type == "cuda"
+    return gate_options(config).is_cuda
 
 
 def _backends(config) -> list[str]:
-    want = str(_opt(config, "--backend", "all") or "all")
-    if want == "all":
-        return list(kernels.BACKENDS)
-    names = [w.strip() for w in want.split(",") if w.strip()]
-    unknown = [n for n in names if n not in kernels.BACKENDS]
-    if unknown:
-        raise pytest.UsageError(f"--backend {want}: unknown {unknown}; known: {sorted(kernels.BACKENDS)}")
-    return names
+    return list(gate_options(config).backends)
 
 
 def _dtypes(config) -> list[torch.dtype]:
-    want = _opt(config, "--dtype")
-    if want:
-        if want not in DTYPES:
-            raise pytest.UsageError(f"--dtype {want}: known {sorted(DTYPES)}")
-        return [DTYPES[want]]
-    return [torch.float16, torch.bfloat16] if _is_cuda(config) else [torch.float32, torch.bfloat16]
+    o = gate_options(config)
+    if o.dtype_given:
+        return [getattr(torch, o.dtype)]
+    return [torch.float16, torch.bfloat16] if o.is_cuda else [torch.float32, torch.bfloat16]
 
 
 def _grid_params(config):
     cuda = _is_cuda(config)
-    explicit_dtype = bool(_opt(config, "--dtype"))
+    explicit_dtype = gate_options(config).dtype_given
     out = []
     for name in _backends(config):
         for kind, lens in (("decode", DECODE_LENS), ("prefill", PREFILL_LENS)):
@@ -333,10 +317,7 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture
 def device(request) -> str:
-    dev = _device(request.config)
-    if torch.device(dev).type == "cuda" and not torch.cuda.is_available():
-        pytest.skip(f"--device {dev}: no CUDA device is visible")
-    return dev
+    return _device(request.config)
 
 
 def skip_unless_runs(name: str, device, page_size: int, dtype: torch.dtype | None = None) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from engine.workload import Workload
 
-from . import summary
+from . import summary, triage
 from .compare import compare, compare_request
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
 from .records import GenRecord
@@ -17,8 +17,8 @@ from .reference import EngineReference
 from .schedule_check import check_engine
 
 # The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
-# largest requests. The CPU workloads are scaled by 4, so the small model gets 4,608 slots.
-TINY_POOL_SLOTS = {"small": 4608, "small-trained": 4608}
+# largest requests. The CPU workloads are scaled by 4, so a small model (by class) gets 4,608 slots.
+TINY_POOL_SLOTS = {"small": 4608}
 TINY_POOL_BYTES = 1 << 29
 
 
@@ -32,7 +32,7 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
     full, _ = runs.candidate(engine, backend, workload)
     from engine.engine import torch_dtype
     from engine.runner import ModelRunner
-    slots = TINY_POOL_SLOTS.get(opts.model) or \
+    slots = TINY_POOL_SLOTS.get(opts.model_class) or \
         TINY_POOL_BYTES // ModelRunner.bytes_per_page(runs.loaded[0].shape, 1, torch_dtype(opts.dtype))
     num_pages = slots // page_size + 1
     tiny, eng = runs.candidate(engine, backend, workload, page_size=page_size, num_pages=num_pages)
@@ -41,11 +41,11 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
     assert all(r.state == "finished" for r in eng.results().values()), "not every request completed"
     # strict FCFS, reserve on admit, eviction at the end of the step and every page back, on this very run
     check_engine(eng, f"{engine}[{backend}] tiny pool ({num_pages - 1} pages of {page_size})")
+    score = runs.reference(engine, workload).score
     report = compare(f"{engine}[{backend}] tiny pool ({num_pages - 1} pages of {page_size}) vs uncapped", full,
-                     tiny, runs.reference(engine, workload).score, opts.threshold, opts.flip_cap,
-                     check_steps=False)
+                     tiny, score, opts.threshold, opts.flip_cap, check_steps=False)
     summary.record(report)
-    assert report.ok, "\n".join(report.problems())
+    assert report.ok, triage.failure_message(report, eng, full, score)
 
 
 SOAK = Workload("soak", (4, 16, 64, 256), (8, 32), 300, seed=99, chunk_tokens=128)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import summary
+from . import summary, triage
 from .compare import compare
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
 
@@ -16,10 +16,10 @@ def test_smoke(runs, opts, engine, backend):
     skip_unless_runs(opts, engine, backend)
     workload = workload_for(opts, "smoke-cpu")
     golden = runs.golden("hf", workload)
-    cand, _ = runs.candidate(engine, backend, workload)
-    # the hf model is loaded only if a flip needs teacher forcing
+    cand, eng = runs.candidate(engine, backend, workload)
+    # the hf model is loaded only if a flip needs teacher forcing (or a failure its triage)
     score = lambda prompt, tokens: runs.reference("hf", workload).score(prompt, tokens)  # noqa: E731
     report = compare(f"smoke: {engine}[{backend}] vs hf on {workload}", golden, cand, score, opts.threshold,
                      opts.flip_cap, check_steps=False)
     summary.record(report)
-    assert report.ok, f"gate {report.gate} failed:\n  " + "\n  ".join(report.problems())
+    assert report.ok, triage.failure_message(report, eng, golden, score)

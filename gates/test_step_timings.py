@@ -48,6 +48,8 @@ from engine.request import Request, State
 from engine.scheduler import Chunk, StepPlan
 from engine.workload import MIXED, MIXED_CPU, SEED, UNIFORM_CPU, Workload
 
+from .options import gate_options
+
 ROWS = 32                                   # decode rows of the fixed state (max batch)
 KINDS = ("pure-decode", "loaded", "chunk-only")
 KERNEL_BACKENDS = ("torch", "flex", "flash")
@@ -57,21 +59,12 @@ BUILD_CHUNK = 1024                          # chunk_tokens while building the st
 
 
 # -- options -------------------------------------------------------------------------------------------------------
-def _opt(config, name, default):
-    try:
-        v = config.getoption(name)
-    except ValueError:
-        return default
-    return default if v is None else v
-
-
 def run_device(config) -> str:
-    return str(_opt(config, "--device", "cpu"))
+    return gate_options(config).device
 
 
 def run_dtype(config) -> str:
-    d = _opt(config, "--dtype", None)
-    return d or ("float16" if torch.device(run_device(config)).type == "cuda" else "float32")
+    return gate_options(config).dtype
 
 
 def is_cuda(device) -> bool:
@@ -91,13 +84,12 @@ class ModelCase:
 
 
 def model_cases(config) -> list[ModelCase]:
-    device = run_device(config)
-    model = str(_opt(config, "--model", "small"))
-    if model != "small":
-        return [ModelCase(model, MIXED if is_cuda(device) else MIXED_CPU)]
-    if is_cuda(device):
-        return [ModelCase("small", MIXED_CPU), ModelCase(RANDOM_1P5B, MIXED)]
-    return [ModelCase("small", MIXED_CPU)]
+    """The model under test with its class's workload; on CUDA the default small model also brings the 1.5B shape."""
+    o = gate_options(config)
+    if o.model_class == "small":
+        extra = [ModelCase(RANDOM_1P5B, MIXED)] if o.model == "small" and o.is_cuda else []
+        return [ModelCase(o.model, MIXED_CPU)] + extra
+    return [ModelCase(o.model, MIXED if o.is_cuda else MIXED_CPU)]
 
 
 def ratio_case_for(case: ModelCase, device) -> ModelCase:
@@ -150,6 +142,11 @@ def config_reason(config_name: str, device) -> str | None:
     return None if reason is None else f"engine configuration {config_name!r}: {reason}"
 
 
+def captured(runner, kind: str):
+    """The runner's graph set for steps of this kind (None: they run eagerly)."""
+    return runner.graphs if kind == "pure-decode" else runner.step_graphs
+
+
 def synchronizer(device):
     if is_cuda(device):
         dev = torch.device(device)
@@ -176,8 +173,9 @@ class FixedState:
         self.slack = -(-total_prompt // BUILD_CHUNK) + rows + 2
         need = sum(pages_for(len(s.prompt) + s.budget + self.slack, page_size) for s in self.specs)
         need += pages_for(2 * case.chunk + 1, page_size)
+        # max_batch rows + 1: the timed chunk's request holds a row too, so a captured loaded step holds all 33
         cfg = lineage_config("fused", backend=backend, page_size=page_size, device=device, dtype=dtype,
-                             max_batch=rows, chunk_tokens=BUILD_CHUNK, num_pages=need + 2)
+                             max_batch=rows + 1, chunk_tokens=BUILD_CHUNK, num_pages=need + 2)
         self.engine = Engine(cfg, case.model, loaded=loaded)
         self._decodes: list[Request] | None = None
         self._chunk: Chunk | None = None
@@ -220,8 +218,8 @@ class FixedState:
         raise ValueError(f"unknown step kind {kind!r}; known: {KINDS}")
 
     def step_fn(self, kind: str, forward_mode: str, graphs: bool = True):
-        """One step's forward(s) + sampling, device synchronised around it; nothing in the state changes. A pure
-        decode step replays its CUDA graph where the engine captured them, unless graphs=False."""
+        """One step's forward(s) + sampling, device synchronised around it; nothing in the state changes. A step
+        replays its CUDA graph where the engine captured its kind, unless graphs=False."""
         plan = self.plan(kind)
         runner, owned, sync = self.engine.runner, self.engine.pool.owned, self.sync
 
@@ -344,9 +342,9 @@ def pytest_generate_tests(metafunc):
         params = [pytest.param((case, name, kind, True, None), id=f"{dev}-{model_label(case.model)}-{name}-{kind}")
                   for case in cases for name in LINEAGE for kind in KINDS]
         # the graph path's eager twin, timed in the same run (graphs are captured only where a config allows)
-        params += [pytest.param((case, name, "pure-decode", False, None),
-                                id=f"{dev}-{model_label(case.model)}-{name}-pure-decode-eager")
-                   for case in cases for name in LINEAGE if graph_capable(name, device)]
+        params += [pytest.param((case, name, kind, False, None),
+                                id=f"{dev}-{model_label(case.model)}-{name}-{kind}-eager")
+                   for case in cases for name in LINEAGE if graph_capable(name, device) for kind in KINDS]
         # `fused` on the flex backend: the flash generation's predecessor kernel, beside it in the same run (GPU:
         # on CPU, flex compiles every shape with Inductor's C++ backend, too slow for this file)
         if dev == "cuda":
@@ -364,8 +362,8 @@ def pytest_generate_tests(metafunc):
 
 # -- step benchmarks -----------------------------------------------------------------------------------------------
 def test_step_time(benchmark, states, step_case):
-    """Forward + sampling of one step at the fixed state, per engine configuration and step kind (pure decode steps
-    replay CUDA graphs where the configuration captures them; the `-eager` twin times the same step without)."""
+    """Forward + sampling of one step at the fixed state, per engine configuration and step kind (steps replay CUDA
+    graphs where the configuration captures their kind; the `-eager` twin times the same step without)."""
     case, config_name, kind, graphs, backend = step_case
     reason = config_reason(config_name, states.device) or (
         backend and backend_reason(backend, states.device, LINEAGE[config_name]["page_size"]))
@@ -378,7 +376,7 @@ def test_step_time(benchmark, states, step_case):
     benchmark.group = f"step {torch.device(states.device).type}/{states.dtype} {model_label(case.model)} {kind}"
     benchmark.extra_info.update(model=model_label(case.model), engine=config_name, forward=forward, kind=kind,
                                 device=states.device, dtype=states.dtype,
-                                cuda_graphs=bool(graphs and st.engine.runner.graphs is not None), **info)
+                                cuda_graphs=bool(graphs and captured(st.engine.runner, kind)), **info)
     rounds, warmup = default_rounds(states.device)
     benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=1)
     stats = getattr(benchmark, "stats", None)
@@ -521,16 +519,19 @@ def test_flash_decode_cheaper_than_flex(states):
 
 
 @pytest.mark.gpu
-def test_graphed_decode_cheaper_than_eager(states, ratio_case):
-    """On GPU: a captured pure decode step (one graph launch) beats the same step run eagerly, at 32 rows of the
-    fixed state, measured interleaved in one run."""
+@pytest.mark.parametrize("kind", KINDS)
+def test_graphed_decode_cheaper_than_eager(states, ratio_case, kind):
+    """On GPU: a captured step (one graph launch) beats the same step run eagerly, at 32 rows of the fixed state
+    (pure decode; loaded: the chunk beside them; chunk-only), measured interleaved in one run."""
     names = [n for n in LINEAGE if graph_capable(n, states.device)]
     if not names:
         pytest.skip("no engine configuration captures decode graphs here (needs CUDA and a graph-safe decode "
                     "backend: flash)")
     st = states.get(ratio_case, names[0])
+    if captured(st.engine.runner, kind) is None:
+        pytest.skip(f"{names[0]} captures no {kind} steps here")
     forward = LINEAGE[names[0]]["forward"]
-    r = check_faster(f"{names[0]} pure decode step (CUDA graph)", st.step_fn("pure-decode", forward),
-                     f"{names[0]} pure decode step (eager)", st.step_fn("pure-decode", forward, graphs=False),
+    r = check_faster(f"{names[0]} {kind} step (CUDA graph)", st.step_fn(kind, forward),
+                     f"{names[0]} {kind} step (eager)", st.step_fn(kind, forward, graphs=False),
                      reps=41, warmup=3, sync=st.sync)
     print(f"\n{model_label(ratio_case.model)}: {r}")

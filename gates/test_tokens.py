@@ -8,16 +8,18 @@ import pytest
 from engine.config import PREDECESSOR
 from engine.workload import RequestSpec
 
-from . import summary
+from . import summary, triage
 from .compare import compare
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
 
 WORKLOADS = ["mixed-cpu", "uniform-cpu"]
 
 
-def assert_gate(report):
+def assert_gate(report, engine=None, reference=None, score=None):
+    """Given the candidate's engine, the reference records and score, a failure also says where the first failing
+    token was computed and which re-runs of its request pass (gates/triage.py)."""
     summary.record(report)
-    assert report.ok, f"gate {report.gate} failed:\n  " + "\n  ".join(report.problems())
+    assert report.ok, triage.failure_message(report, engine, reference, score)
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)
@@ -29,9 +31,10 @@ def test_against_hf(runs, opts, engine, backend, workload):
     golden = runs.golden("hf", workload)
     cand, eng = runs.candidate(engine, backend, workload)
     assert eng.pool.num_free == eng.pool.capacity, "pages leaked: the pool is not whole after the run"
-    report = compare(f"{engine}[{backend}] vs hf on {workload}", golden, cand, runs.reference("hf", workload).score,
-                     opts.threshold, opts.flip_cap, check_steps=False)
-    assert_gate(report)
+    score = runs.reference("hf", workload).score
+    report = compare(f"{engine}[{backend}] vs hf on {workload}", golden, cand, score, opts.threshold, opts.flip_cap,
+                     check_steps=False)
+    assert_gate(report, eng, golden, score)
 
 
 @pytest.mark.parametrize("engine,backend", [c for c in CANDIDATES if c[0] in PREDECESSOR],
@@ -43,13 +46,13 @@ def test_against_predecessor(runs, opts, engine, backend):
     pred = PREDECESSOR[engine]
     workload = workload_for(opts, "mixed-cpu")
     golden = runs.golden(pred, workload)
-    cand, _ = runs.candidate(engine, backend, workload)
+    cand, eng = runs.candidate(engine, backend, workload)
     # the same scheduler only when the page size matches; otherwise admission (and so the steps) may differ
     same_pages = runs.reference(pred, workload).config.page_size == runs.candidate(engine, backend, workload)[1] \
         .config.page_size
     report = compare(f"{engine}[{backend}] vs {pred} on {workload}", golden, cand,
                      runs.reference(pred, workload).score, opts.threshold, opts.flip_cap, check_steps=same_pages)
-    assert_gate(report)
+    assert_gate(report, eng, golden, runs.reference(pred, workload).score)
 
 
 def loaded_step_workload(vocab: int) -> list[RequestSpec]:
@@ -82,7 +85,7 @@ def test_loaded_step(runs, opts, engine, backend):
     golden = ref.generate(specs)      # small: generated live rather than stored
     report = compare(f"{engine}[{backend}] loaded steps vs hf", golden, cand, ref.score, opts.threshold,
                      opts.flip_cap, check_steps=False)
-    assert_gate(report)
+    assert_gate(report, cand_ref.last_engine, golden, ref.score)
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])

@@ -49,6 +49,10 @@ class AttentionBackend:
     # True when decode reads only device tensors whose shapes depend on the batch size alone (the block table, of a
     # fixed width, and the cache lengths), so a CUDA graph can capture it (engine/graphs.py)
     graph_safe_decode: bool = False
+    # True when prefill reads only device tensors (block table, cache lengths, query offsets) whose shapes depend on
+    # host bounds alone (sequences, query rows, the longest sequence), so a loaded or chunk-only step that passes
+    # bounds can be captured (engine/step_graphs.py)
+    graph_safe_prefill: bool = False
 
     @classmethod
     def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:

@@ -79,6 +79,7 @@ class FlashBackend(AttentionBackend):
     name = "flash"
     page_sizes = (256,)
     graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
+    graph_safe_prefill = True   # paged varlen: cu_seqlens, block table; max_seqlen_q/k are bounds (step_graphs.py)
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, decode_splits: int | None = None):
@@ -100,6 +101,7 @@ class FlashBackend(AttentionBackend):
         if not self.paged_prefill:
             from .torch_backend import TorchBackend
             self._fallback = TorchBackend()
+            self.graph_safe_prefill = False
 
     @classmethod
     def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:

@@ -22,19 +22,24 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def prepare(self, batch: AttnBatch, kind: str) -> None:
+        # per-sequence lengths come from the device tensors; the host gives only the shapes (sequences, query rows,
+        # the longest query and history), so a captured step may pass bounds (engine/step_graphs.py)
         dev = batch.block_tables.device
-        B, max_q, max_kv = batch.num_seqs, batch.max_q, batch.max_kv
+        max_q, max_kv = batch.max_q, batch.max_kv
         slots = gather_slots(batch.block_tables, batch.kv_lens_t, max_kv, batch.page_size)
-        q_lens = torch.tensor(batch.q_lens, device=dev)
+        cu = batch.cu_q_t.long()
+        q_lens = cu[1:] - cu[:-1]
         kv_lens = batch.kv_lens_t.long()
         i = torch.arange(max_q, device=dev)
         j = torch.arange(max_kv, device=dev)
         # query i of sequence b sits at history position kv_len - q_len + i and sees keys up to it (causal)
         qpos = (kv_lens - q_lens)[:, None] + i[None, :]                              # [B, max_q]
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
-        # packed row -> (sequence, index in sequence), to pad queries and unpad outputs
-        seq_of_row = torch.repeat_interleave(torch.arange(B, device=dev), q_lens, output_size=batch.num_queries)
-        idx_in_seq = torch.arange(batch.num_queries, device=dev) - batch.cu_q_t.long()[seq_of_row]
+        # packed row -> (sequence, index in sequence), to pad queries and unpad outputs; a sequence with no query
+        # row (a captured step's unused one) owns no row
+        rows = torch.arange(batch.num_queries, device=dev)
+        seq_of_row = torch.searchsorted(cu[1:], rows, right=True)
+        idx_in_seq = rows - cu[seq_of_row]
         batch.prepared[kind] = (slots, mask, seq_of_row, idx_in_seq)
 
     def attend(self, q, k_cache, v_cache, batch: AttnBatch, scale: float, kind: str) -> torch.Tensor:

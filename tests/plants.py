@@ -31,7 +31,7 @@ class FlooringPool(PagePool):
 def take(sched: Scheduler, r) -> None:
     """Admit one waiting request, as Scheduler.admit does: its pages, its row."""
     sched.waiting.remove(r)
-    sched.pool.reserve(r.request_id, r.slots_needed)
+    r.pages = sched.pool.reserve(r.request_id, r.slots_needed)
     r.state = State.PREFILL
     r.admit_step = sched.step_index
     sched.running.append(r)
@@ -70,13 +70,13 @@ class OverfullScheduler(Scheduler):
 
 # -- patches: each takes a pytest.MonkeyPatch (a test's `monkeypatch`, or the session's in the plugin) -------------
 def after_build(mp: pytest.MonkeyPatch, change: Callable) -> None:
-    """ModelRunner.build, then `change(runner, positions, ctx)` on what it built."""
+    """ModelRunner.build, then `change(runner, chunks, positions, ctx)` on what it built."""
     from engine.runner import ModelRunner
     build = ModelRunner.build
 
-    def bugged(self, *args, **kwargs):
-        tokens, positions, ctx, rows = build(self, *args, **kwargs)
-        change(self, positions, ctx)
+    def bugged(self, chunks, *args, **kwargs):
+        tokens, positions, ctx, rows = build(self, chunks, *args, **kwargs)
+        change(self, chunks, positions, ctx)
         return tokens, positions, ctx, rows
 
     mp.setattr(ModelRunner, "build", bugged)
@@ -84,14 +84,14 @@ def after_build(mp: pytest.MonkeyPatch, change: Callable) -> None:
 
 def rotary(mp: pytest.MonkeyPatch) -> None:
     """Decode rows rotated as if one position later."""
-    def change(runner, positions, ctx):
+    def change(runner, chunks, positions, ctx):
         positions[ctx.num_prefill:] += 1
     after_build(mp, change)
 
 
 def cache_len(mp: pytest.MonkeyPatch) -> None:
     """Decode attends to one slot fewer than its history."""
-    def change(runner, positions, ctx):
+    def change(runner, chunks, positions, ctx):
         if ctx.decode is not None:
             ctx.decode.kv_lens = [n - 1 for n in ctx.decode.kv_lens]
             ctx.decode.kv_lens_t -= 1
@@ -99,34 +99,72 @@ def cache_len(mp: pytest.MonkeyPatch) -> None:
     after_build(mp, change)
 
 
-def stale_read(mp: pytest.MonkeyPatch) -> None:
-    """Each decode row reads its history through the previous row's block-table row: another request's pages."""
-    import torch
-
-    def change(runner, positions, ctx):
-        if ctx.decode is not None and ctx.decode.num_seqs > 1:
-            ctx.decode.block_tables = torch.roll(ctx.decode.block_tables, 1, dims=0)
-            runner.backend.prepare(ctx.decode, "decode")
+def chunk_position(mp: pytest.MonkeyPatch) -> None:
+    """Every prompt chunk but a prompt's first, one position late."""
+    def change(runner, chunks, positions, ctx):
+        i = 0
+        for c in chunks:
+            if c.start > 0:
+                positions[i:i + c.length] += 1
+            i += c.length
     after_build(mp, change)
 
 
-def token_choice(mp: pytest.MonkeyPatch, at: int = 25, repeat: bool = False) -> None:
-    """From the `at`-th sampling call on, the first call with rows takes its first row's runner-up (once, or every
-    `at` calls with `repeat`)."""
+def token_choice(mp: pytest.MonkeyPatch) -> None:
+    """Every decode row takes its runner-up (completing prompt chunks keep their first choice)."""
+    import torch
     from engine.runner import ModelRunner
-    sample = ModelRunner.sample
-    calls = {"n": 0, "next": at}
+    run = ModelRunner.run
 
-    def bugged(self, logits):
-        calls["n"] += 1
-        if calls["n"] >= calls["next"] and logits.shape[0] > 0:
-            calls["next"] = calls["n"] + at if repeat else float("inf")
-            second = logits[0].topk(2).indices[1]
+    def bugged(self, plan, pages_of, forward_mode, use_graphs=True):
+        first = sum(c.completes_prompt for c in plan.chunks)     # decode rows come after completing chunks
+        sample = self.sample
+
+        def runner_up(logits):
             logits = logits.clone()
-            logits[0, second] = logits[0].max() + 0.5
-        return sample(self, logits)
+            rows = torch.arange(first, logits.shape[0])
+            second = logits[first:].topk(2).indices[:, 1]
+            logits[rows, second] = logits[first:].max(-1).values + 0.5
+            return sample(logits)
 
-    mp.setattr(ModelRunner, "sample", bugged)
+        self.sample = runner_up
+        try:
+            return run(self, plan, pages_of, forward_mode, use_graphs)
+        finally:
+            del self.sample
+
+    mp.setattr(ModelRunner, "run", bugged)
+
+
+def decode_tables(mp: pytest.MonkeyPatch, change: Callable, kv_change: Callable | None = None) -> None:
+    """The decode batch's block-table rows through `change(tables)` (and its lengths through `kv_change`)."""
+    from engine.runner import ModelRunner
+    attn = ModelRunner._attn_batch
+
+    def bugged(self, q_lens, kv_lens, tables):
+        if all(n == 1 for n in q_lens):
+            tables = change(tables)
+            kv_lens = kv_change(kv_lens) if kv_change else kv_lens
+        return attn(self, q_lens, kv_lens, tables)
+
+    mp.setattr(ModelRunner, "_attn_batch", bugged)
+
+
+def stale_read(mp: pytest.MonkeyPatch) -> None:
+    """Decode row i reads its history through row i-1's block-table row: another request's pages."""
+    decode_tables(mp, lambda tables: tables[:1] + tables[:-1] if len(tables) >= 2 else tables)
+
+
+def stale_row_cache(mp: pytest.MonkeyPatch) -> None:
+    """Decode rows keep the block table of the first request they served: once it finishes, the request that
+    moves up to its row reads its freed, poisoned pages."""
+    stale: dict[int, list[int]] = {}
+    decode_tables(mp, lambda tables: [stale.setdefault(i, t) for i, t in enumerate(tables)])
+
+
+def decode_one_past(mp: pytest.MonkeyPatch) -> None:
+    """Each decode row attends to one slot past its length: its own never-written slot."""
+    decode_tables(mp, lambda tables: tables, lambda kv_lens: [n + 1 for n in kv_lens])
 
 
 def read_past_length(mp: pytest.MonkeyPatch) -> None:
@@ -192,15 +230,20 @@ class Plant:
 
 
 PLANTS = {
-    "rotary": Plant("a decode row's rotary position +1", r"decode row", rotary, number_changing=True),
-    "cache-len": Plant("a decode row's cache length one short", r"decode row", cache_len, number_changing=True),
-    "token-choice": Plant("every 10th sampling call takes the first row's runner-up",
-                          r"(?i)token choice|runner-up|ranks? it lower",
-                          lambda mp: token_choice(mp, at=10, repeat=True), number_changing=True),
-    "stale-read": Plant("a decode row reads the previous row's block-table row (another request's pages)",
-                        r"(?i)owned by|last owned|owner\b|belongs to", stale_read, number_changing=True),
+    "rotary": Plant("a decode row's rotary position +1", r"always: model, rotary or token choice \(in decode rows",
+                    rotary, number_changing=True),
+    "cache-len": Plant("a decode row's cache length one short",
+                       r"always: model, rotary or token choice \(in decode rows", cache_len, number_changing=True),
+    "token-choice": Plant("every decode row takes its runner-up", r"always: model, rotary or token choice",
+                          token_choice, number_changing=True),
+    "chunk-position": Plant("every prompt chunk but a prompt's first one position late",
+                            r"only when its prompt is chunked", chunk_position, number_changing=True),
+    "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
+                        r"only when batched with|(last )?owned by \S+ \(position", stale_read, number_changing=True),
+    "stale-row-cache": Plant("decode rows keep the block table of the first request they served (read after free)",
+                             r"read slot \d+ \(page \d+\): last owned by", stale_row_cache),
     "read-past-length": Plant("the torch kernels read one slot past each length, masked afterwards",
-                              r"(?i)slot \d+.{0,80}(past|beyond|owned|never written)", read_past_length),
+                              r"read slot \d+ \(page \d+\): owned by", read_past_length),
     "fcfs": Plant("admission lets a later request that fits jump the blocked head", r"strict FCFS admission violated",
                   fcfs),
     "eager-free": Plant("release() puts pages straight back on the free list, mid-step",

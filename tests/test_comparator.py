@@ -1,13 +1,13 @@
-"""The comparator on synthetic records: the 0.02 rule, teacher forcing after a flip, distinct sites, and
-hypothesis properties (self-comparison has no flips; a gap >= threshold always fails; sites <= differing
-positions)."""
+"""The comparator on synthetic records: the tie rule on absolute gaps, teacher forcing after a flip, distinct sites,
+and hypothesis properties (self-comparison has no flips; a gap >= threshold always fails; the rule is symmetric in
+reference and candidate; sites <= differing positions)."""
 from __future__ import annotations
 
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gates.compare import compare, compare_request
+from gates.compare import TIE_THRESHOLD, compare, compare_request
 from gates.records import GenRecord
 
 V = 16
@@ -110,6 +110,60 @@ def test_schedule_difference_is_reported_apart():
     assert "schedule difference, emitted at step 7, the reference at step 6" in rep.problems()[0]
 
 
+def own_runner_up(ref_gap: float, cand_gap: float, teacher_forced: bool):
+    """Reference and candidate that differ at one position (1, or 2 after a tie flip at 1), where the reference's
+    two tokens are ref_gap apart and the candidate emits the token its own logits rank cand_gap BELOW the other."""
+    pos = 2 if teacher_forced else 1
+    ref_rows = rows_with_winner([3, 4, 5, 6], second=[None, 7, None, None])    # an exact tie at 1
+    ref_rows[pos][9] = ref_rows[pos][5 if teacher_forced else 4] - ref_gap
+    cand_rows = [list(r) for r in ref_rows]
+    if teacher_forced:
+        cand_rows[1][7] += 1e-6                      # the accepted flip at 1: 4 -> 7
+    winner = 5 if teacher_forced else 4
+    cand_rows[pos][9] = cand_rows[pos][winner] - cand_gap
+    ref, cand = record("r", [1], ref_rows), record("r", [1], cand_rows)
+    assert cand.tokens[pos] == winner, "the plant needs the candidate's own argmax to be the reference's token"
+    cand.tokens[pos] = 9                             # the plant: emit its own runner-up
+    tf = [list(r) for r in ref_rows]                 # the reference forced over the candidate's tokens
+    tf[1][7] = tf[1][4]
+    return ref, cand, scorer_from(tf), pos, winner
+
+
+def test_a_candidate_that_picks_its_own_runner_up_just_over_the_threshold_fails():
+    """The candidate side of the rule is the ABSOLUTE gap: a signed gap (own token minus the other) is negative here
+    and would pass every threshold."""
+    ref, cand, tf, pos, winner = own_runner_up(0.001, TIE_THRESHOLD * 1.05, teacher_forced=False)
+    rep = compare("g", {"r": ref}, {"r": cand}, tf, TIE_THRESHOLD, 3)
+    assert not rep.ok and rep.counts()["failed"] == 1
+    msg = rep.problems()[0]
+    for part in (f"r position {pos}", f"reference token {winner}", "candidate token 9",
+                 "gap in reference logits 0.0010, in candidate logits 0.0210", f"not a near tie under {TIE_THRESHOLD}",
+                 f"the candidate's own logits rank its token 9 below {winner} by 0.0210"):
+        assert part in msg, msg
+
+
+def test_a_candidate_that_picks_its_own_runner_up_under_the_threshold_is_a_flip():
+    ref, cand, tf, pos, _ = own_runner_up(0.001, TIE_THRESHOLD * 0.95, teacher_forced=False)
+    rep = compare("g", {"r": ref}, {"r": cand}, tf, TIE_THRESHOLD, 3)
+    assert rep.ok, rep.problems()
+    (flip,) = rep.flips
+    assert flip.position == pos and abs(flip.cand_gap - 0.019) < 1e-5 and abs(flip.ref_gap - 0.001) < 1e-5
+
+
+def test_teacher_forced_side_uses_the_absolute_gap_too():
+    ref, cand, tf, pos, winner = own_runner_up(0.001, TIE_THRESHOLD * 1.05, teacher_forced=True)
+    rep = compare("g", {"r": ref}, {"r": cand}, tf, TIE_THRESHOLD, 3)
+    assert not rep.ok
+    msg = rep.problems()[0]
+    for part in (f"r position {pos}", "teacher-forced after an earlier flip", "in candidate logits 0.0210",
+                 f"the candidate's own logits rank its token 9 below {winner} by 0.0210"):
+        assert part in msg, msg
+    ref, cand, tf, pos, _ = own_runner_up(0.001, TIE_THRESHOLD * 0.95, teacher_forced=True)
+    rep = compare("g", {"r": ref}, {"r": cand}, tf, TIE_THRESHOLD, 3)
+    assert rep.ok, rep.problems()
+    assert [(f.position, f.teacher_forced) for f in rep.flips] == [(1, False), (pos, True)]
+
+
 # -- properties ----------------------------------------------------------------------------------------------
 logit_rows = st.lists(st.lists(st.floats(-5, 5, allow_nan=False, width=32), min_size=V, max_size=V),
                       min_size=1, max_size=12)
@@ -148,3 +202,28 @@ def test_distinct_sites_never_exceed_differing_positions(rows_a, rows_b):
     differing = sum(x != y for x, y in zip(a.tokens, b.tokens))
     assert len(rep.sites) <= max(differing, len(rep.flips))
     assert len(rep.sites) <= n
+
+
+small_rows = st.lists(st.floats(-0.0625, 0.0625, allow_nan=False, width=32), min_size=V, max_size=V)
+
+
+@given(st.lists(st.tuples(small_rows, small_rows, st.integers(0, 1), st.integers(0, 1)), min_size=1, max_size=6),
+       st.floats(0.001, 0.05))
+def test_the_tie_rule_is_symmetric_and_on_absolute_gaps(rows, threshold):
+    """Each side emits its top-1 or top-2 token (so either may rank its own token lower): the first difference is
+    accepted exactly when both sides' absolute gaps are under the threshold, whichever side is the reference."""
+    x = record("x", [1], [r for r, _, _, _ in rows])
+    y = record("x", [1], [[u + d / 2 for u, d in zip(r, e)] for r, e, _, _ in rows])   # y: x moved a little
+    x.tokens = [x.topk_ids[i][k] for i, (_, _, k, _) in enumerate(rows)]
+    y.tokens = [y.topk_ids[i][k] for i, (_, _, _, k) in enumerate(rows)]
+    one, other = compare_request(x, y, None, threshold), compare_request(y, x, None, threshold)
+    accepted = lambda v: v.failure is None or "accepted flip" in v.failure.reason   # noqa: E731
+    assert accepted(one) == accepted(other), (one.failure, other.failure)
+    diff = next((i for i, (a, b) in enumerate(zip(x.tokens, y.tokens)) if a != b), None)
+    if diff is None:
+        assert one.status == "identical"
+        return
+    a, b = x.tokens[diff], y.tokens[diff]
+    gaps = [(r.logit(diff, a), r.logit(diff, b)) for r in (x, y)]
+    tie = all(u is not None and w is not None and abs(u - w) < threshold for u, w in gaps)
+    assert accepted(one) == tie, (gaps, one.failure)

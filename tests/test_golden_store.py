@@ -1,4 +1,6 @@
-"""The golden store: atomic regeneration that reports what moved, and gate runs that never write goldens."""
+"""The golden store: atomic regeneration that reports what moved (per request, named, with the largest logit move),
+`--check` that writes nothing, file modes, an unwritable folder found before generating, and gate runs that never
+write goldens."""
 from __future__ import annotations
 
 import os
@@ -11,7 +13,11 @@ import pytest
 from engine import workload as wl_mod
 from engine.runner import ModelRunner
 from engine.workload import Workload
-from gates.golden import golden_path, read_golden, regenerate
+from gates import golden as golden_mod
+from gates.compare import TIE_THRESHOLD, compare
+from gates.golden import (GOLDEN_DIR, GoldenError, describe_changes, golden_path, read_golden, regen_command,
+                          regenerate, write_golden)
+from gates.records import GenRecord
 from gates.parity import parity
 
 TINY = Workload("tiny", (4, 40), (4, 8), 4, chunk_tokens=32)
@@ -33,7 +39,8 @@ def test_regen_is_atomic_and_reports_identical(tiny, tmp_path):
     assert all(r.steps is not None for r in records.values()), "engine goldens record steps"
     report = regenerate("small", tiny, "fused", "cpu", "float32", tmp_path, out=lines.append)
     assert report.counts() == {"identical": 4, "flipped": 0, "failed": 0}
-    assert "4 identical, 0 flipped, 0 changed beyond tolerance" in lines[-1]
+    assert "4 identical, 0 flipped, 0 changed beyond tolerance, 0 with tokens emitted at other steps" in lines[-1]
+    assert "identical: tiny-0000..0003" in lines[-1] and "largest logit move: 0.0000 at tiny-" in lines[-1]
     assert not [p for p in base.parent.iterdir() if p.name.endswith(".tmp")], "a temporary file was left behind"
 
 
@@ -54,12 +61,107 @@ def test_regen_after_a_change_says_what_moved(tiny, tmp_path, monkeypatch):
     assert "changed beyond tolerance" in lines[-1] and "changed tiny-0000 position 0" in lines[-1]
 
 
+def test_regen_check_reports_and_writes_nothing(tiny, tmp_path, monkeypatch, capsys):
+    """`regen --check`: exit 1 on a missing golden or a change beyond tolerance, 0 when nothing moved; never a
+    write (the folder is not even created)."""
+    args = ["regen", "--check", "--workload", tiny, "--reference", "fused", "--golden-dir", str(tmp_path / "g")]
+    assert golden_mod.main(args) == 1
+    assert "no usable previous golden" in capsys.readouterr().out and not (tmp_path / "g").exists()
+    regenerate("small", tiny, "fused", "cpu", "float32", tmp_path / "g", out=lambda s: None)
+    base = golden_path(tmp_path / "g", "small", tiny, "fused", "cpu", "float32")
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in base.parent.iterdir()}
+    assert golden_mod.main(args) == 0
+    out = capsys.readouterr().out
+    assert "nothing written" in out and "4 identical" in out
+    sample = ModelRunner.sample
+    monkeypatch.setattr(ModelRunner, "sample", lambda self, logits: sample(self, -logits))   # a changed engine
+    assert golden_mod.main(args) == 1
+    assert "  changed tiny-0000 position" in capsys.readouterr().out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in base.parent.iterdir()} == files
+
+
+def test_an_unwritable_golden_folder_fails_before_generating(tiny, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the golden folder should be")      # unwritable even for root
+
+    def no_generation(*a, **k):
+        raise AssertionError("generated before finding that the folder is unwritable")
+    monkeypatch.setattr(golden_mod, "generate", no_generation)
+    with pytest.raises(GoldenError, match=r"cannot write goldens to .*not-a-folder.*nothing was generated"):
+        regenerate("small", tiny, "fused", "cpu", "float32", blocker, out=lambda s: None)
+    rc = golden_mod.main(["regen", "--workload", tiny, "--reference", "fused", "--golden-dir", str(blocker)])
+    assert rc == 2 and "cannot write goldens to" in capsys.readouterr().err
+
+
+def two_positions(token: int) -> GenRecord:
+    return GenRecord("r", [1, 2], [token, 4], [[token, 9], [4, 9]], [[2.0, 1.0], [2.0, 1.0]], [0, 1])
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_written_goldens_follow_the_umask_like_a_plain_file(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        write_golden(tmp_path / "g" / "hf-cpu-float32", {"r": two_positions(3)}, {})
+    finally:
+        os.umask(old)
+    got = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "g").iterdir()}
+    assert got == {"hf-cpu-float32.json.gz": mode, "hf-cpu-float32.meta.json": mode}
+
+
+def test_regen_hint_carries_a_golden_dir_that_is_not_the_default(tmp_path):
+    plain = regen_command("small", "mixed-cpu", "hf", "cpu", "float32")
+    assert "--golden-dir" not in plain and plain == regen_command("small", "mixed-cpu", "hf", "cpu", "float32",
+                                                                   GOLDEN_DIR)
+    hint = regen_command("small", "mixed-cpu", "hf", "cpu", "float32", tmp_path)
+    assert f"--dtype float32 --golden-dir {tmp_path}" in hint and f"--regen-golden --golden-dir {tmp_path}" in hint
+
+
+def synthetic_goldens():
+    """Seven requests, old and new: four identical (one with a top-k logit moved by 0.0084 and one with its emitted
+    token's logit moved by 0.0030), a tie flip, a change beyond the tie rule, and tokens moved to later steps."""
+    def rec(rid, tokens, steps=None):
+        return GenRecord(rid, [1, 2], list(tokens), [[t, 50 + p, 60 + p] for p, t in enumerate(tokens)],
+                         [[1.0, 0.5, 0.0] for _ in tokens], list(steps or range(len(tokens))))
+    old = {f"r-{i:04d}": rec(f"r-{i:04d}", [3, 4, 5, 6]) for i in range(7)}
+    new = {rid: rec(rid, r.tokens) for rid, r in old.items()}
+    new["r-0001"].topk_vals[1][1] += 0.0084
+    new["r-0002"].topk_vals[2][0] -= 0.003
+    old["r-0004"].topk_ids[1], old["r-0004"].topk_vals[1] = [4, 9, 51], [1.0, 0.995, 0.5]
+    new["r-0004"] = rec("r-0004", [3, 9, 5, 6])
+    new["r-0004"].topk_ids[1], new["r-0004"].topk_vals[1] = [9, 4, 51], [1.0, 0.998, 0.5]
+    new["r-0004"].topk_vals[2][1] += 5.0           # after the flip: another context, not a logit move
+    new["r-0005"] = rec("r-0005", [3, 8, 5, 6])
+    new["r-0005"].topk_ids[1], new["r-0005"].topk_vals[1] = [8, 4, 51], [2.0, 1.0, 0.5]
+    new["r-0006"] = rec("r-0006", [3, 4, 5, 6], steps=[0, 2, 3, 4])
+    return old, new
+
+
+def test_regen_report_names_every_request_and_the_largest_logit_move():
+    import torch
+    old, new = synthetic_goldens()
+    score = lambda prompt, tokens: torch.eye(64)[tokens]       # noqa: E731  forced over the new tokens, it agrees
+    report = compare("regen", old, new, score, TIE_THRESHOLD, flip_cap=10 ** 9, check_steps=True)
+    text = describe_changes(report, old, new)
+    expected = [
+        "4 identical, 1 flipped, 1 changed beyond tolerance, 1 with tokens emitted at other steps",
+        "identical: r-0000..0003",
+        "flipped r-0004@1: 4 -> 9 (gap 0.0050 in the old golden's logits, 0.0020 in the new; site ",
+        "changed r-0005 position 1: reference token 4, candidate token 8",
+        "moved r-0006: 3 token(s) emitted at other steps, the first at position 1: step 1 -> 2",
+        "largest logit move: 0.0084 at r-0001@1 token 51: 42% of the 0.02 tie rule",
+        "largest move of an emitted token's logit: 0.0030 at r-0002@2 token 5: 15% of the 0.02 tie rule"]
+    for part in expected:
+        assert part in text, f"{part!r} not in:\n{text}"
+    assert golden_mod.changed(report)
+    assert not golden_mod.changed(compare("regen", old, old, score, TIE_THRESHOLD, 10 ** 9))
+
+
 def test_parity_counts_by_prompt_length(tiny, tmp_path):
     from gates.reference import EngineReference
     ref = EngineReference("fused", chunk_tokens=32)
     a = ref.generate(TINY.requests())
     b = {k: v for k, v in a.items()}
-    rep = parity(a, b, ref.score, 0.02)
+    rep = parity(a, b, ref.score, TIE_THRESHOLD)
     assert sum(r["requests"] for r in rep["by_prompt_length"].values()) == 4
     assert all(r["differ"] == 0 for r in rep["by_prompt_length"].values())
 

@@ -9,34 +9,20 @@ is why it is not marked graph-safe for real use)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import Engine, PoisonedLogitsError
 from engine.graphs import DecodeGraphs, ladder, width_ladder
 from engine.workload import MIXED_CPU
 from gates.compare import compare
 from gates.reference import EngineReference
-from kernels import why_unavailable
-from kernels.torch_backend import TorchBackend
 
 SUBSET = MIXED_CPU.scaled(40)     # 40 requests over 32 rows: rows change requests as they finish
 MAX_LEN = 1024 + 64               # the subset's longest prompt + budget: a narrow table keeps the CPU gathers small
 
 
-@pytest.fixture(params=["cpu-emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
-def mode(request, monkeypatch):
-    if request.param == "cuda":
-        dev = request.config.getoption("--device")
-        if not dev.startswith("cuda") or not torch.cuda.is_available():
-            pytest.skip("captured CUDA graphs need a CUDA device (run with --device cuda on a GPU)")
-        reason = why_unavailable("flash", dev, 256)
-        if reason:
-            pytest.skip(f"no graph-safe decode backend here: flash: {reason}")
-        # fp16: the trained small model, whose margins outlast fp16 rounding (docs/small-model.md)
-        return dict(engine="flash", device=dev, dtype="float16", model="small-trained")
-    monkeypatch.setattr(TorchBackend, "graph_safe_decode", True)
-    monkeypatch.setattr(Engine, "use_cuda_graphs", staticmethod(lambda config: bool(config.cuda_graphs)))
-    return dict(engine="fused", device="cpu", dtype="float32", model="small")
+@pytest.fixture
+def mode(graph_mode):
+    return graph_mode
 
 
 def run(mode, graphs: bool):

@@ -1,4 +1,5 @@
-"""A planted slowdown is caught: by the alert report (two synthetic pytest-benchmark JSONs), by pytest-benchmark's
+"""A planted slowdown is caught: by the alert report (two synthetic pytest-benchmark JSONs; the report also fails on
+a benchmark the current run lacks and refuses runs of other machines or engine configurations), by pytest-benchmark's
 own compare against a stored baseline (the step-timing benchmarks run twice in a subprocess, the second time with a
 sleep planted inside the timed step), and by the fused-vs-chunked ratio gate (the fused step planted slower)."""
 from __future__ import annotations
@@ -18,18 +19,26 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # -- (a) the alert report ------------------------------------------------------------------------------------------
-def bench_json(medians: dict[str, float], tokens_per_s: dict[str, float] | None = None) -> dict:
-    """A minimal pytest-benchmark JSON: one benchmark per name, with the given median (seconds)."""
+MACHINE = {"node": "synthetic", "processor": "x86_64", "machine": "x86_64",
+           "cpu": {"brand_raw": "Intel(R) Xeon(R) Processor", "count": 16}}
+CONFIG = {"model": "small", "engine": "fused", "device": "cpu", "dtype": "float32", "backend": "torch",
+          "page_size": 64, "chunk_history": 128, "rows": 32}
+
+
+def bench_json(medians: dict[str, float], tokens_per_s: dict[str, float] | None = None, machine: dict | None = None,
+               extra: dict[str, dict] | None = None) -> dict:
+    """A minimal pytest-benchmark JSON: one benchmark per name, with the given median (seconds); `machine` updates
+    machine_info, `extra` a benchmark's extra_info (by name) over CONFIG."""
     out = []
     for name, m in medians.items():
         b = {"group": "step", "name": name, "fullname": f"gates/test_step_timings.py::{name}", "params": None,
              "stats": {"min": m * 0.9, "max": m * 1.2, "mean": m * 1.02, "stddev": m * 0.05, "median": m,
                        "rounds": 5, "iterations": 1, "ops": 1 / (m * 1.02)},
-             "extra_info": {}}
+             "extra_info": {**CONFIG, **(extra or {}).get(name, {})}}
         if tokens_per_s and name in tokens_per_s:
             b["extra_info"]["tokens_per_s"] = tokens_per_s[name]
         out.append(b)
-    return {"machine_info": {"node": "synthetic"}, "commit_info": {}, "benchmarks": out,
+    return {"machine_info": {**MACHINE, **(machine or {})}, "commit_info": {}, "benchmarks": out,
             "datetime": "2026-01-01T00:00:00", "version": "5.2.3"}
 
 
@@ -78,6 +87,74 @@ def test_alert_throughput_rule(tmp_path, capsys):
     assert alert.main(["--baseline", str(base), "--current", str(cur)]) == 1
     out = capsys.readouterr().out
     assert any("tokens_per_s" in ln and "REGRESSION" in ln for ln in out.splitlines()), out
+
+
+def alert_run(tmp_path, capsys, base: dict, cur: dict, *flags: str) -> tuple[int, str, str]:
+    b, c = write(tmp_path, "0001_base.json", base), write(tmp_path, "0002_cur.json", cur)
+    rc = alert.main(["--baseline", str(b), "--current", str(c), *flags])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_alert_fails_when_the_current_run_lacks_a_baseline_benchmark(tmp_path, capsys):
+    """A skipped or deselected benchmark is unmeasured, not unchanged: missing fails by default, --allow-missing
+    makes it a warning; a benchmark new in the current run is listed, never a failure."""
+    gone = "test_step_time[cpu-small-chunked-loaded]"
+    added = "test_step_time[cpu-small-flash-loaded]"
+    cur = {k: v for k, v in BASE.items() if k != gone} | {added: 0.1}
+    md = tmp_path / "summary.md"
+    rc, out, _ = alert_run(tmp_path, capsys, bench_json(BASE), bench_json(cur), "--markdown", str(md))
+    assert rc == 1, out
+    fail = (f"FAIL: 1 benchmark(s) of the baseline missing from the current run: gates/test_step_timings.py::{gone} "
+            "(unmeasured is not unchanged; --allow-missing to accept)")
+    assert "no regression" in out and fail in out, out
+    assert f"1 new benchmark(s), no baseline: gates/test_step_timings.py::{added}" in out
+    assert fail in md.read_text()
+    rc, out, _ = alert_run(tmp_path, capsys, bench_json(BASE), bench_json(cur), "--allow-missing")
+    assert rc == 0 and f"warning: 1 benchmark(s) of the baseline missing from the current run: " in out, out
+    rc, out, _ = alert_run(tmp_path, capsys, bench_json(BASE), bench_json({**BASE, added: 0.1}))
+    assert rc == 0 and "missing" not in out and "1 new benchmark(s)" in out, out
+
+
+def test_alert_fails_when_a_benchmark_lost_its_throughput(tmp_path, capsys):
+    name = "test_step_time[cpu-small-fused-loaded]"
+    rc, out, _ = alert_run(tmp_path, capsys, bench_json({name: 0.2}, {name: 1000.0}), bench_json({name: 0.2}))
+    assert rc == 1 and f"missing from the current run: gates/test_step_timings.py::{name} [tokens_per_s]" in out, out
+
+
+@pytest.mark.parametrize("machine,named", [
+    ({"cpu": {"brand_raw": "AMD EPYC 9654"}}, "cpu 'Intel(R) Xeon(R) Processor' -> 'AMD EPYC 9654'"),
+    ({"node": "runner-7"}, "node 'synthetic' -> 'runner-7'"),
+    ({"gpu": "NVIDIA H100 80GB HBM3"}, "gpu 'NVIDIA H200' -> 'NVIDIA H100 80GB HBM3'")])
+def test_alert_refuses_runs_of_different_machines(tmp_path, capsys, machine, named):
+    slow = {k: v * 1.5 for k, v in BASE.items()}        # a regression is not judged across machines either
+    base = bench_json(BASE, machine={"gpu": "NVIDIA H200"})
+    rc, out, err = alert_run(tmp_path, capsys, base, bench_json(slow, machine={"gpu": "NVIDIA H200", **machine}))
+    assert rc == 2 and not out, out
+    assert "refusing to compare" in err and "different machines (baseline -> current): " + named in err, err
+    assert "pass --allow-different-machines to compare anyway" in err
+    rc, out, err = alert_run(tmp_path, capsys, base, bench_json(slow, machine={"gpu": "NVIDIA H200", **machine}),
+                             "--allow-different-machines")
+    assert rc == 1 and "warning: different machines (baseline -> current): " + named in out, out
+
+
+def test_alert_reads_a_gpu_name_recorded_in_extra_info(tmp_path, capsys):
+    name = "test_step_time[cpu-small-fused-loaded]"
+    rc, _, err = alert_run(tmp_path, capsys, bench_json({name: 0.2}, extra={name: {"gpu_name": "NVIDIA H200"}}),
+                           bench_json({name: 0.2}, extra={name: {"gpu_name": "NVIDIA A100"}}))
+    assert rc == 2 and "gpu 'NVIDIA H200' -> 'NVIDIA A100'" in err, err
+
+
+def test_alert_refuses_runs_of_different_engine_configurations(tmp_path, capsys):
+    name = "test_step_time[cpu-small-fused-loaded]"
+    other = {name: {"dtype": "bfloat16", "chunk_history": 512}}
+    rc, out, err = alert_run(tmp_path, capsys, bench_json(BASE), bench_json(BASE, extra=other))
+    assert rc == 2 and not out, out
+    assert (f"different engine configurations (baseline -> current): gates/test_step_timings.py::{name}: "
+            "chunk_history 128 -> 512, dtype 'float32' -> 'bfloat16'; pass --allow-different-config") in err, err
+    rc, out, _ = alert_run(tmp_path, capsys, bench_json(BASE), bench_json(BASE, extra=other),
+                           "--allow-different-config")
+    assert rc == 0 and "warning: different engine configurations" in out and "no regression" in out, out
 
 
 def test_alert_cli_defaults_to_newest_two_runs(tmp_path):

@@ -90,6 +90,24 @@ def test_release_outside_a_step_waits_for_the_next_end_step():
     assert pool.num_free == 2
 
 
+def test_a_page_knows_its_owner_then_its_last_owner_and_the_step_that_freed_it():
+    pool = PagePool(5, 64)
+    a = pool.reserve("a", 100)
+    b = pool.reserve("b", 10)
+    assert pool.holder(a[1]) == ("a", "owned") and pool.holder(b[0]) == ("b", "owned")
+    assert pool.holder(4) == (None, "never owned")
+    for step in range(2):                      # steps 0 and 1; "a" finishes in step 2
+        pool.begin_step()
+        pool.end_step()
+    pool.begin_step()
+    pool.release("a")
+    assert pool.holder(a[0]) == ("a", "released")
+    pool.end_step()
+    assert pool.holder(a[0]) == ("a", "freed") and pool.last_owner[a[0]] == ("a", 2)
+    assert a[0] in pool.reserve("c", 3 * 64)   # every free page: a freed page handed out again has a new owner
+    assert pool.holder(a[0]) == ("c", "owned")
+
+
 def test_release_of_an_unknown_owner_raises():
     pool = PagePool(3, 64)
     with pytest.raises(KeyError):

@@ -1,0 +1,187 @@
+"""CUDA graphs of loaded and chunk-only steps, one per token-count bucket (the packed tokens padded up to it).
+
+Attention is made graph-safe for mixed steps: ONE variable-length paged attention call per layer covers the whole
+packed step, prompt chunks and decode rows alike (flash-attn's `flash_attn_varlen_func` with a block table: a decode
+row is a sequence of one query). Its metadata lives in fixed-size sections of one static int32 buffer, refreshed in
+place by one host-to-device copy before each replay:
+
+    [ tokens (T) | positions (T) | slots (T) | logit rows (R) | cache lengths (S) | cu_seqlens_q (S+1) | table (S x W) ]
+
+- Every sequence is cut into pieces of at most Q_TILE = 64 query rows, each a sequence of its own whose history
+  ends at its last position (flash-attn aligns causal masks bottom-right, so a piece sees its request's history,
+  the earlier pieces and itself causally: the same keys, in the same key blocks, as the whole chunk would). So
+  `max_seqlen_q` is Q_TILE for every bucket, and flash-attn's grid (query tiles x sequences x heads) has one query
+  tile per sequence: no tile waits on a longest sequence that a bucket must assume. flash-attn's paged varlen runs
+  its split-KV kernel, whose query tile is 64 rows: a piece is exactly one of its tiles. `max_seqlen_k` is the
+  table's width in slots (an upper bound it needs: it caps the key blocks it walks).
+- Padding tokens (bucket - T of them) are token 0 at positions 0, 1, ... in pieces of at most 64 on the runner's pad
+  page, which no request owns: each piece writes and reads only the pad page's first slots, the same values for
+  every piece, so padding is finite also in poison mode and never touches a request's page. Sequences past the
+  padding have no query and no key (cu_seqlens flat).
+- Each piece's table row is its request's whole page list (as the eager step's table), then the pad page.
+- Logit rows (the last position of each chunk that completes its prompt, then the decode rows) are a static index
+  section too; unused rows point at row 0 and are never sampled.
+- Bounds per bucket b: S(b) = min(b, max_batch + 1 + b // 64) sequences (a plan's chunks and decode rows are at
+  most max_batch requests), R(b) = min(b, max_batch) sampled rows. A plan that needs more takes a larger bucket, or
+  runs eagerly (counted in `fallbacks`).
+
+The chunk positions stay first and the decode tokens last (DESIGN.md's fused order), with one sampling and one host
+readback per step; only attention differs from the eager step, which splits it into its prefill and decode
+kernels. Off CUDA a "replay" runs the same forward over the same buffers eagerly (engine/graphs.py)."""
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kernels import AttnBatch
+from .graphs import CapturedSteps, activation_bytes
+from .model import ForwardContext
+from .packing import logit_row_count, pack, page_rows
+
+if TYPE_CHECKING:
+    from .runner import ModelRunner
+
+Q_TILE = 64
+
+
+def token_ladder(max_tokens: int) -> list[int]:
+    """Captured token counts: 16, 32, 64, 128, then quarter octaves (160, 192, 224, 256, 320, ...), and max_tokens
+    itself: a padded step computes at most 1/4 more positions than it has above 128, and 13 graphs cover chunk 512
+    at 32 rows (544 tokens)."""
+    sizes = [b for b in (16, 32, 64) if b < max_tokens]
+    b = 128
+    while b < max_tokens:
+        sizes.append(b)
+        b += (1 << (b.bit_length() - 1)) // 4
+    return sorted(set(sizes + [max_tokens]))
+
+
+def shape_only_q_lens(tokens: int, seqs: int) -> list[int]:
+    """Host query lengths with a captured step's bounds (their sum, the most rows a sequence has) and no more:
+    the true ones are known only to the device tensors."""
+    q = [Q_TILE] * (tokens // Q_TILE) + [tokens % Q_TILE]
+    return q + [0] * (seqs - len(q))
+
+
+class StepGraphs(CapturedSteps):
+    kind = "loaded/chunk-only"
+
+    def __init__(self, runner: "ModelRunner", max_tokens: int, max_batch: int, width: int, progress: bool = True):
+        if not getattr(runner.backend, "graph_safe_prefill", False):
+            raise RuntimeError(f"the {runner.backend.name!r} backend's prefill cannot be captured in a CUDA graph "
+                               f"(its per-step tensors change shape); use a backend with graph_safe_prefill")
+        if runner.pad_page is None:
+            raise RuntimeError("step graphs need the runner's pad page (ModelRunner(..., pad_page=True))")
+        self.max_batch = max_batch
+        self.sizes = token_ladder(max_tokens)
+        self.W = width
+        self.pad_tile = min(Q_TILE, runner.page_size)      # a padding piece stays within the pad page
+        T = self.sizes[-1]
+        S, R = self.seqs_for(T), self.rows_for(T)
+        super().__init__(runner, [("tokens", (T,)), ("positions", (T,)), ("slots", (T,)), ("logit_rows", (R,)),
+                                  ("kv_lens", (S,)), ("cu_q", (S + 1,)), ("table", (S, width))], logit_rows=R)
+        self.q_lens = np.zeros(S, dtype=np.int64)         # host only: query rows per sequence
+        self.pad_slot = runner.pad_page * runner.page_size
+        self.fallbacks = 0                                  # plans no bucket holds: run eagerly
+        self._ar = np.arange(T)
+        self.prime((T,))
+        self.capture([(b,) for b in reversed(self.sizes)], progress, "capturing loaded/chunk-only step graphs")
+
+    def seqs_for(self, b: int) -> int:
+        return min(b, self.max_batch + 1 + b // self.pad_tile)
+
+    def rows_for(self, b: int) -> int:
+        return min(b, self.max_batch)
+
+    def bucket_for(self, chunks, decodes) -> int | None:
+        """The smallest captured token count whose sections hold this plan (tokens, sequences, sampled rows)."""
+        d = len(decodes)
+        t = sum(c.length for c in chunks) + d
+        seqs = d + sum(-(-c.length // Q_TILE) for c in chunks)
+        rows = logit_row_count(chunks, decodes)
+        for b in self.sizes[bisect_left(self.sizes, t):]:
+            if self.seqs_for(b) >= seqs + -(-(b - t) // self.pad_tile) and self.rows_for(b) >= rows:
+                return b
+        return None
+
+    # -- static inputs -------------------------------------------------------------------------------------------
+    def fill(self, chunks, decodes, pages_of: dict[str, list[int]], b: int) -> int:
+        """Write this step into the host buffer, padded to bucket b, and copy the part bucket b reads to the
+        device. Returns the number of sampled rows."""
+        hv, ps, pad_page = self.host_view, self.runner.page_size, self.runner.pad_page
+        tok, pos, slot, lr = hv["tokens"], hv["positions"], hv["slots"], hv["logit_rows"]
+        q, kv, table = self.q_lens, hv["kv_lens"], hv["table"]
+        self.wait_copied()
+        t, nrows = pack(chunks, decodes, pages_of, ps, tok, pos, slot, lr)
+        seqs = self.seqs_for(b)
+        k = 0
+        for c in chunks:       # pieces of at most Q_TILE rows; each history ends at the piece's last position
+            n = -(-c.length // Q_TILE)
+            q[k:k + n] = Q_TILE
+            q[k + n - 1] = c.length - Q_TILE * (n - 1)
+            kv[k:k + n] = c.start + np.cumsum(q[k:k + n])
+            pages = pages_of[c.request.request_id]
+            table[k, :len(pages)] = pages
+            table[k, len(pages):] = pad_page
+            table[k + 1:k + n] = table[k]
+            k += n
+        d = len(decodes)
+        q[k:k + d] = 1
+        kv[k:k + d] = pos[t - d:t] + 1
+        page_rows([pages_of[r.request_id] for r in decodes], None, table[k:k + d], pad_page)
+        k += d
+        table[k:seqs] = pad_page    # padding pieces and unused sequences read only the pad page
+        pad = b - t                 # padding pieces on the pad page: positions 0, 1, ... within each piece
+        tok[t:b] = 0
+        pos[t:b] = self._ar[:pad] % self.pad_tile
+        slot[t:b] = self.pad_slot + pos[t:b]
+        n = -(-pad // self.pad_tile)
+        q[k:k + n] = self.pad_tile
+        if n:
+            q[k + n - 1] = pad - self.pad_tile * (n - 1)
+        kv[k:k + n] = q[k:k + n]
+        k += n
+        q[k:seqs] = 0               # no query, no key
+        kv[k:seqs] = 0
+        cu = hv["cu_q"]
+        cu[0] = 0
+        np.cumsum(q[:seqs], out=cu[1:seqs + 1])
+        lr[nrows:self.rows_for(b)] = 0
+        self.upload(self.offsets["table"] + seqs * self.W)
+        return nrows
+
+    # -- capture and replay ----------------------------------------------------------------------------------
+    def forward(self, key: tuple) -> torch.Tensor:
+        (b,) = key
+        r, dv = self.runner, self.dev_view
+        seqs, rows = self.seqs_for(b), self.rows_for(b)
+        # bounds, not the step's lengths: a graph-safe prefill reads the true ones from the device tensors
+        batch = AttnBatch(shape_only_q_lens(b, seqs), [self.W * r.page_size] * seqs, dv["table"][:seqs],
+                          dv["kv_lens"][:seqs], dv["cu_q"][:seqs + 1], r.page_size)
+        r.backend.prepare(batch, "prefill")
+        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend)
+        return r.model(dv["tokens"][:b].long(), dv["positions"][:b], r.kv_caches, ctx, dv["logit_rows"][:rows].long(),
+                       out=self.logits[:rows])
+
+    def prime(self, key: tuple) -> None:
+        self.fill([], [], {}, key[0])
+
+    def estimate_pool_bytes(self, key: tuple) -> int:
+        r = self.runner
+        return activation_bytes(r.shape, key[0], self.rows_for(key[0]),
+                                torch.tensor([], dtype=r.dtype).element_size())
+
+    def replay(self, chunks, decodes, pages_of) -> torch.Tensor | None:
+        """Logits of the step's sampled rows (a view of the static logits: read it before the next replay), or
+        None where no captured bucket holds the plan (the caller runs it eagerly)."""
+        b = self.bucket_for(chunks, decodes)
+        if b is None:
+            self.fallbacks += 1
+            return None
+        return self.replay_key((b,), self.fill(chunks, decodes, pages_of, b))
+
+
+__all__ = ["Q_TILE", "StepGraphs", "shape_only_q_lens", "token_ladder"]

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Issue 18 on one H200, one device call (under 8 minutes): captured loaded and chunk-only steps, their gates, and
+# the "Must show" figures with nano-vllm beside them; the results table (scripts/loaded_table.py) is printed last.
+#   needs: STEPGATE_FLASH_ATTN_PATH (flash-attn's src:ext folders); nano-vllm's archive, xxhash wheel and
+#          run_peer.py in .device/nano-vllm/ (else shared/peers/nano-vllm/ or ../shared/peers/nano-vllm/)
+#   back under $OUT (3 files): table.md (the table and each part's exit status), table.json, results.tgz (every
+#          log, bench summary/runs/steps, the step benchmarks' JSON, gate summaries, nano-vllm's rows, profiles)
+#   knobs: BUDGET_S (460: the deadline for all parts), REPS (2: measured runs of c512; 1 for c8192 and r512)
+# Phase 1, untimed, side by side on the GPU (nothing in it is a timing):
+#   planted    tests/test_step_graphs.py on the GPU (small-trained, fp16): captured vs eager, stale cu_q / table /
+#              kv_lens caught, a poisoned over-read caught
+#   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: graphs on vs off (decode + loaded + chunk-only)
+#   nanoprep   nano-vllm on one request: writes its random-weight model files and fills the compile cache, so
+#              that its timed runs below start warm
+# Phase 2, timed, one part at a time (each under `timeout`, SIGINT first so pytest and the benches write what they
+# have, with its own limit cut to what is left before the deadline; a failing part does not stop the next):
+#   c512       engine.bench flash, closed mixed 200, 128 new tokens, 32 rows, chunk 512, graphs on (the default)
+#   nano32     nano-vllm, 32 sequences, 200 requests, 128 new tokens (cold pass, then warm)
+#   c8192      the same as c512 at chunk 8192
+#   r512       the same at 512 rows and chunk 16384 (nano-vllm's batched-token budget)
+#   nano512    nano-vllm, 512 sequences
+#   profile    scripts/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
+#   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
+#   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}
+RES=results/h200-loaded
+mkdir -p "$OUT" "$RES/logs"
+: > "$RES/logs/status.txt"
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-460} ))
+M15=qwen2.5-1.5b-random
+REPS=${REPS:-2}
+part() {   # part NAME MAX_SECONDS CMD...: its exit status goes to status.txt (parts may run in the background)
+  local name=$1 max=$2; shift 2
+  local left=$(( DEADLINE - $(date +%s) ))
+  (( left < max )) && max=$left
+  if (( max < 15 )); then echo "$name: not run (deadline)" >> "$RES/logs/status.txt"; return; fi
+  local t0=$(date +%s)
+  timeout -s INT -k 20 "$max" "$@" > "$RES/logs/$name.log" 2>&1
+  echo "$name: rc=$? in $(( $(date +%s) - t0 ))s (limit ${max}s)" >> "$RES/logs/status.txt"
+}
+bench() {  # bench NAME MAX_SECONDS ARGS...: closed mixed 200, 128 new tokens, flash, results in $RES/NAME
+  local name=$1 max=$2; shift 2
+  part "$name" "$max" python3 -m engine.bench --model $M15 --device cuda --engine flash --out "$RES/$name" \
+    --no-progress --closed --batches 200 --uniform "" --new-tokens 128 "$@"
+}
+nano() {   # nano NAME MAX_SECONDS SEQS REQUESTS NEW_TOKENS
+  if [ -z "$NANO" ]; then echo "$1: not run (no nano-vllm here)" >> "$RES/logs/status.txt"; return; fi
+  part "$1" "$2" env FLASH_ATTN_PATH="${STEPGATE_FLASH_ATTN_PATH:-}" python3 "$NANO/run_peer.py" \
+    --max-num-seqs "$3" --requests "$4" --new-tokens "$5" --json "$RES/$1.json"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  python3 -c "from kernels.flash_backend import _import_flash as f; m, why = f(); print('flash-attn', m.__version__ if m else why)"
+  git log --oneline -1; } > "$RES/logs/env.log" 2>&1
+NANO=""
+for d in .device/nano-vllm shared/peers/nano-vllm ../shared/peers/nano-vllm; do
+  [ -f "$d/run_peer.py" ] && ls "$d"/nano-vllm-*.tar.gz > /dev/null 2>&1 && { NANO=$d; break; }; done
+if [ -n "$NANO" ]; then
+  { mkdir -p /tmp/nanovllm && tar xzf "$NANO"/nano-vllm-*.tar.gz -C /tmp/nanovllm --strip-components=1 \
+    && python3 -m pip install -q --no-index --no-deps --target /tmp/nanovllm-site "$NANO"/xxhash-*.whl; } \
+    > "$RES/logs/nano_setup.log" 2>&1 || NANO=""
+fi
+
+part planted 120 python3 -m pytest tests/test_step_graphs.py --device cuda -k "cuda" -q -p no:cacheprovider -rs &
+part gates15b 120 python3 -m pytest gates/test_graphs.py --device cuda --model $M15 -k "mixed" \
+  -q -p no:cacheprovider -rs --gate-summary "$RES/gate_summary_15b.json" &
+nano nanoprep 120 32 1 8 &
+wait
+
+bench c512 100 --chunk-tokens 512 --warmups 1 --reps "$REPS"
+nano nano32 80 32 200 128
+bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
+bench r512 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
+nano nano512 80 512 200 128
+part profile 50 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 30 --out "$RES/profile"
+part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
+  --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
+  --benchmark-json "$RES/steps.json" --benchmark-columns=median,iqr,rounds
+bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
+
+python3 scripts/loaded_table.py "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
+{ echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
+  for f in planted gates15b steps; do
+    [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -E '[0-9]+ (passed|failed)' "$RES/logs/$f.log" | tail -1)"; done
+  for f in c512 c8192 r512 c512-eager; do
+    [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -h 'stepgate: ' "$RES/logs/$f.log" | head -2 | tr '\n' ' ')"; done
+  grep -h '"prefix_cache"' "$RES"/logs/nano*.log 2>/dev/null | sed 's/^/  /'
+  [ -f "$RES/logs/profile.log" ] && tail -4 "$RES/logs/profile.log" | sed 's/^/  /'
+} >> "$RES/table.md"
+cp "$RES/table.md" "$OUT/table.md"
+tar czf "$OUT/results.tgz" "$RES" 2>/dev/null
+cat "$OUT/table.md"

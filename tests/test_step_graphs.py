@@ -1,0 +1,224 @@
+"""Captured loaded and chunk-only steps (engine/step_graphs.py): one variable-length attention call over pieces of at
+most 64 query rows, static metadata refreshed in place, padding confined to the pad page; graphed against eager
+under the 0.02 rule; planted stale metadata and a planted over-read caught.
+
+Two modes, as tests/test_graph_buffers.py: `cuda` (--device cuda with flash-attn: real graphs, flash, fp16, the
+trained small model) and `cpu-emulated` (nothing captured; a "replay" runs the same forward over the same static
+buffers, with the torch backend standing in for flash: its prefill reads lengths from the device tensors and
+gathers the whole table width the host bounds give)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from engine import Engine, PoisonedLogitsError
+from engine.config import lineage_config
+from engine.graphs import activation_bytes, ladder, width_ladder
+from engine.loader import QWEN25_1P5B, qwen2_config
+from engine.model import ModelShape
+from engine.request import Request, State
+from engine.scheduler import Chunk
+from engine.step_graphs import Q_TILE, StepGraphs, token_ladder
+from engine.workload import Workload
+from gates.compare import compare
+from gates.reference import EngineReference
+
+# short prompts (cheap emulated steps), two-piece chunks (chunk 128 = 2 x Q_TILE), more requests than rows
+WORKLOAD = Workload("step-graphs-cpu", (4, 16, 64, 200), (8, 24), 14, chunk_tokens=128)
+MAX_BATCH = 8
+MAX_LEN = 200 + 24
+
+
+EMULATE_STEP_GRAPHS = True     # tests/conftest.py's cpu-emulated mode graphs loaded and chunk-only steps too
+
+
+@pytest.fixture
+def mode(graph_mode):
+    return graph_mode
+
+
+def run(mode, graphs: bool):
+    ref = EngineReference(mode["engine"], mode["model"], device=mode["device"], dtype=mode["dtype"], poison=True,
+                          chunk_tokens=WORKLOAD.chunk_tokens, max_batch=MAX_BATCH, cuda_graphs=graphs,
+                          max_model_len=MAX_LEN, progress=False)
+    return ref, ref.generate(WORKLOAD.requests())
+
+
+_EAGER = {}
+
+
+def eager_run(mode):
+    """The eager reference run, once per mode (it does not depend on any plant)."""
+    key = mode["engine"]
+    if key not in _EAGER:
+        _EAGER[key] = run(mode, False)
+    return _EAGER[key]
+
+
+def graphed_kinds(engine) -> int:
+    return sum(s.kind in ("loaded", "chunk-only") for s in engine.trace)
+
+
+# -- the ladder and its bounds -----------------------------------------------------------------------------------
+def test_token_ladder():
+    assert token_ladder(544) == [16, 32, 64, 128, 160, 192, 224, 256, 320, 384, 448, 512, 544]
+    assert token_ladder(10) == [10]
+    big = token_ladder(16384 + 512)
+    assert big[-1] == 16896 and all(b / a <= 1.25 for a, b in zip(big[3:], big[4:])), big
+
+
+def test_capture_stays_cheap_at_512_rows():
+    """max_batch 512 on the 1.5B shape at chunk 8192: the graph counts and the largest forward's activations stay
+    small (the decode ladder pads a step by at most 1/8 from 64 rows, the token ladder by at most 1/4 from 128)."""
+    shape = ModelShape.of(qwen2_config(**QWEN25_1P5B))
+    sizes, widths, tokens = ladder(512), width_ladder(32768 // 256), token_ladder(8192 + 512)
+    decode_graphs, step_graphs = len(sizes) * len(widths), len(tokens)
+    assert all(b / a <= 1.125 for a, b in zip(sizes, sizes[1:]) if a >= 64), sizes
+    assert decode_graphs <= 160 and step_graphs <= 32, (decode_graphs, step_graphs)
+    pool = activation_bytes(shape, tokens[-1], 512, 2)
+    logits = 512 * shape.vocab_size * 4
+    print(f"\n512 rows, chunk 8192: {decode_graphs} decode + {step_graphs} step graphs; largest forward about "
+          f"{pool / 2**30:.2f} GiB, static logits {logits / 2**30:.2f} GiB")
+    assert pool + logits < 2 * 2**30
+
+
+# -- the static buffers, against the eager packing ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def emulated_engine(graph_emulation):
+    with pytest.MonkeyPatch.context() as mp:     # only while the engine "captures"
+        graph_emulation(mp, prefill=True)
+        return Engine(lineage_config("fused", chunk_tokens=128, max_batch=MAX_BATCH, cuda_graphs=True,
+                                     max_model_len=1088, num_pages=200, progress=False))
+
+
+plans = st.lists(st.tuples(st.sampled_from(["chunk", "decode"]), st.integers(1, 900), st.integers(0, 128)),
+                 min_size=1, max_size=MAX_BATCH)
+
+
+@settings(max_examples=30, deadline=None)
+@given(plans)
+def test_fill_matches_the_eager_packing(emulated_engine, spec):
+    """For any plan: the real tokens, positions, slots and sampled rows are the eager step's; every sequence is a
+    piece of at most Q_TILE rows whose history ends at its last position and whose table row is its request's pages;
+    padding writes and reads only the pad page; unused sequences have no query and no key."""
+    e = emulated_engine
+    runner, sg, ps = e.runner, e.runner.step_graphs, e.pool.page_size
+    chunks, decodes = [], []
+    for i, (kind, length, start) in enumerate(spec):
+        r = Request(f"p{i}", [3 + (i * 7 + j) % 50 for j in range(length + start)], 8)
+        e.pool.reserve(r.request_id, r.slots_needed)
+        if kind == "chunk" and sum(c.length for c in chunks) + length <= 128:
+            r.state, r.num_cached = State.PREFILL, start
+            chunks.append(Chunk(r, start, min(length, 128)))
+        else:
+            r.state, r.num_cached, r.output = State.DECODE, length + start - 1, [5]
+            decodes.append(r)
+    try:
+        if not chunks:
+            return
+        b = sg.bucket_for(chunks, decodes)
+        assert b is not None
+        nrows = sg.fill(chunks, decodes, e.pool.owned, b)
+        tokens, positions, ctx, rows = runner.build(chunks, decodes, e.pool.owned)
+        t = len(tokens)
+        hv = sg.host_view
+        assert list(hv["tokens"][:t]) == tokens.tolist() and list(hv["positions"][:t]) == positions.tolist()
+        assert list(hv["slots"][:t]) == ctx.slot_mapping.tolist()
+        assert list(hv["logit_rows"][:nrows]) == rows.tolist()
+        seqs = sg.seqs_for(b)
+        cu, kv, table = hv["cu_q"][:seqs + 1], hv["kv_lens"][:seqs], hv["table"][:seqs]
+        q = np.diff(cu)
+        assert cu[0] == 0 and cu[-1] == b and (q >= 0).all() and (q <= Q_TILE).all()
+        owner = [c.request.request_id for c in chunks for _ in range(-(-c.length // Q_TILE))] + \
+            [r.request_id for r in decodes]
+        pad = runner.pad_page
+        for s in range(seqs):
+            lo, hi = cu[s], cu[s + 1]
+            if s < len(owner):          # a real piece: its positions are the last of its history
+                assert list(hv["positions"][lo:hi]) == list(range(kv[s] - q[s], kv[s]))
+                pages = e.pool.owned[owner[s]]
+                assert list(table[s, :len(pages)]) == pages and (table[s, len(pages):] == pad).all()
+            elif hi > lo:               # padding: the pad page only, positions from 0, reads what it wrote
+                assert kv[s] == q[s] and list(hv["positions"][lo:hi]) == list(range(q[s]))
+                assert (hv["slots"][lo:hi] // ps == pad).all() and (table[s] == pad).all()
+            else:
+                assert kv[s] == 0
+        assert pad not in {p for ps_ in e.pool.owned.values() for p in ps_}
+    finally:
+        for r in [c.request for c in chunks] + decodes:
+            e.pool.release(r.request_id)
+        e.pool.end_step()
+
+
+def test_construction_reports_graphs_and_memory(graph_emulation, monkeypatch, capsys):
+    graph_emulation(monkeypatch, prefill=True)
+    Engine(lineage_config("fused", chunk_tokens=128, max_batch=MAX_BATCH, cuda_graphs=True, max_model_len=256,
+                          num_pages=40, progress=True))
+    err = capsys.readouterr().err
+    assert "decode step shapes emulated" in err and "loaded/chunk-only step shapes emulated" in err, err
+    assert "memory:" in err and "MiB" in err
+
+
+# -- graphed vs eager ------------------------------------------------------------------------------------------
+def test_step_graphs_match_eager(mode):
+    eager_ref, eager = eager_run(mode)
+    ref, graphed = run(mode, True)
+    e = ref.last_engine
+    sg = e.runner.step_graphs
+    n = graphed_kinds(e)
+    assert sg is not None and sg.replays == n > 0 and sg.fallbacks == 0, (sg and sg.replays, n)
+    assert sg.capture_graphs == (mode["device"] != "cpu")
+    report = compare("step graphs vs eager", eager, graphed, eager_ref.score, check_steps=True)  # its 0.02 rule
+    assert report.ok, report.problems()
+    assert e.pool.num_free == e.pool.capacity
+
+
+def plant_stale(monkeypatch, section: str):
+    """The plant: metadata kept per bucket and not refreshed when the bucket comes again. Every refresh rewrites
+    the buffer, then puts back `section` as the bucket's first replay left it: the same shapes and totals (the
+    query offsets still end at the bucket), stale contents (piece boundaries, histories or pages of other steps)."""
+    fill = StepGraphs.fill
+
+    def stale_fill(self, chunks, decodes, pages_of, b):
+        n = fill(self, chunks, decodes, pages_of, b)
+        kept = self.__dict__.setdefault("_kept", {})
+        if b not in kept:
+            kept[b] = self.host_view[section].copy()
+        else:
+            self.host_view[section][:] = kept[b]
+            self.upload()
+        return n
+
+    monkeypatch.setattr(StepGraphs, "fill", stale_fill)
+
+
+@pytest.mark.parametrize("section", ["cu_q", "table", "kv_lens"])
+def test_stale_metadata_is_caught(mode, monkeypatch, section):
+    eager_ref, eager = eager_run(mode)
+    plant_stale(monkeypatch, section)
+    try:
+        _, graphed = run(mode, True)
+    except PoisonedLogitsError as e:     # poison mode names the step, the requests and their pages
+        assert "non-finite logits" in str(e) and "pages" in str(e), str(e)
+        return
+    report = compare("step graphs vs eager", eager, graphed, eager_ref.score, check_steps=True)  # its 0.02 rule
+    assert not report.ok, f"a stale {section} section in the captured step's static buffer went unnoticed"
+
+
+def test_poison_catches_an_overread_in_a_captured_step(mode, monkeypatch):
+    """Poison mode with captured steps: a replay whose decode rows read one slot past their history (a slot never
+    written, NaN) fails the step, naming it as a loaded or chunk-only step."""
+    fill = StepGraphs.fill
+
+    def overread(self, chunks, decodes, pages_of, b):
+        n = fill(self, chunks, decodes, pages_of, b)
+        if decodes:
+            k = sum(-(-c.length // Q_TILE) for c in chunks)
+            self.host_view["kv_lens"][k:k + len(decodes)] += 1
+            self.upload()
+        return n
+
+    monkeypatch.setattr(StepGraphs, "fill", overread)
+    with pytest.raises(PoisonedLogitsError, match=r"\(loaded\): non-finite logits"):
+        run(mode, True)

@@ -1,7 +1,7 @@
 """pytest setup for the gates and the tests: threads, hypothesis profiles, and the stepgate plugins.
 
 The options (`--device`, `--dtype`, `--backend`, `--engine`, `--model`, `--golden-dir`, `--tie-threshold`,
-`--flip-cap`, `--regen-golden`, `--gate-summary`, `--allow-skipped-files`) are declared and checked in
+`--flip-cap`, `--regen-golden`, `--gate-summary`, `--allow-skipped-files`, `--tp`) are declared and checked in
 gates/options.py; gates/snapshot.py fails a plain run that changes the goldens.
 """
 from __future__ import annotations

@@ -27,10 +27,16 @@ class EngineConfig:
     cuda_graphs: bool | None = None      # replay captured pure decode steps (None: on CUDA when the backend allows)
     compile_elementwise: bool | None = None   # fuse norm / rotary / SiLU with torch.compile (None: on CUDA)
     progress: bool = True                # progress bars for slow construction work (graph capture)
+    tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/parallel.py)
+    tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
 
     def __post_init__(self):
         if self.forward not in FORWARD_MODES:
             raise ValueError(f"forward must be one of {FORWARD_MODES}, got {self.forward!r}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
+        if not self.tp_timeout > 0:
+            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
 
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)

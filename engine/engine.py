@@ -16,6 +16,7 @@ from .pool import PagePool
 from .request import Request, RequestResult
 from .runner import ModelRunner
 from .scheduler import CancelResult, Chunk, Scheduler
+from .tp_layers import rank_shape
 from .workload import RequestSpec
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -29,6 +30,35 @@ def torch_dtype(name) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
+
+
+def build_runner(model, config: EngineConfig, dtype, num_pages: int, max_kv: int, table_width: int,
+                 runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
+    """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
+    and the captured decode steps. Every tensor-parallel rank builds its own this way (`model`: its shard)."""
+    s = model.shape
+    on_cuda = torch.device(config.device).type == "cuda"
+    if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
+        from .model import try_compile_elementwise
+        why = try_compile_elementwise(config.device, dtype, s.hidden_size, s.num_heads + s.num_kv_heads, s.head_dim)
+        if why:
+            warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
+    graphs = Engine.use_cuda_graphs(config)
+    runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
+                        poison=config.poison, record_topk=config.record_topk, pad_page=graphs, **runner_kw)
+    warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
+    if warm and hasattr(runner.backend, "warmup"):
+        # compile every shape a step can reach now, so that no measured step includes a compile
+        runner.backend.warmup(s.num_heads, s.num_kv_heads, s.head_dim, dtype, config.device, max_kv=max_kv,
+                              max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
+                              page_size=config.page_size)
+    if graphs:   # after the backend's warm-up: a capture must not include a compile
+        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress)
+        if config.forward == "fused" and config.tp == 1 and getattr(runner.backend, "graph_safe_prefill", False):
+            # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
+            runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
+                                       progress=config.progress)
+    return runner
 
 
 @dataclass
@@ -61,41 +91,26 @@ class Engine:
             per_row = -(-min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
                         // config.page_size)
             # no more than max_batch rows of the longest request can ever use, plus the null page
-            num_pages = max(2, min(budget // ModelRunner.bytes_per_page(self.shape, config.page_size, dtype),
+            # tp > 1: each rank holds its own key/value heads of every page, so the budget is per rank (per GPU)
+            num_pages = max(2, min(budget // ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp),
+                                                                        config.page_size, dtype),
                                    config.max_batch * per_row + 1))
         self.pool = PagePool(num_pages, config.page_size)
         self.scheduler = Scheduler.from_config(self.pool, config)
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
-        on_cuda = torch.device(config.device).type == "cuda"
-        if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
-            from .model import try_compile_elementwise
-            s = self.shape
-            why = try_compile_elementwise(config.device, dtype, s.hidden_size, s.num_heads + s.num_kv_heads,
-                                          s.head_dim)
-            if why:
-                warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
-        graphs = self.use_cuda_graphs(config)
-        if on_cuda:
+        if torch.device(config.device).type == "cuda":
             # an engine dropped earlier may still hold its KV cache in a reference cycle until the collector runs:
             # free it before this one takes its own (the benchmarks build engine after engine in one process)
             gc.collect()
-        self.runner = ModelRunner(self.model, num_pages, config.page_size, config.backend, config.device, dtype,
-                                  poison=config.poison, record_topk=config.record_topk, pad_page=graphs)
-        warm = config.compile_warmup if config.compile_warmup is not None else self.runner.device.type == "cuda"
-        if warm and hasattr(self.runner.backend, "warmup"):
-            # compile every shape a step can reach now, so that no measured step includes a compile
-            s = self.shape
-            self.runner.backend.warmup(s.num_heads, s.num_kv_heads, s.head_dim, dtype, config.device,
-                                       max_kv=min(self.max_model_len, self.pool.capacity * config.page_size),
-                                       max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
-                                       page_size=config.page_size)
-        if graphs:   # after the backend's warm-up: a capture must not include a compile
-            width = self.pool.pages_needed(self.max_model_len)
-            self.runner.capture_decode_graphs(config.max_batch, width, progress=config.progress)
-            if config.forward == "fused" and getattr(self.runner.backend, "graph_safe_prefill", False):
-                # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
-                self.runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, width,
-                                                progress=config.progress)
+        max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
+        width = self.pool.pages_needed(self.max_model_len)
+        if config.tp == 1:
+            self.runner = build_runner(self.model, config, dtype, num_pages, max_kv, width)
+        else:
+            from .parallel import TPRunner
+            # workers load a named model themselves; an in-memory one reaches them as shards from rank 0
+            self.runner = TPRunner.start(config, self.model, dtype, num_pages, max_kv, width,
+                                         source=(model or "small") if loaded is None else None)
         self.requests: dict[str, Request] = {}
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []
@@ -115,6 +130,20 @@ class Engine:
         if config.cuda_graphs and reason:
             raise ValueError(f"cuda_graphs=True but {reason}")
         return reason is None and config.cuda_graphs is not False
+
+    # -- lifetime --------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the worker ranks (tp > 1; also at exit, or when the engine is collected). Results and the trace
+        stay readable. Nothing to stop at tp 1."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- clock -----------------------------------------------------------------------------------------------
     def now(self) -> float:

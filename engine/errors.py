@@ -42,3 +42,20 @@ class PoisonedLogitsError(RuntimeError):
         self.page = page
         self.owner = owner        # whose that slot is or was, in words
         self.reads = reads or []  # every slot found, one per page
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker rank died, hung or failed. The engine cannot go on: close it."""
+
+    def __init__(self, ranks: list[int], message: str):
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class RankDisagreementError(RuntimeError):
+    """Tensor-parallel ranks chose different tokens for the same row of a step: their greedy choices must agree."""
+
+    def __init__(self, step: int, rows: list, message: str):
+        super().__init__(message)
+        self.step = step
+        self.rows = rows

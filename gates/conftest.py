@@ -62,14 +62,27 @@ class Runs:
         key = (engine, backend, workload, repeat, tuple(sorted(overrides.items())))
         if key not in self.cache:
             wl = get_workload(workload)
-            kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens)
+            kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides)
             kw.update(overrides)
             ref = EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
             records = ref.generate(wl.requests())
+            self.finish(ref.last_engine)
             self.cache[key] = (records, ref.last_engine)
         # every gate that uses a run fails on its schedule (strict FCFS, eviction at the end of the step, pages back)
         check_engine(self.cache[key][1], f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip())
         return self.cache[key]
+
+    @property
+    def tp_overrides(self) -> dict:
+        """--tp N: every candidate engine runs at tp N (references stay tp 1: the one-GPU engine)."""
+        return {"tp": self.opts.tp} if self.opts.tp > 1 else {}
+
+    @staticmethod
+    def finish(engine) -> None:
+        """After a candidate's run: at tp > 1, every rank's pages are checked and the workers stopped."""
+        if engine.config.tp > 1:
+            from .tp import finish
+            finish(engine)
 
     def reference(self, name: str, workload: str):
         """The live reference engine (for teacher forcing after a flip)."""

@@ -42,6 +42,7 @@ class GateOptions:
     engines: tuple[str, ...]
     backends: tuple[str, ...]
     allow_skipped_files: bool
+    tp: int = 1                 # tensor-parallel ranks of every candidate engine (references and goldens stay tp 1)
 
     @property
     def model_arg(self):
@@ -74,6 +75,7 @@ def pytest_addoption(parser):
     g.addoption("--model", default="small", help="small (embedded), small-trained, qwen2.5-1.5b-random, or a "
                 "checkpoint directory (its class, small or large, comes from its config.json)")
     g.addoption("--gate-summary", default="gate-summary.json", help="where the JSON gate summary is written")
+    g.addoption("--tp", type=int, default=1, help="tensor-parallel ranks of the engine under test (goldens: tp 1)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
 
@@ -109,6 +111,9 @@ def read_options(get) -> GateOptions:
         raise pytest.UsageError(f"--tie-threshold {threshold}: must be a finite number >= 0 (the default is {TIE_THRESHOLD})")
     if flip_cap < 0:
         raise pytest.UsageError(f"--flip-cap {flip_cap}: must be >= 0 (the default is 3)")
+    tp = get("--tp")
+    if tp < 1:
+        raise pytest.UsageError(f"--tp {tp}: must be >= 1 (1: one device, no tensor parallel)")
     engines = names("--engine", get("--engine"), tuple(LINEAGE), "engine configuration")
     backends = names("--backend", get("--backend"), tuple(kernels.BACKENDS), "attention backend")
     if not any(e in engines and b in backends for e, b in CANDIDATES):
@@ -116,7 +121,7 @@ def read_options(get) -> GateOptions:
                                 f"runs on these backends; the candidates: "
                                 f"{', '.join(f'{e}[{b}]' for e, b in CANDIDATES)}")
     return GateOptions(device, dtype, dtype_given, model, cls, golden_dir, threshold, flip_cap, regen, engines,
-                       backends, bool(get("--allow-skipped-files")))
+                       backends, bool(get("--allow-skipped-files")), tp)
 
 
 def unknown(option: str, value: str, known, what: str, also: str = "") -> pytest.UsageError:

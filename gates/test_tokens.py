@@ -74,8 +74,9 @@ def test_loaded_step(runs, opts, engine, backend):
     ref = runs.reference("hf", "loaded")
     specs = loaded_step_workload(runs.loaded[0].shape.vocab_size)
     cand_ref = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
-                               poison=True, chunk_tokens=64)
+                               poison=True, chunk_tokens=64, **runs.tp_overrides)
     cand = cand_ref.generate(specs)
+    runs.finish(cand_ref.last_engine)
     trace = cand_ref.last_engine.trace
     loaded = [s for s in trace if s.kind == "loaded"]
     assert len(loaded) >= 10, f"the workload should make loaded steps; made {len(loaded)} of {len(trace)}"

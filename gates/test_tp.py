@@ -1,0 +1,45 @@
+"""Tensor-parallel gates: the engine at tp N (--tp N; 2 when not given) against the same engine at tp 1 on one
+device, step by step under the 0.02 rule; after the run, every rank's pages (poisoned where free, the null page
+zero) and the rank-agreement check having covered every sampled row on every worker rank. tp 4 (slow) replicates the
+small model's two key/value heads. Under --tp N the token gates (gates/test_tokens.py) also run every candidate at
+tp N against the same tp 1 goldens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.workload import get_workload
+
+from .conftest import skip_unless_runs, workload_for
+from .test_tokens import assert_gate
+from .tp import tp_vs_tp1
+
+SUBSET = 8    # the first requests of the mixed draw: long prompts read in chunks beside decoders, then decoding
+
+
+@pytest.mark.parametrize("engine,backend", [("fused", "torch"), ("flash", "flash")], ids=["fused-torch", "flash-flash"])
+def test_tp_matches_tp1_step_by_step(runs, opts, engine, backend):
+    gate_tp_vs_tp1(runs, opts, engine, backend, opts.tp if opts.tp > 1 else 2)
+
+
+@pytest.mark.slow
+def test_tp4_with_replicated_kv_heads_matches_tp1(runs, opts):
+    """More ranks than the small model's two key/value heads: each is replicated on two ranks."""
+    if runs.loaded[0].shape.num_kv_heads >= 4:
+        pytest.skip("the model has at least 4 key/value heads: nothing is replicated at tp 4")
+    gate_tp_vs_tp1(runs, opts, "fused", "torch", 4)
+
+
+def gate_tp_vs_tp1(runs, opts, engine, backend, tp):
+    skip_unless_runs(opts, engine, backend)
+    if opts.device.startswith("cuda") and torch.cuda.device_count() < tp:
+        pytest.skip(f"tp={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    wl = get_workload(workload_for(opts, "mixed-cpu"))
+    specs = wl.requests(runs.loaded[0].shape.vocab_size)[:SUBSET]
+    report, ranks, eng = tp_vs_tp1(specs, tp, opts.threshold, opts.flip_cap, engine=engine, loaded=runs.loaded,
+                                   device=opts.device, dtype=opts.dtype, backend=backend,
+                                   chunk_tokens=wl.chunk_tokens)
+    kinds = {s.kind for s in eng.trace}
+    assert {"loaded", "pure-decode"} <= kinds, f"the subset should make loaded and pure decode steps; made {kinds}"
+    assert not ranks, f"tp={tp}: " + "\n  ".join(ranks)
+    assert_gate(report)

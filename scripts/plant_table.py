@@ -6,8 +6,8 @@ the pytest process's CPU seconds, which a loaded machine does not inflate), and 
     python scripts/plant_table.py --plants rotary,fcfs --timeout 600   # some
 
 A plant that no gate catches is reported as "not caught"; a run that ends with no failing test but a nonzero exit
-(a usage error, a session-level check) is reported as caught by the session. The gate files run smoke gate first
-(the suite's own ordering, where it has one, still decides)."""
+(a usage error, a session-level check) is reported as caught by the session. The gates run in the suite's own order
+(gates/conftest.py: the smoke gate first)."""
 from __future__ import annotations
 
 import argparse
@@ -48,12 +48,6 @@ def rows(names: list[str]) -> list[Row]:
         if n in ("fcfs", "eager-free"):
             out.append(Row(n, f"{n}, {Path(ISOLATED).name} deselected", (ISOLATED,)))
     return out
-
-
-def gate_files() -> list[str]:
-    files = sorted(str(p.relative_to(REPO)) for p in (REPO / "gates").glob("test_*.py"))
-    smoke = [f for f in files if f.endswith("test_smoke.py")]
-    return smoke + [f for f in files if f not in smoke]
 
 
 def pytest_cmd(args) -> list[str]:
@@ -97,7 +91,7 @@ def run_row(row: Row, timeout: float, log_dir: Path) -> Result:
         subprocess.run(pytest_cmd([*fill(plant.baseline), summary]), cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=timeout)
     record = tmp / "first-failure.json"
-    cmd = pytest_cmd([*(plant.paths or gate_files()), "-x", "-p", "tests.plants", "--plant", row.plant,
+    cmd = pytest_cmd([*(plant.paths or ("gates/",)), "-x", "-p", "tests.plants", "--plant", row.plant,
                       "--plant-record", str(record), summary, *fill(plant.args)])
     cmd += [f"--deselect={d}" for d in row.deselect]
     cpu0, t0 = child_cpu(), time.time()
@@ -156,7 +150,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown plant(s) {unknown}; known: {', '.join(PLANTS)}")
     log_dir = Path(a.logs or tempfile.mkdtemp(prefix="plant-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, load0 = [], os.getloadavg()[0]
     for row in rows(names):
         print(f"[plant] {row.label} ...", flush=True)
         r = run_row(row, a.timeout, log_dir)
@@ -164,12 +158,12 @@ def main(argv=None) -> int:
         results.append(r)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    header = (f"Planted bugs on CPU ({platform.node()}, {os.cpu_count()} cores, load average "
-              f"{os.getloadavg()[0]:.1f} at the end; commit {commit}, {datetime.date.today().isoformat()}). Each "
-              f"row: `HYPOTHESIS_PROFILE=ci python -m pytest <gate files, smoke first> -m \"{MARKERS}\" -x -p tests.plants --plant NAME`. "
-              f"Seconds are wall clock from launch to the first failing report; CPU s is the pytest process's CPU "
-              f"time then (imports included), which a busy machine does not inflate: a number-changing plant is flagged "
-              f"when that is over {FAST_SECONDS:.0f} s.")
+    header = (f"Planted bugs on CPU ({platform.node()}, {os.cpu_count()} cores, load average {load0:.1f} at the "
+              f"start, {os.getloadavg()[0]:.1f} at the end; commit {commit}, {datetime.date.today().isoformat()}). "
+              f"Each row: `HYPOTHESIS_PROFILE=ci python -m pytest gates/ -m \"{MARKERS}\" -x -p tests.plants "
+              f"--plant NAME`. Seconds are wall clock from launch to the first failing report; CPU s is the pytest "
+              f"process's CPU time then (imports included), which a busy machine inflates far less: a "
+              f"number-changing plant is flagged when that is over {FAST_SECONDS:.0f} s.")
     table = markdown(results, header)
     print(table)
     print(f"(full output of each run: {log_dir})")

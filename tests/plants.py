@@ -223,7 +223,7 @@ class Plant:
     cause: str                          # regex: the failure message names the cause when it matches
     patch: Callable | None = None       # patch(mp); may return a callable run when the session is over
     args: tuple[str, ...] = ()          # pytest arguments the plant table adds (a plant of the command line)
-    paths: tuple[str, ...] = ()         # what the plant table runs (default: every gate file, the smoke gate first)
+    paths: tuple[str, ...] = ()         # what the plant table runs (default: gates/)
     baseline: tuple[str, ...] = ()      # an unplanted run the plant table makes first (pytest arguments)
     number_changing: bool = False       # must fail the CPU run within 20 s
     during_first_test: bool = False     # patched once the first test has run, not at configure
@@ -248,7 +248,8 @@ PLANTS = {
                   fcfs),
     "eager-free": Plant("release() puts pages straight back on the free list, mid-step",
                         r"eviction at the end of the step violated", eager_free),
-    "golden-write": Plant("a gate run rewrites a golden byte-identically", r"(?i)golden.{0,200}(chang|rewr|modif|touch)",
+    "golden-write": Plant("a gate run rewrites a golden byte-identically",
+                          r"run changed the goldens[\s\S]{0,600}(replaced by a new file|rewritten|mode 0)",
                           rewrite_a_golden, during_first_test=True),
     "typo": Plant("nothing planted: the run is given --engine fussed",
                   r"(?i)(unknown|invalid|not a known).{0,60}fussed|fussed.{0,80}(known|one of|choose)",

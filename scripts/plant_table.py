@@ -72,11 +72,17 @@ class Result:
 
 
 def excerpt_of(text: str, cause: str) -> str:
-    """The line that names the cause, else the first assertion line, else the last line."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    m = next((ln for ln in lines if re.search(cause, ln)), None)
-    m = m or next((ln for ln in lines if ln.startswith(("E ", "ERROR", "AssertionError"))), None)
-    m = m or (lines[-1] if lines else "")
+    """The line where the cause is named (where its pattern's match ends), else the first assertion line, else the
+    last line."""
+    found = re.search(cause, text)
+    if found:
+        start = text.rfind("\n", 0, found.end()) + 1
+        end = text.find("\n", found.end())
+        lines = [text[start:end if end >= 0 else None].strip()]
+    else:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        lines = [ln for ln in lines if ln.startswith(("E ", "ERROR", "AssertionError"))] or lines[-1:] or [""]
+    m = lines[0]
     return m[2:].strip() if m.startswith("E ") else m
 
 

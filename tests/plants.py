@@ -240,8 +240,6 @@ PLANTS = {
                             r"only when its prompt is chunked", chunk_position, number_changing=True),
     "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
                         r"only when batched with|(last )?owned by \S+ \(position", stale_read, number_changing=True),
-    "stale-row-cache": Plant("decode rows keep the block table of the first request they served (read after free)",
-                             r"read slot \d+ \(page \d+\): last owned by", stale_row_cache),
     "read-past-length": Plant("the torch kernels read one slot past each length, masked afterwards",
                               r"read slot \d+ \(page \d+\): owned by", read_past_length),
     "fcfs": Plant("admission lets a later request that fits jump the blocked head", r"strict FCFS admission violated",

@@ -18,6 +18,9 @@ def pytest_configure(config):
     # they lose badly to oversubscription (seen: 5-20 ms a step with 1 thread, 700-1000 ms with 2 under load).
     import torch
     torch.set_num_threads(int(os.environ.get("STEPGATE_THREADS", "1")))
+    # STEPGATE_COMPILE_CACHE=DIR: every compile of the session (flex, the elementwise pieces) uses a kept folder
+    from kernels.compile_cache import use_compile_cache
+    use_compile_cache()
 
 try:    # hypothesis profiles: bounded and seeded in CI (.ci/run sets CI=1), longer locally with HYPOTHESIS_PROFILE=long
     from hypothesis import HealthCheck, settings

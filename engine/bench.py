@@ -10,7 +10,10 @@ and transformers' own continuous batching side by side (the peer).
 Parts (none named: all of them): --closed, --open (with the capped-pool control unless --no-capped), --peer.
 - closed: the whole batch at time zero, timed to its LAST request; `--warmups` discarded runs (2), median of
   `--reps` (5). Mixed batches (`--batches` 8,32,64) and the uniform control (`--uniform` 256), from
-  engine/workload.py (the *_CPU variants for the small model).
+  engine/workload.py (the *_CPU variants for the small model); the shared-prefix workload with `--shared N`.
+  Prefix cache: `--prefix-cache on|off|on,off` (each closed workload under each); `--passes 2` serves each
+  workload twice on one engine and times the second pass (its prompts found cached). Rows carry prefix_cache,
+  pass_no, prefix_hit_rate (prompt positions found cached / prompt positions), prefix_pages_saved, prefix_evictions.
 - open: `--arrivals` (400) Poisson arrivals per rate from a fixed seed, delivered while the engine works; served rate
   (requests/s) and median queue wait. Rates: `--rates` (ascending), or from the closed mixed-32 throughput upward
   by x2; the sweep stops once the served rate stops rising (by under `--rise` 5%).
@@ -44,7 +47,8 @@ from .config import LINEAGE, lineage_config
 from .engine import Engine, torch_dtype
 from .loader import QWEN25_1P5B, RANDOM_1P5B, is_small, load_model
 from .runner import ModelRunner
-from .workload import MIXED, MIXED_CPU, UNIFORM, UNIFORM_CPU, RequestSpec, Workload, poisson_arrivals
+from .workload import (MIXED, MIXED_CPU, SHARED, SHARED_CPU, UNIFORM, UNIFORM_CPU, RequestSpec, Workload,
+                       poisson_arrivals)
 
 try:
     from tqdm.auto import tqdm
@@ -74,6 +78,7 @@ class Setup:
     cpu_scaled: bool
     loaded: tuple = None
     extra: dict = field(default_factory=dict)
+    shared: Workload = None         # the shared-prefix workload (--shared)
 
     @property
     def model_arg(self):
@@ -137,26 +142,49 @@ def token_gaps(results) -> list[float]:
 
 def run_engine(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: str, quiet: bool, **cfg_kw):
     """Serve `specs` on a fresh engine (fresh pool and trace, shared weights). Returns (metrics, results, trace)."""
-    eng = Engine(setup.config(**cfg_kw), loaded=setup.loaded)
-    total = sum(s.budget for s in specs)
-    bar = progress(total, desc, disable=quiet)
-    emitted = [0]
+    return serve_passes(setup, specs, open_loop, desc, quiet, 1, **cfg_kw)[0]
 
-    def on_step(rec):
-        n = sum(len(r.output) for r in eng.requests.values())
-        bar.update(n - emitted[0])
-        emitted[0] = n
-    setup.sync()
-    eng.reset_clock()
-    results = eng.run(specs, open_loop=open_loop, progress=on_step)
-    bar.close()
-    trace = list(eng.trace)
-    pool_pages = eng.pool.num_pages
-    captured = [g for g in (eng.runner.graphs, eng.runner.step_graphs) if g is not None]
-    graphs = dict(graph_replays=sum(g.replays for g in captured), graph_capture_s=sum(g.capture_s for g in captured),
-                  graph_fallbacks=getattr(eng.runner.step_graphs, "fallbacks", 0),
-                  graph_pool_mib=sum(g.pool_bytes for g in captured) / (1 << 20))
+
+def serve_passes(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: str, quiet: bool, passes: int,
+                 **cfg_kw) -> list[tuple[dict, dict, list]]:
+    """Serve `specs` `passes` times on one fresh engine (a later pass finds the earlier passes' pages in the prefix
+    cache; its request ids get a "~k" suffix). Returns (metrics, results, trace) per pass."""
+    eng = Engine(setup.config(**cfg_kw), loaded=setup.loaded)
+    out = []
+    for k in range(1, passes + 1):
+        run_specs = specs if k == 1 else [replace(s, request_id=f"{s.request_id}~{k}") for s in specs]
+        ids = {s.request_id for s in run_specs}
+        total = sum(s.budget for s in run_specs)
+        bar = progress(total, desc + (f" pass {k}" if passes > 1 else ""), disable=quiet)
+        emitted = [0]
+
+        def on_step(rec):
+            n = sum(len(r.output) for rid, r in eng.requests.items() if rid in ids)
+            bar.update(n - emitted[0])
+            emitted[0] = n
+        setup.sync()
+        eng.reset_clock()
+        first_step, evictions = len(eng.trace), eng.pool.cache.evictions if eng.pool.cache else 0
+        results = {rid: r for rid, r in eng.run(run_specs, open_loop=open_loop, progress=on_step).items()
+                   if rid in ids}
+        bar.close()
+        trace = eng.trace[first_step:]
+        captured = [g for g in (getattr(eng.runner, "graphs", None), getattr(eng.runner, "step_graphs", None)) if g is not None]
+        m = run_metrics(results, trace, eng.pool.num_pages,
+                        graph_replays=sum(g.replays for g in captured), graph_capture_s=sum(g.capture_s for g in captured),
+                        graph_fallbacks=getattr(getattr(eng.runner, "step_graphs", None), "fallbacks", 0),
+                        graph_pool_mib=sum(g.pool_bytes for g in captured) / (1 << 20))
+        hit = sum(r.cached_prefix for r in results.values())
+        m.update(prefix_cache="on" if eng.pool.cache else "off", pass_no=k,
+                 prefix_hit_rate=hit / max(1, sum(len(r.prompt) for r in results.values())),
+                 prefix_pages_saved=hit // eng.pool.page_size,
+                 prefix_evictions=(eng.pool.cache.evictions - evictions) if eng.pool.cache else 0)
+        out.append((m, results, trace))
     del eng
+    return out
+
+
+def run_metrics(results: dict, trace: list, pool_pages: int, **extra) -> dict:
     done = [r for r in results.values() if r.finish_time is not None]
     first_arrival = min(r.arrival_time for r in results.values())
     last_finish = max(r.finish_time for r in done)
@@ -172,13 +200,13 @@ def run_engine(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: st
              ttft_median_s=median([r.first_token_time - r.arrival_time for r in done if r.first_token_time]),
              gap_median_ms=(median(gaps) or 0) * 1e3 if gaps else None,
              gap_worst_ms=max(gaps) * 1e3 if gaps else None, gap_p99_ms=(quantile(gaps, 0.99) or 0) * 1e3
-             if gaps else None, steps=len(trace), pool_pages=pool_pages, **graphs)
+             if gaps else None, steps=len(trace), pool_pages=pool_pages, **extra)
     for kind in STEP_KINDS:
         d = [s.duration for s in trace if s.kind == kind]
         m[f"steps_{kind}"] = len(d)
         m[f"step_{kind}_median_ms"] = median(d) * 1e3 if d else None
         m[f"step_{kind}_total_s"] = sum(d)
-    return m, results, trace
+    return m
 
 
 # -- the bench -----------------------------------------------------------------------------------------------------
@@ -218,37 +246,56 @@ class Bench:
     def closed_workloads(self) -> list[tuple[str, Workload]]:
         out = [(f"{self.s.mixed.name}-{n}", self.s.mixed.scaled(n)) for n in self.a.batches]
         out += [(f"{self.s.uniform.name}-{n}", self.s.uniform.scaled(n)) for n in self.a.uniform]
+        out += [(f"{self.s.shared.name}-{n}", self.s.shared.scaled(n)) for n in self.a.shared]
         return out
 
     def closed(self):
         vocab = self.s.loaded[0].shape.vocab_size
         res = {}
-        for name, wl in self.closed_workloads():
+        for base, wl in self.closed_workloads():
             specs = wl.requests(vocab)
-            times = []
-            for i in range(self.a.warmups + self.a.reps):
-                warm = i < self.a.warmups
-                run_specs = specs
-                desc = f"closed {name} {'warm-up' if warm else 'rep'} {i + 1 if warm else i - self.a.warmups + 1}"
-                m, results, trace = run_engine(self.s, run_specs, False, desc, self.a.no_progress)
-                self.run_no += 1
-                row = self.base_row("closed", name, run=self.run_no, batch=len(run_specs), rep=i, warmup=warm, **m)
-                self.runs.append(row)
-                if not warm:
-                    times.append(m["time_to_last_s"])
-                    self.closed_tokens[name] = {k: r.tokens for k, r in results.items()}
-                    self.keep_steps(self.run_no, "closed", name, trace)
-            rows = [r for r in self.runs if r["part"] == "closed" and r["workload"] == name and not r["warmup"]]
-            res[name] = dict(time_to_last_median_s=median(times), times_s=times,
-                             tokens_per_s_median=median([r["tokens_per_s"] for r in rows]),
-                             gap_median_ms=median([r["gap_median_ms"] for r in rows]),
-                             gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in rows) if rows else None,
-                             **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in rows])
-                                for k in STEP_KINDS})
-            log(f"closed {name}: time to last request, median of {len(times)}: {res[name]['time_to_last_median_s']:.3f}"
-                f" s ({res[name]['tokens_per_s_median']:.1f} tokens/s); token gaps median "
-                f"{fmt(res[name]['gap_median_ms'])} ms, worst {fmt(res[name]['gap_worst_ms'])} ms")
+            for mode in self.a.prefix_cache:
+                # the first --prefix-cache mode keeps the workload's plain name (the peer compares against it)
+                name = base if mode == self.a.prefix_cache[0] else f"{base}@cache-{mode}"
+                res[name] = self.closed_one(base, name, specs, mode)
         self.summary["closed"] = res
+        return res
+
+    def closed_one(self, base: str, name: str, specs: list[RequestSpec], mode: str) -> dict:
+        """Warm-ups and reps of one closed workload with the prefix cache `mode`; each serves it --passes times on
+        one engine, and the last pass is the one timed (each pass gets its row)."""
+        times, passes = [], self.a.passes
+        for i in range(self.a.warmups + self.a.reps):
+            warm = i < self.a.warmups
+            desc = f"closed {name} {'warm-up' if warm else 'rep'} {i + 1 if warm else i - self.a.warmups + 1}"
+            for m, results, trace in serve_passes(self.s, specs, False, desc, self.a.no_progress, passes,
+                                                  prefix_cache=mode == "on"):
+                self.run_no += 1
+                self.runs.append(self.base_row("closed", name, run=self.run_no, batch=len(specs), rep=i,
+                                               warmup=warm, **m))
+            if not warm:
+                times.append(m["time_to_last_s"])
+                self.closed_tokens[name] = {k.split("~")[0]: r.tokens for k, r in results.items()}
+                self.keep_steps(self.run_no, "closed", name, trace)
+        rows = [r for r in self.runs if r["part"] == "closed" and r["workload"] == name and not r["warmup"]]
+        last = [r for r in rows if r["pass_no"] == passes]
+        res = dict(time_to_last_median_s=median(times), times_s=times, prefix_cache=mode, passes=passes,
+                   tokens_per_s_median=median([r["tokens_per_s"] for r in last]),
+                   ttft_median_s=median([r["ttft_median_s"] for r in last]),
+                   prefix_hit_rate=median([r["prefix_hit_rate"] for r in last]),
+                   prefix_pages_saved=median([r["prefix_pages_saved"] for r in last]),
+                   gap_median_ms=median([r["gap_median_ms"] for r in last]),
+                   gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in last) if last else None,
+                   **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in STEP_KINDS})
+        if passes > 1:
+            res["per_pass"] = {k: {f: median([r[f] for r in rows if r["pass_no"] == k]) for f in
+                                   ("time_to_last_s", "ttft_median_s", "tokens_per_s", "prefix_hit_rate")}
+                               for k in range(1, passes + 1)}
+        log(f"closed {name}: time to last request, median of {len(times)}"
+            f"{f' (pass {passes} of {passes})' if passes > 1 else ''}: {res['time_to_last_median_s']:.3f} s "
+            f"({res['tokens_per_s_median']:.1f} tokens/s, first token median {fmt(res['ttft_median_s'], 3)} s); "
+            f"prefix cache {mode}: hit rate {res['prefix_hit_rate']:.3f}, {res['prefix_pages_saved']} pages saved; "
+            f"token gaps median {fmt(res['gap_median_ms'])} ms, worst {fmt(res['gap_worst_ms'])} ms")
         return res
 
     # -- open ----------------------------------------------------------------------------------------------------
@@ -659,6 +706,14 @@ def parse_args(argv=None):
                          "at most 3 rates")
     ap.add_argument("--batches", default=None, help="closed mixed batch sizes (default 8,32,64)")
     ap.add_argument("--uniform", default=None, help="closed uniform-control sizes (default 256)")
+    ap.add_argument("--shared", default="", help="closed shared-prefix workload sizes (a system prompt shared by "
+                    "most requests, repeats, next turns; default none)")
+    ap.add_argument("--prefix-cache", default="on", help="on, off, or on,off (each closed workload under each)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="serve each closed workload this many times on one engine; the last pass is timed (2: the "
+                         "second pass finds the first's pages in the prefix cache)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="longest prompt + budget served (default: the model's); narrows the decode graphs' tables")
     ap.add_argument("--warmups", type=int, default=None, help="discarded warm-up runs per closed workload (2)")
     ap.add_argument("--reps", type=int, default=None, help="measured runs per closed workload, median (5)")
     ap.add_argument("--arrivals", type=int, default=None, help="Poisson arrivals per rate (400)")
@@ -686,6 +741,12 @@ def parse_args(argv=None):
     q = a.quick
     a.batches = ints(a.batches) if a.batches is not None else ([8] if q else [8, 32, 64])
     a.uniform = ints(a.uniform) if a.uniform is not None else ([32] if q else [256])
+    a.shared = ints(a.shared)
+    a.prefix_cache = [m.strip() for m in a.prefix_cache.split(",") if m.strip()]
+    if not a.prefix_cache or set(a.prefix_cache) - {"on", "off"}:
+        ap.error(f"--prefix-cache: on, off or on,off, got {a.prefix_cache}")
+    if a.passes < 1:
+        ap.error(f"--passes must be >= 1, got {a.passes}")
     a.warmups = a.warmups if a.warmups is not None else (1 if q else 2)
     a.reps = a.reps if a.reps is not None else (1 if q else 5)
     a.arrivals = a.arrivals if a.arrivals is not None else (24 if q else 400)
@@ -702,10 +763,10 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     dev, dtype = device_and_dtype(a)
     cpu_scaled = is_small(a.model)
-    mixed, uniform = (MIXED_CPU, UNIFORM_CPU) if cpu_scaled else (MIXED, UNIFORM)
+    mixed, uniform, shared = (MIXED_CPU, UNIFORM_CPU, SHARED_CPU) if cpu_scaled else (MIXED, UNIFORM, SHARED)
     if a.new_tokens:     # a fixed budget (as the issue's "128 new tokens each"), named in the workload
-        mixed, uniform = (replace(w.with_budget(a.new_tokens), name=f"{w.name}-new{a.new_tokens}")
-                          for w in (mixed, uniform))
+        mixed, uniform, shared = (replace(w.with_budget(a.new_tokens), name=f"{w.name}-new{a.new_tokens}")
+                                  for w in (mixed, uniform, shared))
     chunk = a.chunk_tokens or getattr(mixed, "chunk_tokens", None) or (128 if cpu_scaled else 512)
     from kernels import why_unavailable
     base = LINEAGE[a.engine]
@@ -716,7 +777,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     loaded = load_model(a.model, torch_dtype(dtype), a.device)
     setup = Setup(a.model, a.device, dtype, a.engine, chunk, a.max_batch, mixed, uniform, cpu_scaled, loaded,
-                  extra=dict(cuda_graphs=GRAPHS[a.cuda_graphs], progress=not a.no_progress))
+                  extra=dict(cuda_graphs=GRAPHS[a.cuda_graphs], progress=not a.no_progress,
+                             max_model_len=a.max_model_len), shared=shared)
     bench = Bench(setup, a)
     log(f"engine.bench: {a.engine} on {loaded[2]} ({a.device}, {dtype}), chunk {chunk}, max batch {a.max_batch}; "
         f"parts: {', '.join(p for p in ('closed', 'open', 'peer') if getattr(a, p))}")

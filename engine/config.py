@@ -29,6 +29,7 @@ class EngineConfig:
     progress: bool = True                # progress bars for slow construction work (graph capture)
     tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/parallel.py)
     tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
+    prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)
 
     def __post_init__(self):
         if self.forward not in FORWARD_MODES:

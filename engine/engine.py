@@ -95,7 +95,7 @@ class Engine:
             num_pages = max(2, min(budget // ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp),
                                                                         config.page_size, dtype),
                                    config.max_batch * per_row + 1))
-        self.pool = PagePool(num_pages, config.page_size)
+        self.pool = PagePool(num_pages, config.page_size, prefix_cache=config.prefix_cache)
         self.scheduler = Scheduler.from_config(self.pool, config)
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
         if torch.device(config.device).type == "cuda":
@@ -222,6 +222,8 @@ class Engine:
             self._sync()
         start = self.now()
         plan = self.scheduler.schedule()
+        # cached pages evicted to admit this step's requests: NaN before their new owners write them
+        self.runner.poison_pages(self.pool.take_evicted())
         for r in plan.admitted:
             r.admit_time = start
         blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
@@ -339,6 +341,7 @@ class Engine:
         `last_only`), in one forward over the paged cache."""
         owner = f"__score__{len(tokens)}"
         self.pool.reserve(owner, len(tokens))
+        self.runner.poison_pages(self.pool.take_evicted())
         try:
             r = Request(owner, list(tokens), 1)
             return self.runner.score(Chunk(r, 0, len(tokens)), self.pool.owned[owner], last_only)

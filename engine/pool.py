@@ -2,10 +2,17 @@
 
 Page 0 is the null page: never handed out, always zero. Kernels that pad a gather point padding at it, so they never
 touch a slot another request owns (see kernels/torch_backend.py).
+
+With the prefix cache on (`PagePool(..., prefix_cache=True)`, engine/prefix_cache.py), full pages are shared: a page
+carries a count of the requests holding it, and a cached page nobody holds stays cached, least recently used
+first, until a reservation finds no free page; only then is it evicted (its key dropped; `take_evicted()` hands it
+to the runner to poison before the step's forward). Every page but the null page is free, cached and unheld, or held.
 """
 from __future__ import annotations
 
 from collections import deque
+
+from .prefix_cache import PrefixCache, short
 
 NULL_PAGE = 0
 
@@ -16,7 +23,7 @@ def pages_for(slots: int, page_size: int) -> int:
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, prefix_cache: bool = False):
         if num_pages < 2:
             raise ValueError(f"a pool needs at least 2 pages (one is the null page), got {num_pages}")
         if page_size < 1:
@@ -26,6 +33,9 @@ class PagePool:
         self.free: deque[int] = deque(range(1, num_pages))
         self.owned: dict[str, list[int]] = {}
         self.pending: list[tuple[str, list[int]]] = []   # released during a step, returned at its end
+        self.refs: dict[int, int] = {}                   # page -> requests holding it (pending ones included)
+        self.cache: PrefixCache | None = PrefixCache() if prefix_cache else None
+        self.evicted: list[int] = []                     # evicted since the runner last poisoned them
         self.in_step = False
         self.step = 0       # the open (or next) step: begin_step/end_step pairs, so the scheduler's step index
         self.last_owner: dict[int, tuple[str, int]] = {}   # page -> (owner, step at whose end it was freed)
@@ -37,26 +47,70 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        """Pages a reservation can take now: free ones and cached ones nobody holds (evicted on demand)."""
+        return len(self.free) + self.num_cached
+
+    @property
+    def num_cached(self) -> int:
+        """Cached pages nobody holds."""
+        return len(self.cache.lru) if self.cache else 0
 
     @property
     def num_owned(self) -> int:
-        return sum(len(p) for p in self.owned.values()) + sum(len(p) for _, p in self.pending)
+        """Pages some request holds (a shared page counts once)."""
+        return len(self.refs)
 
     def pages_needed(self, slots: int) -> int:
         return pages_for(slots, self.page_size)
 
-    def can_reserve(self, slots: int) -> bool:
-        return self.pages_needed(slots) <= self.num_free
+    def can_reserve(self, slots: int, hits: list[int] = ()) -> bool:
+        """`hits`: cached pages the request will hold (pinned, not taken) as its first pages."""
+        return self.pages_needed(slots) - len(hits) <= self.num_free - self.parked(hits)
 
-    def reserve(self, owner: str, slots: int) -> list[int]:
-        """Give `owner` all the pages it will ever need; they stay its own until released."""
-        n = self.pages_needed(slots)
+    def parked(self, pages) -> int:
+        """How many of `pages` are cached and unheld (so counted in num_free)."""
+        return sum(p in self.cache.lru for p in pages) if self.cache else 0
+
+    def reserve(self, owner: str, slots: int, hits: list[int] = ()) -> list[int]:
+        """Give `owner` all the pages it will ever need; they stay its own until released. `hits` (cached pages of
+        its prompt prefix) are its first pages, shared, each count + 1; the rest come from the free list, then from
+        evicting the least recently used cached pages nobody holds."""
+        n = self.pages_needed(slots) - len(hits)
         assert owner not in self.owned, f"{owner} already owns pages"
-        assert n <= self.num_free, f"reserve of {n} pages with {self.num_free} free"
-        pages = [self.free.popleft() for _ in range(n)]
+        assert n <= self.num_free - self.parked(hits), \
+            f"reserve of {n} pages with {self.num_free - self.parked(hits)} free"
+        for p in hits:
+            self.pin(p)
+        pages = list(hits) + [self.take() for _ in range(n)]
+        for p in pages[len(hits):]:
+            self.refs[p] = 1
         self.owned[owner] = pages
         return pages
+
+    def pin(self, page: int) -> None:
+        assert page in self.cache.by_page, f"page {page} is not cached: it cannot be shared"
+        self.refs[page] = self.refs.get(page, 0) + 1
+        self.cache.unpark(page)
+
+    def take(self) -> int:
+        if self.free:
+            return self.free.popleft()
+        page = self.cache.evict()
+        self.evicted.append(page)
+        return page
+
+    def take_evicted(self) -> list[int]:
+        """Pages evicted since the last call: the runner fills them with NaN before anything writes them."""
+        out, self.evicted = self.evicted, []
+        return out
+
+    def register(self, owner: str, index: int, key: bytes, hashed: tuple) -> bool:
+        """Cache page `index` of `owner` (full, just computed) under `key`; False if another page has that key."""
+        page = self.owned[owner][index]
+        assert self.refs[page] == 1 and page not in self.cache.by_page, \
+            f"{owner}'s page {page} (#{index}) is shared or cached already (count {self.refs[page]}, hash " \
+            f"{short(self.cache.key_of(page))}): it cannot have been computed by {owner}"
+        return self.cache.register(page, key, hashed)
 
     def begin_step(self) -> None:
         self.in_step = True
@@ -69,8 +123,21 @@ class PagePool:
             self.last_owner[p] = (owner, self.step)
 
     def end_step(self) -> list[int]:
-        """Eviction at the end of the step: returns the pages that just became free (the runner poisons them)."""
-        freed = [p for _, pages in self.pending for p in pages]
+        """Eviction at the end of the step: counts drop; a page nobody holds any more becomes free (returned: the
+        runner poisons it) or, if cached, the most recently used evictable page. A request's pages are parked last
+        page first, so that a prefix's deeper pages are evicted before the pages that lead to them."""
+        freed = []
+        for _, pages in self.pending:
+            for p in reversed(pages):
+                self.refs[p] -= 1
+                if self.refs[p]:
+                    continue
+                del self.refs[p]
+                if self.cache is not None and p in self.cache.by_page:
+                    self.cache.park(p)
+                else:
+                    freed.append(p)
+        freed.reverse()
         self.pending.clear()
         self.free.extend(freed)
         self.step += self.in_step
@@ -89,10 +156,41 @@ class PagePool:
             return self.last_owner[page][0], "freed"
         return None, "never owned"
 
+    def holders(self) -> dict[int, list[str]]:
+        """page -> the requests holding it (pending releases included)."""
+        out: dict[int, list[str]] = {}
+        for owner, pages in list(self.owned.items()) + self.pending:
+            for p in pages:
+                out.setdefault(p, []).append(owner)
+        return out
+
     def check(self) -> None:
-        """The pool's own invariants: free + owned = capacity, no page with two owners, the null page never out."""
-        seen = list(self.free) + [p for pages in self.owned.values() for p in pages] + \
-            [p for _, pages in self.pending for p in pages]
-        assert len(seen) == self.capacity, f"free + owned = {len(seen)} pages, capacity {self.capacity}"
-        assert len(set(seen)) == len(seen), "a page has two owners (or is free and owned)"
+        """The pool's own invariants: free + cached + owned = capacity, a page's count equals its holders, only
+        cached pages are shared, cached pages nobody holds are evictable and no held page is, one page per hash,
+        the null page never out."""
+        held = self.holders()
+        lru = list(self.cache.lru) if self.cache else []
+        bad = [p for p in lru if p in held]
+        assert not bad, "; ".join(f"page {p} (hash {short(self.cache.key_of(p))}) is evictable (in the LRU) while "
+                                  f"held by {held[p]}" for p in bad)
+        seen = list(self.free) + lru + list(held)
+        what = "free + cached + owned" if self.cache else "free + owned"
+        assert len(seen) == self.capacity, f"{what} = {len(seen)} pages, capacity {self.capacity}"
+        assert len(set(seen)) == len(seen), "a page has two owners (or is free and owned, or cached and owned)"
         assert NULL_PAGE not in seen, "the null page was handed out"
+        for p, owners in held.items():
+            key = short(self.cache.key_of(p)) if self.cache else "-"
+            assert len(owners) == 1 or self.cache and p in self.cache.by_page, \
+                f"page {p} has two owners {owners} and is not a cached page"
+            assert self.refs.get(p) == len(owners), \
+                f"page {p} (hash {key}) has count {self.refs.get(p)} but is held by {len(owners)}: {owners}"
+            assert len(set(owners)) == len(owners), f"page {p} appears twice in the pages of {owners}"
+        stray = sorted(set(self.refs) - set(held))
+        assert not stray, f"pages {stray} have counts {[self.refs[p] for p in stray]} but nobody holds them"
+        if self.cache:
+            c = self.cache
+            assert len(c.by_key) == len(c.by_page) and all(c.by_key[e.key] is e for e in c.by_page.values()), \
+                "the cache's key and page maps disagree: not one page per hash"
+            loose = sorted(set(self.free) & set(c.by_page))
+            assert not loose, f"free pages {loose} are still cached (hashes {[short(c.key_of(p)) for p in loose]})"
+            assert all(p in c.by_page for p in lru), "an uncached page sits in the LRU"

@@ -22,6 +22,7 @@ class Request:
     arrival_index: int = 0          # submit order; strict FCFS admits in this order
     state: State = State.WAITING
     num_cached: int = 0             # positions whose K/V are in the cache
+    cached_prefix: int = 0          # prompt positions found in the prefix cache at admission (never computed)
     output: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     token_steps: list[int] = field(default_factory=list)   # step index at which each token was emitted
@@ -89,6 +90,7 @@ class RequestResult:
     token_steps: list[int]
     finish_time: float | None
     chunks: list[tuple[int, int]] = field(default_factory=list)   # the prompt's chunk boundaries: (start, length)
+    cached_prefix: int = 0          # prompt positions found in the prefix cache at admission
 
     @property
     def queue_wait(self) -> float | None:
@@ -98,4 +100,4 @@ class RequestResult:
     def of(cls, r: Request) -> "RequestResult":
         return cls(r.request_id, list(r.prompt), list(r.output), r.state.value, r.arrival_time, r.admit_time,
                    r.first_token_time, list(r.token_times), list(r.token_steps), r.finish_time,
-                   list(r.chunks))
+                   list(r.chunks), r.cached_prefix)

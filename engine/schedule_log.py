@@ -14,7 +14,9 @@ class Admission:
     prompt_len: int
     budget: int
     pages: tuple[int, ...]       # the pages reserved for it
-    free_before: int             # free pages just before this admission
+    hits: int                    # of which found in the prefix cache (shared, not taken from the free pages)
+    free_before: int             # free pages just before this admission (at least: a cached hit nobody held is
+                                 # counted free until it is pinned)
     rows: int                    # rows held once it was admitted
 
 
@@ -43,6 +45,7 @@ class Release:
 class StepEnd:
     step: int
     freed: tuple[int, ...]       # pages the pool put back on the free list at the step's end (the runner poisons them)
+    kept: tuple[int, ...] = ()   # pages released in the step that stay held by another request or cached
 
 
 class ScheduleLog:
@@ -51,16 +54,18 @@ class ScheduleLog:
         self.waits: list[HeadWait] = []
         self.releases: list[Release] = []
         self.ends: list[StepEnd] = []
+        self._released: list[int] = []       # pages released in the open step
 
     def admitted(self, step: int, admitted, pool, free_before: int, rows_before: int, waiting) -> None:
         """Record the step's admissions (in the order they were made) and the head still waiting after them."""
         free, rows = free_before, rows_before
         for r in admitted:
             pages = tuple(pool.owned.get(r.request_id, ()))
+            hits = getattr(r, "cached_prefix", 0) // pool.page_size
             rows += 1
             self.admissions.append(Admission(step, r.request_id, r.arrival_index, r.prompt_len, r.budget, pages,
-                                             free, rows))
-            free -= len(pages)
+                                             hits, free, rows))
+            free -= len(pages) - hits
         if waiting:
             head = min(waiting, key=lambda r: r.arrival_index)
             self.waits.append(HeadWait(step, head.request_id, head.arrival_index, head.slots_needed, pool.num_free,
@@ -72,9 +77,14 @@ class ScheduleLog:
         pages, before, in_step = tuple(pool.owned.get(owner, ())), pool.num_free, pool.in_step
         pool.release(owner)
         self.releases.append(Release(step, owner, pages, before, pool.num_free, in_step))
+        self._released.extend(pages)
 
     def end_step(self, step: int, pool) -> list[int]:
         """pool.end_step(), noting the pages it returned."""
         freed = pool.end_step()
-        self.ends.append(StepEnd(step, tuple(freed)))
+        cached = getattr(pool, "cache", None)
+        kept = tuple(p for p in self._released if p not in freed and
+                     (p in getattr(pool, "refs", ()) or cached is not None and p in cached.by_page))
+        self.ends.append(StepEnd(step, tuple(freed), kept))
+        self._released = []
         return freed

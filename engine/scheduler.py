@@ -11,6 +11,13 @@ that does not fit in what is left of the budget waits for a later step (it is ne
 of every request are the same for every p, and only the order of whole steps changes (docs/DESIGN.md, "Prefill
 share").
 
+Prefix cache (the pool's, when on): the head of the queue first looks up its prompt's whole pages, at most
+(prompt - 1) // page_size of them, so that its last prompt position is always computed; it is admitted when the
+pages it did not find fit, and starts with num_cached at the end of what it found. So strict FCFS, the chunk
+budget and the prefill share see only the positions actually computed, and a request's first write lands in a page
+of its own. At the end of each step, before retired requests release their pages, the pages the step completed are
+cached (registered); a page with the same key as one already cached stays private.
+
 Prefill share p (0 < p <= 1; p below 0.01, above 1 or not finite falls back to 1): while runnable requests decode, a
 step that carried long-prompt work and took t seconds owes the decoders (t - t_d) (1 - p) / p seconds of pure decode
 steps (`debt`) before the next long-prompt piece, where t_d is a running estimate (EWMA) of a pure decode step's
@@ -41,6 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .pool import PagePool
+from .prefix_cache import Chain
 from .request import Request, State
 from .schedule_log import ScheduleLog
 
@@ -156,6 +164,7 @@ class Scheduler:
         self.piece_extra: dict[str, float] = {}   # request id -> extra seconds of its latest long piece
         self.prepaid: dict[str, float] = {}       # request id -> debt charged ahead for its last long piece
         self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
+        self.chains: dict[str, Chain] = {}   # request id -> its pages' keys (prefix cache on)
         self.log = ScheduleLog()             # admissions and releases, for the gates' engine-level checks
 
     @classmethod
@@ -170,17 +179,61 @@ class Scheduler:
         self.waiting.append(request)
 
     def admit(self) -> list[Request]:
-        """Strict FCFS: admit from the head while it fits the pool and a row is free; the head blocks the rest."""
+        """Strict FCFS: admit from the head while it fits the pool and a row is free; the head blocks the rest.
+        With the prefix cache, the head needs only the pages it does not find cached."""
         admitted = []
-        while self.waiting and len(self.running) < self.max_batch \
-                and self.pool.can_reserve(self.waiting[0].slots_needed):
-            r = self.waiting.popleft()
-            r.pages = self.pool.reserve(r.request_id, r.slots_needed)
-            r.state = State.PREFILL
-            r.admit_step = self.step_index
-            self.running.append(r)
+        while self.waiting and len(self.running) < self.max_batch:
+            r = self.waiting[0]
+            hits = self.prefix_hits(r)
+            if not self.pool.can_reserve(r.slots_needed, hits):
+                break
+            self.waiting.popleft()
+            self.admit_one(r, hits)
             admitted.append(r)
         return admitted
+
+    def admit_one(self, r: Request, hits: list[int]) -> None:
+        """Reserve on admit; a prompt prefix found cached (`hits`, whole pages) counts as already computed."""
+        r.pages = self.pool.reserve(r.request_id, r.slots_needed, hits)
+        r.num_cached = r.cached_prefix = len(hits) * self.pool.page_size
+        cache = self.pool.cache
+        if cache is not None:
+            self.chains[r.request_id].registered = len(hits)
+            cache.lookups += self.shareable_pages(r)
+            cache.hits += len(hits)
+        r.state = State.PREFILL
+        r.admit_step = self.step_index
+        self.running.append(r)
+
+    # -- the prefix cache ------------------------------------------------------------------------------------
+    def shareable_pages(self, r: Request) -> int:
+        """Whole pages of the prompt a request may find cached: at least its last prompt position is computed, so
+        that the step that completes the prompt has logits to sample."""
+        return (r.prompt_len - 1) // self.pool.page_size
+
+    def prefix_hits(self, r: Request) -> list[int]:
+        cache = self.pool.cache
+        if cache is None:
+            return []
+        chain = self.chains.setdefault(r.request_id, Chain())
+        return cache.match(chain, r.prompt, self.pool.page_size, self.shareable_pages(r))
+
+    def register_pages(self, plan: StepPlan) -> None:
+        """Cache the pages this step completed (prompt and decode pages alike: each position is computed once and
+        never rewritten), in admission order, so that of two equal pages computed in one step the earlier
+        request's is kept."""
+        cache, ps = self.pool.cache, self.pool.page_size
+        stepped = {id(c.request) for c in plan.chunks} | {id(r) for r in plan.decodes}
+        for r in self.running:
+            chain = self.chains.get(r.request_id)
+            full = r.num_cached // ps
+            if id(r) not in stepped or chain is None or full <= chain.registered:
+                continue
+            tokens = r.prompt + r.output          # position p holds tokens[p]
+            cache.extend(chain, tokens, ps, full)
+            for k in range(chain.registered, full):
+                self.pool.register(r.request_id, k, chain.keys[k], cache.hashed_of(chain, tokens, ps, k))
+            chain.registered = full
 
     # -- the step's work -------------------------------------------------------------------------------------
     def is_short(self, r: Request) -> bool:
@@ -287,8 +340,11 @@ class Scheduler:
         ahead = sum(self.prepaid.pop(c.request.request_id, 0.0) for c in plan.chunks if c.long) if plan else 0.0
         if duration is not None and plan is not None and self.prefill_share < 1.0:
             self.account(plan, duration, ahead)
+        if plan is not None and self.pool.cache is not None:
+            self.register_pages(plan)        # before the releases below: a finishing request's pages stay cached
         for r in [r for r in self.running if r.done]:
             self.running.remove(r)
+            self.chains.pop(r.request_id, None)
             self.piece_extra.pop(r.request_id, None)
             # cancelled before its last long piece ran: the debt charged ahead for it is owed to nobody
             self.debt = max(0.0, self.debt - self.prepaid.pop(r.request_id, 0.0))
@@ -307,6 +363,7 @@ class Scheduler:
             return CancelResult(request_id, "already-cancelled", len(r.output))
         if r.state is State.WAITING:
             self.waiting.remove(r)
+            self.chains.pop(request_id, None)
         r.state = State.CANCELLED   # a running one is retired (pages released) at the end of the step
         return CancelResult(request_id, "cancelled", len(r.output))
 

@@ -28,18 +28,22 @@ class Workload:
     lengths_in_order: bool = False       # request i takes prompt_lengths[i % len] instead of a draw
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
-        rng = random.Random(self.seed)
-        lo, hi = self.token_range
-        if vocab_size is not None:
-            hi = min(hi, vocab_size)
+        rng, rand = self.draw(vocab_size)
         out = []
         for i in range(self.num_requests):
             n = self.prompt_lengths[i % len(self.prompt_lengths)] if self.lengths_in_order else \
                 rng.choice(self.prompt_lengths)
             budget = rng.randint(*self.budget_range)
-            prompt = [rng.randrange(lo, hi) for _ in range(n)]
-            out.append(RequestSpec(f"{self.name}-{i:04d}", prompt, budget))
+            out.append(RequestSpec(f"{self.name}-{i:04d}", rand(n), budget))
         return out
+
+    def draw(self, vocab_size: int | None):
+        """The seeded generator, and rand(n): n token ids from token_range (cut to the vocabulary)."""
+        rng = random.Random(self.seed)
+        lo, hi = self.token_range
+        if vocab_size is not None:
+            hi = min(hi, vocab_size)
+        return rng, lambda n: [rng.randrange(lo, hi) for _ in range(n)]
 
     def describe(self) -> dict:
         return asdict(self)
@@ -65,14 +69,47 @@ UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48, chunk_tokens=128)
 MIXED_GATE = Workload("mixed-gate", (16, 64, 256, 1024, 4096), (16, 32), 40)
 UNIFORM_GATE = Workload("uniform-gate", (256,), (16, 32), 40)
 
+
+@dataclass(frozen=True)
+class SharedPrefixWorkload(Workload):
+    """Requests that share prefixes: a system prompt of `system_len` tokens, then a question drawn from
+    prompt_lengths; a share of them instead repeat an earlier prompt exactly (`repeat_share`) or are its next turn
+    (`followup_share`: the earlier prompt, a reply as long as its budget, a new question)."""
+    system_len: int = 1024
+    repeat_share: float = 0.2
+    followup_share: float = 0.2
+
+    def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
+        rng, rand = self.draw(vocab_size)
+        system = rand(self.system_len)
+        out = []
+        for i in range(self.num_requests):
+            budget = rng.randint(*self.budget_range)
+            u = rng.random()
+            prev = rng.choice(out) if out else None
+            if prev and u < self.repeat_share:
+                prompt = list(prev.prompt)
+            elif prev and u < self.repeat_share + self.followup_share \
+                    and len(prev.prompt) + prev.budget < self.system_len + 4 * max(self.prompt_lengths):
+                prompt = prev.prompt + rand(prev.budget) + rand(rng.choice(self.prompt_lengths))
+            else:
+                prompt = system + rand(rng.choice(self.prompt_lengths))
+            out.append(RequestSpec(f"{self.name}-{i:04d}", prompt, budget))
+        return out
+
+
+# A long system prompt shared by most requests (the 1.5B shape; CPU: lengths / 4, as the mixed draw's).
+SHARED = SharedPrefixWorkload("shared", (16, 64, 256), (64, 256), 200, system_len=1024)
+SHARED_CPU = SharedPrefixWorkload("shared-cpu", (4, 16, 64), (16, 64), 48, chunk_tokens=128, system_len=256)
+
 # The smoke gate's requests: one per prompt length, each at a page boundary (64; 256 where flash decodes) or a chunk
 # boundary (128 on CPU, 512 otherwise), with short budgets, so that a bug that changes numbers fails in seconds.
 SMOKE_CPU = Workload("smoke-cpu", (63, 64, 65, 127, 128, 129, 255, 256, 257), (8, 12), 9, chunk_tokens=128,
                      lengths_in_order=True)
 SMOKE_GATE = Workload("smoke-gate", (63, 64, 65, 255, 256, 257, 511, 512, 513), (8, 12), 9, lengths_in_order=True)
 
-WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU, MIXED_GATE, UNIFORM_GATE, SMOKE_CPU,
-                                 SMOKE_GATE)}
+WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU, MIXED_GATE, UNIFORM_GATE, SHARED,
+                                 SHARED_CPU, SMOKE_CPU, SMOKE_GATE)}
 
 
 def get_workload(name: str) -> Workload:

@@ -85,13 +85,9 @@ class EngineReference(Reference):
 
     def generate(self, specs, progress=None) -> dict[str, GenRecord]:
         e = self.engine()
-        res = e.run(specs, progress=(lambda rec: progress(0)) if progress else None)
+        e.run(specs, progress=(lambda rec: progress(0)) if progress else None)
         self.last_engine = e
-        out = {}
-        for rid, r in res.items():
-            tk = e.topk.get(rid, [])
-            out[rid] = GenRecord(rid, r.prompt, r.tokens, [t[0] for t in tk], [t[1] for t in tk], r.token_steps)
-        return out
+        return records_of(e)
 
     def score(self, prompt, tokens):
         e = self.engine() if not hasattr(self, "_scorer") else self._scorer
@@ -101,6 +97,15 @@ class EngineReference(Reference):
 
     def describe(self):
         return {"name": self.name, "config": self.config.describe()}
+
+
+def records_of(e: Engine) -> dict[str, GenRecord]:
+    """What an engine's run leaves for comparison: per request its prompt, tokens, top-k logits and steps."""
+    out = {}
+    for rid, r in e.results().items():
+        tk = e.topk.get(rid, [])
+        out[rid] = GenRecord(rid, r.prompt, r.tokens, [t[0] for t in tk], [t[1] for t in tk], r.token_steps)
+    return out
 
 
 def make_reference(name: str, model=None, device="cpu", dtype="float32", loaded=None, **overrides) -> Reference:

@@ -30,15 +30,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hypothesis import event, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, rule
 
 from engine.errors import NeverFitsError
 from engine.pool import NULL_PAGE, PagePool
-from engine.request import Request, State
+from engine.request import Request
 from engine.scheduler import Scheduler
 
 from .schedule_check import (CANCEL, CAPACITY, COMPLETES, EVICTION, FCFS, NEVER_FITS, OWNERS, PLAN, RESERVE, ROWS,
-                             STATE, TOTAL, ceil_pages, check, violated)
+                             STATE, TOTAL, ceil_pages)
+from .stepping import PHASE_OF, SteppingMachine, check, violated
 
 PAGE_SIZES = (64, 256)
 
@@ -94,21 +95,12 @@ class Expected:
         self.phase = "finished" if self.emitted == self.budget else "decode"
 
 
-PHASE_OF = {State.WAITING: "waiting", State.PREFILL: "prefill", State.DECODE: "decode",
-            State.FINISHED: "finished", State.CANCELLED: "cancelled"}
-
-
 def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64):
     """The admission state machine over `pool_cls` and `scheduler_cls`, with pages of `page_size` slots."""
     ps = page_size
     pool_under_test = watched(pool_cls)
 
-    class AdmissionMachine(RuleBasedStateMachine):
-        def __init__(self):
-            super().__init__()
-            self.pool = None
-            self.busy = False   # a rule is running; if it raised, teardown must not drain over the wreck
-
+    class AdmissionMachine(SteppingMachine):
         # -- setup ---------------------------------------------------------------------------------------------
         @initialize(num_pages=st.integers(2, 10), max_batch=st.integers(1, 4),
                     chunk_tokens=st.integers(max(1, ps // 8), 2 * ps))
@@ -175,28 +167,6 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                 self.live.add(rid)
             self.busy = False
 
-        @rule()
-        def step(self):
-            """schedule(), then the step's work as Engine.step applies it; the step stays open (cancels may come)
-            until end_step. If a step is open, it ends first."""
-            self.busy = True
-            if self.in_step:
-                self.finish_step()
-                self.check_all()
-            self.begin_step()
-            self.busy = False
-
-        @rule()
-        def end_step(self):
-            """finish_step(): retire finished and cancelled requests; their pages return now. With no step open,
-            run a whole one."""
-            self.busy = True
-            if not self.in_step:
-                self.begin_step()
-                self.check_all()
-            self.finish_step()
-            self.busy = False
-
         @rule(kind=st.sampled_from(["running", "waiting", "any", "unknown"]), which=st.integers(0, 63))
         def cancel(self, kind, which):
             """Cancel a request (running, waiting, finished, cancelled, refused or unknown), between steps or
@@ -224,13 +194,6 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                 if m.phase == "waiting":
                     self.queue.remove(rid)
                 m.phase = "cancelled"       # a running one keeps its pages and row until the end of the step
-            self.busy = False
-
-        @rule()
-        def drain(self):
-            """Keep stepping until every request is done: all complete, no page leaks."""
-            self.busy = True
-            self.run_to_completion()
             self.busy = False
 
         # -- the step ------------------------------------------------------------------------------------------
@@ -328,18 +291,7 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                     n += -(-(m.prompt_len - m.cached) // self.chunk_tokens) + m.budget - m.emitted + 1
             return n + 2
 
-        def run_to_completion(self):
-            if self.in_step:
-                self.finish_step()
-                self.check_all()
-            bound = self.outstanding_steps()
-            for _ in range(bound):
-                if not self.sched.has_work:
-                    break
-                self.begin_step()
-                self.check_all()
-                self.finish_step()
-                self.check_all()
+        def check_drained(self, bound: int):
             unfinished = [self.describe(rid) for rid, m in self.model.items() if not m.done]
             check(not self.sched.has_work and not unfinished, COMPLETES,
                   lambda: f"after {bound} more steps (an upper bound) work is left: unfinished {unfinished}, "
@@ -352,13 +304,6 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                           f"owned {leaked}, pending {self.pool.pending} (a page leak)")
 
         # -- invariants ----------------------------------------------------------------------------------------
-        @invariant()
-        def invariants(self):
-            if self.pool is not None:
-                self.busy = True
-                self.check_all()
-                self.busy = False
-
         def check_all(self):
             pool, cap = self.pool, self.cap
             try:
@@ -409,15 +354,6 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                               f"{(m.phase, m.cached, m.emitted)}")
                 if m.done and not m.holds:
                     self.live.discard(rid)      # retired: nothing changes it any more
-
-        def teardown(self):
-            # Drain at the end of every run: everything completes and no page leaks. Skipped when a rule or an
-            # invariant is failing, so that the failure being reported is not masked.
-            if self.pool is None or self.busy:
-                return
-            self.busy = True
-            self.run_to_completion()
-            self.busy = False
 
     AdmissionMachine.__name__ = AdmissionMachine.__qualname__ = \
         f"Admission_{pool_cls.__name__}_{scheduler_cls.__name__}_page{page_size}"

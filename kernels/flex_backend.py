@@ -20,16 +20,22 @@ builds gather indices of exactly the slots each sequence owns below its length, 
 
 GQA goes through `enable_gqa=True`; the softmax scale is passed as is.
 
-Compiled shapes. `flex_attention` is compiled once per process (`torch.compile(flex_attention, dynamic=False)`), and a
-static compile specialises on every shape. To keep the set of shapes finite, each step's dims are padded to a ladder:
-- key dims (Tk, L): 128 x {1, 2, 3, 4, 6, 8, 12, 16, ...} (powers of two and 1.5x powers of
-  two, at least one flex block of 128), so padding wastes at most a third of the gathered keys;
-- query dim (Tq for prefill): the next power of two, at least 128;
+Compiled shapes. `flex_attention` is compiled once per process, and each step's dims are padded to a ladder so
+that the set of shapes stays finite and small:
+- key dims (Tk, L): 128 x {2, 3, 4, 6, 8, 12, 16, ...} (powers of two and 1.5x powers of two, at least two flex
+  blocks of 128), so padding wastes at most a third of the gathered keys;
+- query dim (Tq for prefill): the next power of two, at least two blocks;
 - decode rows R: the next multiple of 32 (the default max batch); padding rows own no key.
-`warmup(...)` compiles every shape of that ladder an engine configuration can reach (see `ladder_shapes`), so that no
-measured step includes a compile; `compiled_shapes` lists what this process has run. A new (heads, kv_heads,
-head_dim, dtype, device, scale) compiles anew. Dynamo's recompile limit is raised so that it never falls back to
-eager flex_attention after 8 shapes.
+On CUDA the padded lengths are dynamic (`torch.compile(dynamic=True)`, batch and head dims marked static, no duck
+sizing): one graph per kind (decode, prefill) serves every rung, which is why the ladder starts at two blocks (a dim
+of one block would be specialised into a graph of its own). Batch and heads stay static because Inductor's split-KV
+decode kernel needs them so, and the compiled function tells Inductor the lengths are whole blocks (its fast path).
+On CPU each padded shape compiles statically (see `dynamic_shapes` for why); STEPGATE_FLEX_DYNAMIC=0/1 forces
+either. `warmup(...)` runs every shape of the ladder an engine configuration can reach (see `ladder_shapes`), so
+that no measured step includes a compile; `compiled_shapes` lists what this process has run. A new (heads,
+kv_heads, head_dim, dtype, device, scale) compiles anew. Dynamo's recompile limit is raised so that it never falls
+back to eager flex_attention after 8 graphs.
+STEPGATE_COMPILE_CACHE=DIR keeps the compiled code in DIR across processes (kernels/compile_cache.py).
 
 Block masks are built per step at block granularity from the dense mask (partial blocks get the mask_mod, full blocks
 skip it), which costs a few elementwise ops rather than create_block_mask's vmap.
@@ -49,17 +55,20 @@ import torch._dynamo
 from .base import AttentionBackend, AttnBatch
 
 BLOCK = 128          # FlexAttention's default block size (both Q and KV)
+MIN_BLOCKS = 2       # the shortest padded length, in blocks: one block would be a size-1 dim, specialised apart
 ROWS = 32            # decode rows are padded to a multiple of this
+DYNAMIC_ENV = "STEPGATE_FLEX_DYNAMIC"
+COMPILER = "inductor"  # torch.compile's backend; tests/test_flex_compile.py checks the dynamic path with "aot_eager"
 
 
 def q_bucket(n: int) -> int:
-    """The padded query length: the next power of two, at least one block."""
-    return max(BLOCK, 1 << max(0, int(n) - 1).bit_length())
+    """The padded query length: the next power of two, at least MIN_BLOCKS blocks."""
+    return max(MIN_BLOCKS * BLOCK, 1 << max(0, int(n) - 1).bit_length())
 
 
 def kv_bucket(n: int) -> int:
-    """The padded key length: the smallest of 128 x {1, 2, 3, 4, 6, 8, 12, ...} that holds n."""
-    blocks = max(1, -(-int(n) // BLOCK))
+    """The padded key length: the smallest of 128 x {2, 3, 4, 6, 8, 12, ...} that holds n."""
+    blocks = max(MIN_BLOCKS, -(-int(n) // BLOCK))
     p = 1 << (blocks - 1).bit_length()          # next power of two >= blocks
     if p >= 4 and blocks <= 3 * p // 4:
         p = 3 * p // 4
@@ -110,18 +119,50 @@ def block_mask_from_dense(dense: torch.Tensor, mask_mod, q_len: int, kv_len: int
                                     seq_lengths=(q_len, kv_len))
 
 
-@functools.lru_cache(maxsize=None)
-def _flex():
-    """The compiled flex_attention, created once per process (its compiled shapes are shared by every instance)."""
+def dynamic_shapes(device_type: str = "cuda") -> bool:
+    """Whether flex compiles dynamic lengths on this device type: STEPGATE_FLEX_DYNAMIC=1 (always), 0 (never: one
+    graph per padded shape) or unset (CUDA only). Not on CPU by default: Inductor's C++ flex template (torch 2.13)
+    writes its split sizes into the generated code by text replacement of a size symbol's name (`ks1`), which also
+    hits longer names (`ks18` -> `cur_kvSplitSize8`), and the code then fails to compile (seen on the prefill mask)."""
+    v = os.environ.get(DYNAMIC_ENV, "")
+    if v not in ("", "0", "1"):
+        raise ValueError(f"{DYNAMIC_ENV} must be 0 (one compile per padded shape), 1 (dynamic lengths) or unset "
+                         f"(dynamic on CUDA), got {v!r}")
+    return v == "1" if v else device_type == "cuda"
+
+
+def _attend_blocks(q, k, v, block_mask, scale):
+    """flex_attention, telling Inductor which lengths are whole blocks (the ladder's keys and prefill queries), so
+    that it keeps its divisible-length kernel when the lengths are symbolic."""
     from torch.nn.attention.flex_attention import flex_attention
-    # every ladder shape is one more compiled entry of flex_attention's code object: past dynamo's recompile limit
-    # (8 by default) it would silently fall back to the eager, unfused flex_attention. Raise it (both spellings).
+    for n in (q.size(2), k.size(2)):
+        if n % BLOCK == 0:          # a guard; decode rows (one query each, or 32 packed) are not whole blocks
+            torch._check(n % BLOCK == 0)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def _no_duck_shapes():
+    import contextlib
+    from torch.fx.experimental import _config as fx_config
+    if not hasattr(fx_config, "use_duck_shape"):        # pragma: no cover - older torch
+        return contextlib.nullcontext()
+    return fx_config.patch(use_duck_shape=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex(dynamic: bool, compiler: str = "inductor"):
+    """The compiled flex attention, created once per process and mode (its graphs are shared by every instance)."""
+    from .compile_cache import use_compile_cache
+    use_compile_cache()      # STEPGATE_COMPILE_CACHE, before the first compile
+    # past dynamo's recompile limit (8 by default) it would silently fall back to the eager, unfused
+    # flex_attention: each static shape is one more entry. Raise it (both spellings).
     cfg = torch._dynamo.config
     for name, at_least in (("recompile_limit", 1024), ("cache_size_limit", 1024),
                            ("accumulated_recompile_limit", 8192), ("accumulated_cache_size_limit", 8192)):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), at_least))
-    return torch.compile(flex_attention, dynamic=False)
+    # fullgraph: a graph break inside would otherwise run part of flex eagerly, unseen
+    return torch.compile(_attend_blocks, dynamic=dynamic, fullgraph=True, backend=compiler)
 
 
 def _flex_import_error() -> str | None:
@@ -245,7 +286,15 @@ class FlexBackend(AttentionBackend):
     def _attend(self, q, k, v, mask, scale):
         key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, float(scale))
         self.compiled_shapes.add(key)
-        return _flex()(q, k, v, block_mask=mask, scale=float(scale), enable_gqa=True)
+        if dynamic_shapes(q.device.type):
+            for t in (q, k, v):      # batch and heads: static (the split-KV decode kernel needs them so)
+                torch._dynamo.mark_static(t, 0)
+                torch._dynamo.mark_static(t, 1)
+            # no duck sizing: lengths equal at the first compile (a fresh prompt's Tq_p == Tk_p) would share one
+            # symbol, a graph of their own, and Inductor's CPU flex template miscompiles it (torch 2.13)
+            with _no_duck_shapes():
+                return _flex(True, COMPILER)(q, k, v, mask, float(scale))
+        return _flex(False, COMPILER)(q, k, v, mask, float(scale))
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
         return self._in_inference_mode(self._prefill, q, k_cache, v_cache, batch, scale)
@@ -358,4 +407,5 @@ class FlexBackend(AttentionBackend):
         return n
 
 
-__all__ = ["FlexBackend", "q_bucket", "kv_bucket", "rows_bucket", "ladder", "block_mask_from_dense", "BLOCK", "ROWS"]
+__all__ = ["FlexBackend", "q_bucket", "kv_bucket", "rows_bucket", "ladder", "block_mask_from_dense", "dynamic_shapes",
+           "BLOCK", "MIN_BLOCKS", "ROWS", "DYNAMIC_ENV"]

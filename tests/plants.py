@@ -16,7 +16,6 @@ from typing import Callable
 import pytest
 
 from engine.pool import PagePool
-from engine.request import State
 from engine.scheduler import Scheduler
 
 
@@ -28,23 +27,16 @@ class FlooringPool(PagePool):
         return slots // self.page_size
 
 
-def take(sched: Scheduler, r) -> None:
-    """Admit one waiting request, as Scheduler.admit does: its pages, its row."""
-    sched.waiting.remove(r)
-    r.pages = sched.pool.reserve(r.request_id, r.slots_needed)
-    r.state = State.PREFILL
-    r.admit_step = sched.step_index
-    sched.running.append(r)
-
-
 class QueueJumpingScheduler(Scheduler):
     """Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
 
     def admit(self):
         admitted = []
         for r in list(self.waiting):
-            if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed):
-                take(self, r)
+            hits = self.prefix_hits(r)
+            if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed, hits):
+                self.waiting.remove(r)
+                self.admit_one(r, hits)
                 admitted.append(r)
         return admitted
 
@@ -61,10 +53,14 @@ class OverfullScheduler(Scheduler):
 
     def admit(self):
         admitted = []
-        while self.waiting and len(self.running) <= self.max_batch \
-                and self.pool.can_reserve(self.waiting[0].slots_needed):
-            admitted.append(self.waiting[0])
-            take(self, self.waiting[0])
+        while self.waiting and len(self.running) <= self.max_batch:
+            r = self.waiting[0]
+            hits = self.prefix_hits(r)
+            if not self.pool.can_reserve(r.slots_needed, hits):
+                break
+            self.waiting.popleft()
+            self.admit_one(r, hits)
+            admitted.append(r)
         return admitted
 
 

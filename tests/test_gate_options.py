@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 INNER_CONFTEST = 'pytest_plugins = ["gates.options", "gates.snapshot"]\n'
 DEFAULTS = {"--device": "cpu", "--dtype": None, "--backend": "all", "--engine": "all", "--golden-dir": None,
             "--tie-threshold": 0.02, "--flip-cap": 3, "--regen-golden": False, "--model": "small",
-            "--allow-skipped-files": False}
+            "--allow-skipped-files": False, "--tp": 1}
 
 
 def opts_of(**given) -> GateOptions:
@@ -319,7 +319,8 @@ def test_the_real_gates_collect_in_that_order_and_deselect_what_is_not_selected(
     ids = [line for line in r.stdout.lines if "::" in line]
     files = list(dict.fromkeys(i.split("::")[0] for i in ids))
     assert files == ["gates/test_kernels.py", "gates/test_admission.py", "gates/test_tokens.py",
-                     "gates/test_page_safety.py", "gates/test_graphs.py", "gates/test_prefill_share.py",
+                     "gates/test_page_safety.py", "gates/test_prefix_cache.py",
+                     "gates/test_graphs.py", "gates/test_prefill_share.py",
                      "gates/test_step_timings.py"], files
     tokens = [i for i in ids if i.startswith("gates/test_tokens.py")]
     assert tokens and all("chunked-torch" in i for i in tokens), "only the selected candidate is collected"

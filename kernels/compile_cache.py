@@ -1,0 +1,31 @@
+"""One folder for torch's compile caches, so that CI can keep it between runs: STEPGATE_COMPILE_CACHE=DIR.
+
+Inductor keeps everything a later process can reuse under its cache folder: the FX graph cache (compiled C++ or
+Triton code), the AOTAutograd cache, Triton's kernels and dynamo's dynamic-shape profile. Pointing that folder
+(TORCHINDUCTOR_CACHE_DIR) at DIR is all it takes; a process whose graphs are all in DIR compiles nothing (dynamo
+still traces). Inductor's precompiled C++ header stays in the temp dir, but it is only used on a miss.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV = "STEPGATE_COMPILE_CACHE"
+
+
+def use_compile_cache(path: str | os.PathLike | None = None) -> str | None:
+    """Point torch's compile caches at `path` (default: $STEPGATE_COMPILE_CACHE), creating it; it overrides
+    TORCHINDUCTOR_CACHE_DIR. Call it before the first compile (kernels.flex_backend does, at its first compile).
+    Returns the folder, or None (caches left where they are) when neither is given."""
+    path = path if path is not None else os.environ.get(ENV)
+    if not path:
+        return None
+    folder = Path(path).expanduser().resolve()
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{ENV}={path}: {folder} exists and is not a directory")
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return str(folder)
+
+
+__all__ = ["ENV", "use_compile_cache"]

@@ -198,6 +198,21 @@ def slow_step(mp: pytest.MonkeyPatch) -> None:
     mp.setenv(PLANT_ENV, "200")
 
 
+def cuda_without_flash(mp: pytest.MonkeyPatch) -> None:
+    """A GPU machine, as the gate options see it, whose flash-attn does not import: the run is given --device cuda
+    and must stop with the reason instead of skipping the flash configuration."""
+    import kernels
+    from gates import options
+    real = kernels.why_unavailable
+
+    def why(name, device, page_size=None):
+        if name == "flash":
+            return "flash-attn does not import: No module named 'flash_attn' (simulated)"
+        return None if str(device).startswith("cuda") else real(name, device, page_size)
+    mp.setattr(options, "cuda_devices", lambda: 1)
+    mp.setattr(kernels, "why_unavailable", why)
+
+
 def rewrite_a_golden(mp: pytest.MonkeyPatch) -> Callable[[], None]:
     """A gate run that rewrites a golden byte-identically, through the golden store's own atomic writer. Returns
     what puts the files' modes back (after the session's own checks), so the checkout is left as it was found."""
@@ -245,6 +260,8 @@ PLANTS = {
     "golden-write": Plant("a gate run rewrites a golden byte-identically",
                           r"run changed the goldens[\s\S]{0,600}(replaced by a new file|rewritten|mode 0)",
                           rewrite_a_golden, during_first_test=True),
+    "missing-backend": Plant("a GPU machine (simulated) whose flash-attn does not import; the run is given --device "
+                             "cuda", r"flash: flash-attn does not import", cuda_without_flash, args=("--device", "cuda")),
     "typo": Plant("nothing planted: the run is given --engine fussed",
                   r"(?i)(unknown|invalid|not a known).{0,60}fussed|fussed.{0,80}(known|one of|choose)",
                   args=("--engine", "fussed")),
@@ -306,6 +323,7 @@ class PlantPlugin:
             f()
 
 
+@pytest.hookimpl(tryfirst=True)      # before gates/options.py reads the options: a plant may change what they see
 def pytest_configure(config):
     name = config.getoption("--plant")
     if name is not None and name not in PLANTS:

@@ -34,6 +34,15 @@ def test_unknown_plant_is_a_usage_error():
     assert "--plant 'rotery': unknown plant; known: rotary, cache-len" in p.stderr
 
 
+def test_a_plant_is_in_place_before_the_options_are_read():
+    """The simulated GPU machine without flash-attn: the options must see a CUDA device (else the run stops on
+    "sees no CUDA device" instead) and then refuse the missing backend with its reason."""
+    p = pytest_run("gates/test_smoke.py", "-p", "tests.plants", "--plant", "missing-backend", "--device", "cuda")
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert "every selected attention backend must run on CUDA" in p.stderr and \
+        "  flash: flash-attn does not import" in p.stderr, p.stderr
+
+
 def test_the_smoke_gate_catches_a_planted_rotary_bug_and_the_table_says_so(tmp_path, monkeypatch):
     """One real planted run, end to end: the plugin plants the bug, the smoke gate fails, the record names it."""
     smoke_only = plants.Plant("rotary, smoke gate only", r"smoke: fused\[torch\] vs hf", plants.rotary,

@@ -25,6 +25,9 @@ class EngineConfig:
     compile_warmup: bool | None = None   # compile the backend's every reachable shape at construction (None: on CUDA)
     max_model_len: int | None = None     # longest prompt + budget served (None: the model's max positions)
     cuda_graphs: bool | None = None      # replay captured pure decode steps (None: on CUDA when the backend allows)
+    # False: the graphed steps' same forward (packed buffers, one attention call per layer) runs eagerly, uncaptured;
+    # the graph gates compare it with the captured run, so capture is gated apart from the packed attention's numerics
+    capture_graphs: bool = True
     compile_elementwise: bool | None = None   # fuse norm / rotary / SiLU with torch.compile (None: on CUDA)
     progress: bool = True                # progress bars for slow construction work (graph capture)
     tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/parallel.py)

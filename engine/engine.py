@@ -53,11 +53,12 @@ def build_runner(model, config: EngineConfig, dtype, num_pages: int, max_kv: int
                               max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
                               page_size=config.page_size)
     if graphs:   # after the backend's warm-up: a capture must not include a compile
-        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress)
+        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress,
+                                     capture=config.capture_graphs)
         if config.forward == "fused" and config.tp == 1 and getattr(runner.backend, "graph_safe_prefill", False):
             # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
             runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
-                                       progress=config.progress)
+                                       progress=config.progress, capture=config.capture_graphs)
     return runner
 
 

@@ -77,11 +77,13 @@ class CapturedSteps:
     buffer bookkeeping (refresh, padding, the pad page) is testable on a CPU."""
     kind = "captured"
 
-    def __init__(self, runner: "ModelRunner", sections: list[tuple[str, tuple[int, ...]]], logit_rows: int):
+    def __init__(self, runner: "ModelRunner", sections: list[tuple[str, tuple[int, ...]]], logit_rows: int,
+                 capture: bool = True):
         # a weak reference: the runner owns its graph sets, so the two never form a cycle that keeps a dropped
         # engine's KV cache alive until the collector runs
         self.runner = runner if isinstance(runner, weakref.ProxyTypes) else weakref.proxy(runner)
-        self.capture_graphs = runner.device.type == "cuda"
+        # capture=False on CUDA: the same forward over the same buffers, eagerly (EngineConfig.capture_graphs)
+        self.capture_graphs = capture and runner.device.type == "cuda"
         self.offsets: dict[str, int] = {}
         n = 0
         for name, shape in sections:
@@ -206,7 +208,8 @@ def activation_bytes(shape, tokens: int, logit_rows: int, element: int) -> int:
 class DecodeGraphs(CapturedSteps):
     kind = "decode"
 
-    def __init__(self, runner: "ModelRunner", max_batch: int, width: int, progress: bool = True):
+    def __init__(self, runner: "ModelRunner", max_batch: int, width: int, progress: bool = True,
+                 capture: bool = True):
         if not getattr(runner.backend, "graph_safe_decode", False):
             raise RuntimeError(f"the {runner.backend.name!r} backend's decode cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_decode")
@@ -214,7 +217,8 @@ class DecodeGraphs(CapturedSteps):
         self.widths = width_ladder(width)
         self.B = B = self.sizes[-1]
         self.W = width
-        super().__init__(runner, [(name, (B,)) for name in SECTIONS] + [("table", (B, width))], logit_rows=B)
+        super().__init__(runner, [(name, (B,)) for name in SECTIONS] + [("table", (B, width))], logit_rows=B,
+                         capture=capture)
         self.view = {name: self.host_view[name] for name in SECTIONS}
         self.table = self.host_view["table"]
         self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=runner.device)   # one query row per request

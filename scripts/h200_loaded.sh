@@ -9,7 +9,7 @@
 # Phase 1, untimed, side by side on the GPU (nothing in it is a timing):
 #   planted    tests/test_step_graphs.py on the GPU (small-trained, fp16): captured vs eager, stale cu_q / table /
 #              kv_lens caught, a poisoned over-read caught
-#   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: graphs on vs off (decode + loaded + chunk-only)
+#   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: captured vs uncaptured (decode + loaded + chunk-only)
 #   nanoprep   nano-vllm on one request: writes its random-weight model files and fills the compile cache, so
 #              that its timed runs below start warm
 # Phase 2, timed, one part at a time (each under `timeout`, SIGINT first so pytest and the benches write what they

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.workload import SMOKE_CPU
+
 from . import summary, triage
 from .compare import compare
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
@@ -14,7 +16,7 @@ from .conftest import CANDIDATES, skip_unless_runs, workload_for
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
 def test_smoke(runs, opts, engine, backend):
     skip_unless_runs(opts, engine, backend)
-    workload = workload_for(opts, "smoke-cpu")
+    workload = workload_for(opts, SMOKE_CPU.name)
     golden = runs.golden("hf", workload)
     cand, eng = runs.candidate(engine, backend, workload)
     # the hf model is loaded only if a flip needs teacher forcing (or a failure its triage)

@@ -256,7 +256,8 @@ PLANTS = {
                           r"run changed the goldens[\s\S]{0,600}(replaced by a new file|rewritten|mode 0)",
                           rewrite_a_golden, during_first_test=True),
     "missing-backend": Plant("a GPU machine (simulated) whose flash-attn does not import; the run is given --device "
-                             "cuda", r"flash: flash-attn does not import", cuda_without_flash, args=("--device", "cuda")),
+                             "cuda", r"flash: flash-attn does not import", cuda_without_flash,
+                             args=("--device", "cuda")),
     "typo": Plant("nothing planted: the run is given --engine fussed",
                   r"(?i)(unknown|invalid|not a known).{0,60}fussed|fussed.{0,80}(known|one of|choose)",
                   args=("--engine", "fussed")),

@@ -1,7 +1,8 @@
 """Planted bugs: the admission gate (gates/test_admission.py) must FAIL on each, naming the violated invariant.
 
 Each bug is planted by subclassing PagePool or Scheduler (tests/plants.py; engine files stay untouched); the very
-state machine of the gate runs against the bugged classes, with enough derandomized examples that hypothesis finds every bug every time.
+state machine of the gate runs against the bugged classes, with enough derandomized examples that hypothesis finds
+every bug every time.
 """
 from __future__ import annotations
 

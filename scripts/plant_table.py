@@ -31,6 +31,7 @@ from tests.plants import PLANTS, Plant  # noqa: E402
 
 MARKERS = "not slow and not gpu"
 FAST_SECONDS = 20.0          # a number-changing plant must fail the CPU run within this
+EXCERPT = 420                # characters of the failure message quoted in the table
 ISOLATED = "gates/test_admission.py"   # the hypothesis gate: the scheduling plants are also run without it
 
 
@@ -72,18 +73,23 @@ class Result:
 
 
 def excerpt_of(text: str, cause: str) -> str:
-    """The line where the cause is named (where its pattern's match ends), else the first assertion line, else the
-    last line."""
+    """Where the cause is named: the line its pattern's match starts in and, if another, the line it ends in; else the
+    first assertion line, else the last line."""
+    def clean(line: str) -> str:
+        line = line.strip().strip("=").strip()      # a pytest section header's rules, too
+        return line[2:].strip() if line.startswith("E ") else line
+
+    def line_at(i: int) -> str:
+        end = text.find("\n", i)
+        return clean(text[text.rfind("\n", 0, i) + 1:end if end >= 0 else None])
+
     found = re.search(cause, text)
     if found:
-        start = text.rfind("\n", 0, found.end()) + 1
-        end = text.find("\n", found.end())
-        lines = [text[start:end if end >= 0 else None].strip()]
-    else:
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        lines = [ln for ln in lines if ln.startswith(("E ", "ERROR", "AssertionError"))] or lines[-1:] or [""]
-    m = lines[0]
-    return m[2:].strip() if m.startswith("E ") else m
+        first, last = line_at(found.start()), line_at(max(found.start(), found.end() - 1))
+        return first if first == last else f"{first[:2 * EXCERPT // 3]} … {last}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if ln.startswith(("E ", "ERROR", "AssertionError"))] or lines[-1:] or [""]
+    return clean(lines[0])
 
 
 def run_row(row: Row, timeout: float, log_dir: Path) -> Result:
@@ -129,18 +135,37 @@ def classify(row: Row, rec: dict | None, rc, out: str, t0: float, elapsed: float
 def markdown(results: list[Result], header: str) -> str:
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     lines = [header, "",
-             "| planted bug | what | first failing gate | s to first failure | CPU s | names the cause | message |",
-             "|---|---|---|---|---|---|---|"]
+             "| planted bug | what | changes numbers | first failing gate | s to first failure | CPU s "
+             "| names the cause | message |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         plant = PLANTS[r.row.plant]
         cpu = "" if r.cpu is None else f"{r.cpu:.1f}"
         slow = plant.number_changing and r.caught and (r.cpu if r.cpu is not None else r.seconds) > FAST_SECONDS
         secs = f"{r.seconds:.1f}"
-        cpu += " (over 20 s)" if slow else ""
+        cpu += f" (over {FAST_SECONDS:.0f} s)" if slow else ""
         named = "—" if r.named is None else ("yes" if r.named else "no")
-        lines.append(f"| `{r.row.label}` | {esc(plant.what)} | `{esc(r.gate)}` | {secs if r.caught else '—'} | "
-                     f"{cpu if r.caught else '—'} | {named} | {esc(r.excerpt[:140])} |")
-    return "\n".join(lines) + "\n"
+        lines.append(f"| `{r.row.label}` | {esc(plant.what)} | {'yes' if plant.number_changing else ''} | "
+                     f"`{esc(r.gate)}` | {secs if r.caught else '—'} | {cpu if r.caught else '—'} | {named} | "
+                     f"{esc(r.excerpt[:EXCERPT])} |")
+    planted = sorted({r.row.plant for r in results}, key=list(PLANTS).index)
+    return "\n".join(lines) + "\n" + shared_causes(planted)
+
+
+def shared_causes(names: list[str]) -> str:
+    """A note naming the plants whose messages are told apart by one pattern only (so not from each other)."""
+    by_cause: dict[str, list[str]] = {}
+    for n in names:
+        by_cause.setdefault(PLANTS[n].cause, []).append(n)
+    groups = [g for g in by_cause.values() if len(g) > 1]
+    if not groups:
+        return ""
+    return "".join(f"\n{', '.join(f'`{n}`' for n in g)}: one cause pattern, so their messages name the same cause; "
+                   f"the table does not claim they are told apart from each other.\n" for g in groups)
+
+
+def git(*args) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 
 def main(argv=None) -> int:
@@ -162,14 +187,15 @@ def main(argv=None) -> int:
         r = run_row(row, a.timeout, log_dir)
         print(f"[plant] {row.label}: {r.gate} after {r.seconds:.1f} s (exit {r.exit})", flush=True)
         results.append(r)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") + \
+        (" with uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
     header = (f"Planted bugs on CPU ({platform.node()}, {os.cpu_count()} cores, load average {load0:.1f} at the "
               f"start, {os.getloadavg()[0]:.1f} at the end; commit {commit}, {datetime.date.today().isoformat()}). "
               f"Each row: `HYPOTHESIS_PROFILE=ci python -m pytest gates/ -m \"{MARKERS}\" -x -p tests.plants "
-              f"--plant NAME`. Seconds are wall clock from launch to the first failing report; CPU s is the pytest "
-              f"process's CPU time then (imports included), which a busy machine inflates far less: a "
-              f"number-changing plant is flagged when that is over {FAST_SECONDS:.0f} s.")
+              f"--plant NAME` (and the arguments its description names). Seconds are wall clock from launch to the "
+              f"first failing report; CPU s is the pytest process's CPU time then (imports included), which a busy "
+              f"machine inflates far less: a number-changing plant is flagged when that is over "
+              f"{FAST_SECONDS:.0f} s.")
     table = markdown(results, header)
     print(table)
     print(f"(full output of each run: {log_dir})")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -17,6 +18,7 @@ import pytest
 
 from engine.pool import PagePool
 from engine.scheduler import Scheduler
+from gates.triage import ALWAYS
 
 
 # -- pool and scheduler plants (subclasses: the hypothesis gate runs its machine over them) -------------------------
@@ -223,6 +225,23 @@ def rewrite_a_golden(mp: pytest.MonkeyPatch) -> Callable[[], None]:
 STORAGE = "{tmp}/benchmarks"                         # the plant table fills in {tmp}
 
 
+# What a failure message must say to name the cause (regexes). A token failure: where the token was computed (step,
+# step kind, a decode row or a prompt chunk, page and slot, backend), then the triage's verdict. A poisoned read: the
+# step, the reader, the slot read, its page and its owner, and (the gates' note) the backend it ran under.
+def token_cause(source: str, verdict: str) -> str:
+    return (r"computed at step \d+, an? [\w-]+ step[^\n]*from " + source + r"[^\n]*page \d+, slot \d+[^\n]*"
+            r"backend \w+[\s\S]*verdict: " + verdict)
+
+
+def poison_cause(owner: str) -> str:
+    """`owner`: a regex for the slot's owner, given the reader as group 1."""
+    return (r"step \d+ \([\w-]+\): non-finite logits[^\n]*\n[\s\S]*?(?<=\s)(\S+) read slot \d+ \(page \d+\): "
+            r"owned by " + owner + r" \(position \d+\)(?=[\s\S]*in \S+ on \S+: backend \w+)")
+
+
+IN_DECODE_ROWS = re.escape(ALWAYS) + r" \(in decode rows only"
+
+
 @dataclass(frozen=True)
 class Plant:
     what: str
@@ -236,22 +255,26 @@ class Plant:
 
 
 PLANTS = {
-    "rotary": Plant("a decode row's rotary position +1", r"always: model, rotary or token choice \(in decode rows",
-                    rotary, number_changing=True),
-    "cache-len": Plant("a decode row's cache length one short",
-                       r"always: model, rotary or token choice \(in decode rows", cache_len, number_changing=True),
-    "token-choice": Plant("every decode row takes its runner-up", r"always: model, rotary or token choice",
+    "rotary": Plant("a decode row's rotary position +1", token_cause("a decode row", IN_DECODE_ROWS), rotary,
+                    number_changing=True),
+    "cache-len": Plant("a decode row's cache length one short", token_cause("a decode row", IN_DECODE_ROWS),
+                       cache_len, number_changing=True),
+    "token-choice": Plant("every decode row takes its runner-up", token_cause("a decode row", IN_DECODE_ROWS),
                           token_choice, number_changing=True),
     "chunk-position": Plant("every prompt chunk but a prompt's first one position late",
-                            r"only when its prompt is chunked", chunk_position, number_changing=True),
+                            token_cause("its last prompt chunk", "only when its prompt is chunked"), chunk_position,
+                            number_changing=True),
     "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
-                        r"only when batched with|(last )?owned by \S+ \(position", stale_read, number_changing=True),
+                        poison_cause(r"(?!\1 )\S+") + "|" + token_cause("a decode row", "only when batched with"),
+                        stale_read, number_changing=True),
     "read-past-length": Plant("the torch kernels read one slot past each length, masked afterwards",
-                              r"read slot \d+ \(page \d+\): owned by", read_past_length),
-    "fcfs": Plant("admission lets a later request that fits jump the blocked head", r"strict FCFS admission violated",
-                  fcfs),
+                              poison_cause(r"\1"), read_past_length),
+    "fcfs": Plant("admission lets a later request that fits jump the blocked head",
+                  r"strict FCFS admission violated: step \d+ admitted \S+ \(arrival \d+[^)]*\) while \S+ "
+                  r"\(arrival \d+", fcfs),
     "eager-free": Plant("release() puts pages straight back on the free list, mid-step",
-                        r"eviction at the end of the step violated", eager_free),
+                        r"eviction at the end of the step violated: step \d+ released \S+'s pages \[[\d, ]+\] "
+                        r"straight to the free list during the step", eager_free),
     "golden-write": Plant("a gate run rewrites a golden byte-identically",
                           r"run changed the goldens[\s\S]{0,600}(replaced by a new file|rewritten|mode 0)",
                           rewrite_a_golden, during_first_test=True),

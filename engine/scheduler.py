@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from .pool import PagePool
 from .prefix_cache import Chain
 from .request import Request, State
+from .schedule_log import ScheduleLog
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,7 @@ class Scheduler:
         self.prepaid: dict[str, float] = {}       # request id -> debt charged ahead for its last long piece
         self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
         self.chains: dict[str, Chain] = {}   # request id -> its pages' keys (prefix cache on)
+        self.log = ScheduleLog()             # admissions and releases, for the gates' engine-level checks
 
     @classmethod
     def from_config(cls, pool: PagePool, config) -> "Scheduler":
@@ -265,7 +267,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Admit, then pick this step's prompt chunks and decode tokens. Opens the step in the pool."""
         self.pool.begin_step()
+        free, rows = self.pool.num_free, len(self.running)
         plan = StepPlan(self.step_index, admitted=self.admit())
+        self.log.admitted(plan.index, plan.admitted, self.pool, free, rows, self.waiting)
         plan.decodes = [r for r in self.running if r.state is State.DECODE]
         if not plan.decodes:
             self.debt = 0.0                  # debt counts only runnable decoders
@@ -343,9 +347,9 @@ class Scheduler:
             self.piece_extra.pop(r.request_id, None)
             # cancelled before its last long piece ran: the debt charged ahead for it is owed to nobody
             self.debt = max(0.0, self.debt - self.prepaid.pop(r.request_id, 0.0))
-            self.pool.release(r.request_id)
+            self.log.release(self.step_index, self.pool, r.request_id)
         self.step_index += 1
-        return self.pool.end_step()
+        return self.log.end_step(self.step_index - 1, self.pool)
 
     # -- cancellation ----------------------------------------------------------------------------------------
     def cancel(self, request_id: str, requests: dict[str, Request]) -> CancelResult:

@@ -9,6 +9,7 @@ import torch
 import kernels
 from engine.config import LINEAGE
 from engine.dtypes import torch_dtype
+from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
@@ -16,6 +17,7 @@ from . import summary
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
 from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
+from .schedule_check import check_engine
 
 
 @pytest.fixture(scope="session")
@@ -60,14 +62,23 @@ class Runs:
         """GenRecords of one engine configuration on a workload, in poison mode (the gate default). `repeat`
         asks for another, independent run of the same configuration."""
         key = (engine, backend, workload, repeat, tuple(sorted(overrides.items())))
+        label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:
             wl = get_workload(workload)
             kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides)
             kw.update(overrides)
             ref = EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
-            records = ref.generate(wl.requests())
+            try:
+                records = ref.generate(wl.requests())
+            except PoisonedLogitsError as e:     # the engine names the step, slot, page and owner; not its backend
+                c = ref.config
+                e.add_note(f"in {label}: backend {c.backend}, forward {c.forward}, page_size {c.page_size}, "
+                           f"chunk_tokens {c.chunk_tokens}, {c.device} {c.dtype}")
+                raise
             self.finish(ref.last_engine)
             self.cache[key] = (records, ref.last_engine)
+        # every gate that uses a run fails on its schedule (strict FCFS, eviction at the end of the step, pages back)
+        check_engine(self.cache[key][1], label)
         return self.cache[key]
 
     @property

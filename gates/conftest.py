@@ -192,7 +192,7 @@ def pytest_collection_modifyitems(config, items):
     if o.is_cuda:
         # a machine with fewer GPUs than a tensor-parallel gate's ranks cannot run it: that is the machine, not a
         # broken install, so the gate is deselected (and said so), not skipped into a failing unrun file
-        short = {item for item in items if gpus_needed(item, o) > torch.cuda.device_count()}
+        short = {item for item in items if gpus_needed(item, o) > max(torch.cuda.device_count(), 1)}
         if short:
             config.stepgate_short_of_gpus = sorted({f"{item.path.name} (tp={gpus_needed(item, o)})" for item in short})
         unselected |= short

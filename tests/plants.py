@@ -47,7 +47,10 @@ class EagerFreePool(PagePool):
     """Pages freed during the step instead of at its end: release() puts them straight back on the free list."""
 
     def release(self, owner: str) -> None:
-        self.free.extend(self.owned.pop(owner))
+        pages = self.owned.pop(owner)
+        for p in pages:    # counts dropped with them: the bug is the timing, not a count left behind
+            self.refs.pop(p, None)
+        self.free.extend(pages)
 
 
 class OverfullScheduler(Scheduler):

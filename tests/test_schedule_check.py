@@ -58,7 +58,14 @@ def test_queue_jump_is_caught():
                           "schedule-check-0007 (arrival 7, needs 4 pages) still waited"), msg
 
 
-def test_release_straight_to_the_free_list_is_caught():
+@pytest.fixture
+def no_pool_check(monkeypatch):
+    """The pool's own invariant check off: the schedule check must catch the planted bug alone (with it on, the pool
+    raises PoolInvariantError first, which is the engine's first line of defence)."""
+    monkeypatch.setattr(PagePool, "check", lambda self: None)
+
+
+def test_release_straight_to_the_free_list_is_caught(no_pool_check):
     msg = first_problem(drive(pool_cls=plants.EagerFreePool))
     assert msg.startswith("eviction at the end of the step violated: step "), msg
     assert "straight to the free list during the step" in msg and "pages [" in msg
@@ -102,7 +109,7 @@ class LeakyPool(PagePool):
         self.owned.pop(owner)          # the pages are dropped, neither pending nor free
 
 
-def test_page_leak_is_caught():
+def test_page_leak_is_caught(no_pool_check):
     problems = engine_problems(drive(pool_cls=LeakyPool, pages=60))
     assert any(p.startswith("every page back violated: ") for p in problems), problems
 
@@ -136,7 +143,7 @@ def test_real_engine_queue_jump_fails_the_check(loaded, monkeypatch):
         check_engine(eng, "fused[torch] tiny pool")
 
 
-def test_real_engine_eager_free_fails_the_check(loaded, monkeypatch):
+def test_real_engine_eager_free_fails_the_check(loaded, monkeypatch, no_pool_check):
     plants.eager_free(monkeypatch)
     eng = engine_run(loaded)
     with pytest.raises(ScheduleViolation, match=r"eviction at the end of the step violated: step \d+ released \S+'s "

@@ -1,8 +1,10 @@
 """stepgate's engine: a continuous-batching engine for Qwen2-family models with a paged KV pool."""
 from .config import LINEAGE, PREDECESSOR, EngineConfig, lineage_config
 from .engine import Engine, StepRecord
-from .errors import (BadBudgetError, DuplicateRequestIdError, EmptyPromptError, ExceedsMaxPositionsError,
-                     NeverFitsError, PoisonedLogitsError, RequestError, TokenOutOfVocabError)
+from .errors import (BadArrivalTimeError, BadBudgetError, BadPromptError, BadRequestIdError, ConfigError,
+                     DuplicateRequestIdError, EmptyPromptError, ExceedsMaxPositionsError, NeverFitsError,
+                     PoisonedLogitsError, PoolInvariantError, RequestError, RequestNotDoneError,
+                     TokenOutOfVocabError, UnknownRequestError)
 from .request import RequestResult
 from .scheduler import CancelResult
 from .workload import RequestSpec, Workload, get_workload
@@ -10,4 +12,5 @@ from .workload import RequestSpec, Workload, get_workload
 __all__ = ["Engine", "EngineConfig", "StepRecord", "LINEAGE", "PREDECESSOR", "lineage_config", "RequestResult",
            "CancelResult", "RequestSpec", "Workload", "get_workload", "RequestError", "EmptyPromptError",
            "TokenOutOfVocabError", "ExceedsMaxPositionsError", "BadBudgetError", "NeverFitsError",
-           "DuplicateRequestIdError", "PoisonedLogitsError"]
+           "DuplicateRequestIdError", "PoisonedLogitsError", "BadPromptError", "BadRequestIdError",
+           "BadArrivalTimeError", "UnknownRequestError", "RequestNotDoneError", "ConfigError", "PoolInvariantError"]

@@ -1,10 +1,68 @@
 """Engine configuration, and the engine lineage as named configurations of one engine (not copies of it)."""
 from __future__ import annotations
 
+import math
+import operator
+import re
 from dataclasses import asdict, dataclass, replace
+
+from .dtypes import canonical_dtype
+from .errors import ConfigError
 
 FORWARD_MODES = ("chunked", "fused")
 KV_CACHE_BYTES = {"cpu": 256 << 20, "cuda": 16 << 30}   # the KV budget by device type where none is given
+DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
+
+
+def cuda_devices() -> int:
+    """CUDA devices torch sees."""
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_problem(device, count: int | None = None) -> str | None:
+    """Why `device` cannot serve here (None: it can): not cpu, cuda or cuda:N, no CUDA device, or an index past the
+    last. `count`: the CUDA devices to assume (None: those torch sees)."""
+    m = re.fullmatch(r"cuda(?::(\d+))?", str(device))
+    if str(device) != "cpu" and not m:
+        return f"unknown device; known: {', '.join(DEVICE_FORMS)}"
+    if m:
+        n = cuda_devices() if count is None else count
+        if n == 0:
+            import torch
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            return f"torch {torch.__version__} ({build}) sees no CUDA device"
+        if m.group(1) is not None and int(m.group(1)) >= n:
+            return f"torch sees {n} CUDA device(s): cuda:0 to cuda:{n - 1}"
+    return None
+
+
+def choice(name: str, value, known: tuple) -> None:
+    if value not in known:
+        raise ConfigError(f"{name}={value!r}: must be one of {', '.join(map(repr, known))}")
+
+
+def integer(name: str, value, least: int, none: str | None = None) -> None:
+    """An int (not a bool) >= least; None allowed where `none` says what None means."""
+    if value is None and none is not None:
+        return
+    try:
+        ok = not isinstance(value, bool) and operator.index(value) >= least
+    except TypeError:
+        ok = False
+    if not ok:
+        also = f" (or None: {none})" if none is not None else ""
+        raise ConfigError(f"{name}={value!r}: must be an integer >= {least}{also}")
+
+
+def flag(name: str, value, none: bool = False) -> None:
+    if not (isinstance(value, bool) or none and value is None):
+        raise ConfigError(f"{name}={value!r}: must be True or False{' (or None: automatic)' if none else ''}")
+
+
+def number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name}={value!r}: must be a real number")
 
 
 @dataclass(frozen=True)
@@ -26,19 +84,46 @@ class EngineConfig:
     compile_warmup: bool | None = None   # compile the backend's every reachable shape at construction (None: on CUDA)
     max_model_len: int | None = None     # longest prompt + budget served (None: the model's max positions)
     cuda_graphs: bool | None = None      # replay captured pure decode steps (None: on CUDA when the backend allows)
+    # False: the graphed steps' same forward (packed buffers, one attention call per layer) runs eagerly, uncaptured;
+    # the graph gates compare it with the captured run, so capture is gated apart from the packed attention's numerics
+    capture_graphs: bool = True
     compile_elementwise: bool | None = None   # fuse norm / rotary / SiLU with torch.compile (None: on CUDA)
     progress: bool = True                # progress bars for slow construction work (graph capture)
     tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/parallel.py)
     tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
+    trace_limit: int | None = None       # keep the last this many steps in Engine.trace (None: every step)
     prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)
 
     def __post_init__(self):
-        if self.forward not in FORWARD_MODES:
-            raise ValueError(f"forward must be one of {FORWARD_MODES}, got {self.forward!r}")
-        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
-            raise ValueError(f"tp must be an integer >= 1, got {self.tp!r}")
-        if not self.tp_timeout > 0:
-            raise ValueError(f"tp_timeout must be > 0 seconds, got {self.tp_timeout!r}")
+        """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
+        model (a pool that holds one longest request) is checked when the Engine is built."""
+        choice("forward", self.forward, FORWARD_MODES)
+        from kernels import BACKENDS
+        choice("backend", self.backend, tuple(BACKENDS))
+        for name in ("page_size", "max_batch", "chunk_tokens", "tp"):
+            integer(name, getattr(self, name), 1)
+        integer("num_pages", self.num_pages, 2, none="the pool's pages from kv_cache_bytes")
+        integer("kv_cache_bytes", self.kv_cache_bytes, 1, none="256 MiB on CPU, 16 GiB on CUDA")
+        integer("max_model_len", self.max_model_len, 1, none="the model's max positions")
+        integer("record_topk", self.record_topk, 0)
+        integer("short_prompt_positions", self.short_prompt_positions, 0)
+        integer("trace_limit", self.trace_limit, 1, none="every step kept")
+        for name in ("poison", "sync_trace", "progress", "prefix_cache", "capture_graphs"):
+            flag(name, getattr(self, name))
+        for name in ("compile_warmup", "cuda_graphs", "compile_elementwise"):
+            flag(name, getattr(self, name), none=True)
+        try:
+            canonical_dtype(self.dtype)
+        except ValueError as e:
+            raise ConfigError(f"dtype={self.dtype!r}: {e}") from None
+        problem = device_problem(self.device)
+        if problem:
+            raise ConfigError(f"device={self.device!r}: {problem}")
+        # outside [0.01, 1] (or NaN) it falls back to 1 (docs/DESIGN.md, "Prefill share"); a non-number is a mistake
+        number("prefill_share", self.prefill_share)
+        number("tp_timeout", self.tp_timeout)
+        if not 0 < self.tp_timeout < math.inf:
+            raise ConfigError(f"tp_timeout={self.tp_timeout!r}: must be a finite number of seconds > 0")
 
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)

@@ -2,35 +2,23 @@
 from __future__ import annotations
 
 import gc
-import operator
+import threading
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from . import errors
+from . import errors, inputs
 from .config import KV_CACHE_BYTES, EngineConfig
+from .dtypes import torch_dtype
 from .loader import load_model
-from .pool import PagePool
+from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner
 from .scheduler import CancelResult, Chunk, Scheduler
 from .tp_layers import rank_shape
 from .workload import RequestSpec
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def torch_dtype(name) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; known: {sorted(DTYPES)}") from None
-
 
 def build_runner(model, config: EngineConfig, dtype, num_pages: int, max_kv: int, table_width: int,
                  runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
@@ -53,12 +41,17 @@ def build_runner(model, config: EngineConfig, dtype, num_pages: int, max_kv: int
                               max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
                               page_size=config.page_size)
     if graphs:   # after the backend's warm-up: a capture must not include a compile
-        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress)
+        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress,
+                                     capture=config.capture_graphs)
         if config.forward == "fused" and config.tp == 1 and getattr(runner.backend, "graph_safe_prefill", False):
             # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
             runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
-                                       progress=config.progress)
+                                       progress=config.progress, capture=config.capture_graphs)
     return runner
+
+
+# The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
+SCORE_OWNER = ("score",)
 
 
 @dataclass
@@ -77,6 +70,15 @@ class StepRecord:
 
 
 class Engine:
+    """Submit requests, step, read or pop results.
+
+    Threads: submit(), cancel(), pop_result() and results() may be called from any thread, also while another
+    thread steps; step() and score() run one at a time (a second caller waits). A step holds the bookkeeping lock
+    while it schedules and while it books its tokens, not during its forward: a request submitted during a forward
+    waits for the next step; a cancel during a forward takes effect at the end of that step (no token after it,
+    pages released there). Fields read directly (requests, trace, pool, scheduler) are consistent only between
+    steps, or under `engine.lock`."""
+
     def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None):
         """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
         small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines."""
@@ -84,20 +86,16 @@ class Engine:
         dtype = torch_dtype(config.dtype)
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
         self.shape = self.model.shape
-        num_pages = config.num_pages
-        if num_pages is None:
-            kind = torch.device(config.device).type
-            budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
-            per_row = -(-min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
-                        // config.page_size)
-            # no more than max_batch rows of the longest request can ever use, plus the null page
-            # tp > 1: each rank holds its own key/value heads of every page, so the budget is per rank (per GPU)
-            num_pages = max(2, min(budget // ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp),
-                                                                        config.page_size, dtype),
-                                   config.max_batch * per_row + 1))
-        self.pool = PagePool(num_pages, config.page_size, prefix_cache=config.prefix_cache)
-        self.scheduler = Scheduler.from_config(self.pool, config)
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
+        num_pages = self.pool_pages(config, dtype)
+        self.pool = PagePool(num_pages, config.page_size, prefix_cache=config.prefix_cache)
+        if config.max_model_len is not None and self.pool.pages_needed(self.max_model_len) > self.pool.capacity:
+            raise errors.ConfigError(
+                f"max_model_len={config.max_model_len}: one request of {self.max_model_len} positions needs "
+                f"{self.pool.pages_needed(self.max_model_len)} pages of {config.page_size} slots, but the pool holds "
+                f"{self.pool.capacity} (num_pages={num_pages}, one of them the null page): give more pages or a "
+                f"smaller max_model_len")
+        self.scheduler = Scheduler.from_config(self.pool, config)
         if torch.device(config.device).type == "cuda":
             # an engine dropped earlier may still hold its KV cache in a reference cycle until the collector runs:
             # free it before this one takes its own (the benchmarks build engine after engine in one process)
@@ -111,11 +109,28 @@ class Engine:
             # workers load a named model themselves; an in-memory one reaches them as shards from rank 0
             self.runner = TPRunner.start(config, self.model, dtype, num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}   # until pop_result()
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
-        self.trace: list[StepRecord] = []
+        self.trace: list[StepRecord] = []       # the last config.trace_limit steps (all with None)
+        self.lock = threading.RLock()           # every bookkeeping change: requests, scheduler, pool, trace
+        self._stepping = threading.RLock()      # one step (or score) at a time: they share the runner
         self.t0 = time.perf_counter()
         self._auto_id = 0
+
+    def pool_pages(self, config: EngineConfig, dtype) -> int:
+        """The pool's pages, null page included: num_pages, or as many as kv_cache_bytes holds, but no more than
+        max_batch rows of the longest request can use."""
+        if config.num_pages is not None:
+            return config.num_pages
+        kind = torch.device(config.device).type
+        budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
+        # tp > 1: each rank holds its own key/value heads of every page, so the budget is per rank (per GPU)
+        per_page = ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp), config.page_size, dtype)
+        if budget // per_page < 2:
+            raise errors.ConfigError(f"kv_cache_bytes={config.kv_cache_bytes}: a page of {config.page_size} slots "
+                                     f"takes {per_page} bytes on this model, and the pool needs at least 2 pages "
+                                     f"(one is the null page): {2 * per_page} bytes")
+        return min(budget // per_page, config.max_batch * pages_for(self.max_model_len, config.page_size) + 1)
 
     @staticmethod
     def use_cuda_graphs(config: EngineConfig) -> bool:
@@ -128,7 +143,7 @@ class Engine:
             reason = (f"the {config.backend!r} backend's decode is not graph-safe (its per-step tensors change "
                       f"shape); the 'flash' backend's is")
         if config.cuda_graphs and reason:
-            raise ValueError(f"cuda_graphs=True but {reason}")
+            raise errors.ConfigError(f"cuda_graphs=True but {reason}")
         return reason is None and config.cuda_graphs is not False
 
     # -- lifetime --------------------------------------------------------------------------------------------
@@ -157,95 +172,124 @@ class Engine:
             torch.cuda.synchronize(self.runner.device)
 
     # -- requests --------------------------------------------------------------------------------------------
-    def submit(self, prompt, budget, request_id: str | None = None, arrival_time: float | None = None) -> str:
-        """Queue a request. Bad input raises a RequestError subclass and changes nothing."""
-        if request_id is None:
-            while f"req-{self._auto_id}" in self.requests:
-                self._auto_id += 1
-            request_id = f"req-{self._auto_id}"
-        request_id = str(request_id)
-        budget = self.validate(prompt, budget, request_id)
-        r = Request(request_id, [int(t) for t in prompt], budget,
-                    self.now() if arrival_time is None else float(arrival_time))
-        self.requests[r.request_id] = r
-        self.scheduler.add(r)
-        return r.request_id
+    def submit(self, prompt, budget, request_id=None, arrival_time: float | None = None) -> str:
+        """Queue a request and return its id; any thread may call it, also while another steps (it joins the queue
+        for the next step's admission). Bad input raises a RequestError subclass and changes nothing.
+        `prompt`: any iterable of token ids or a one-dimensional integer array, read once. `request_id`: a non-empty
+        string or an integer, stored as its decimal string (7 and "7" are one id); None: "req-N". An id is in use
+        until pop_result() releases it. `arrival_time`: seconds on the engine's clock (None: now)."""
+        rid = None if request_id is None else inputs.request_id_of(request_id)
+        tokens, budget = self.validate(prompt, budget, rid or "request")
+        at = None if arrival_time is None else inputs.arrival_of(arrival_time, rid or "request")
+        with self.lock:
+            if rid is None:
+                while f"req-{self._auto_id}" in self.requests:
+                    self._auto_id += 1
+                rid = f"req-{self._auto_id}"
+            elif rid in self.requests:
+                raise errors.DuplicateRequestIdError(f"request id {rid!r} is already in use")
+            r = Request(rid, tokens, budget, self.now() if at is None else at)
+            self.requests[rid] = r
+            self.scheduler.add(r)
+        return rid
 
-    def validate(self, prompt, budget, request_id) -> None:
-        if request_id in self.requests:
-            raise errors.DuplicateRequestIdError(f"request id {request_id!r} is already in use")
-        try:
-            prompt = list(prompt)
-        except TypeError:
-            raise errors.RequestError(f"{request_id}: prompt must be a sequence of token ids") from None
-        if not prompt:
+    def validate(self, prompt, budget, request_id: str) -> tuple[list[int], int]:
+        """(the prompt as a list of token ids, the budget as an int), or a RequestError. Reads no mutable state."""
+        tokens = inputs.prompt_of(prompt, request_id)
+        if not tokens:
             raise errors.EmptyPromptError(f"{request_id}: empty prompt")
         vocab = self.shape.vocab_size
-        for i, t in enumerate(prompt):
-            if isinstance(t, bool) or not isinstance(t, int) and not (hasattr(t, "__index__")):
-                raise errors.TokenOutOfVocabError(f"{request_id}: prompt[{i}] = {t!r} is not a token id")
-            if not 0 <= int(t) < vocab:
+        for i, t in enumerate(tokens):
+            if not 0 <= t < vocab:
                 raise errors.TokenOutOfVocabError(
-                    f"{request_id}: prompt[{i}] = {int(t)} is outside the vocabulary [0, {vocab})")
-        try:
-            n = operator.index(budget) if not isinstance(budget, bool) else None
-        except TypeError:
-            n = None
-        if n is None or n < 1:
-            raise errors.BadBudgetError(f"{request_id}: generation budget must be an integer >= 1, got {budget!r}")
-        budget = n
-        if len(prompt) + budget > self.max_model_len:
+                    f"{request_id}: prompt[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        budget = inputs.budget_of(budget, request_id)
+        if len(tokens) + budget > self.max_model_len:
             raise errors.ExceedsMaxPositionsError(
-                f"{request_id}: prompt ({len(prompt)}) + budget ({budget}) = {len(prompt) + budget} exceeds the "
+                f"{request_id}: prompt ({len(tokens)}) + budget ({budget}) = {len(tokens) + budget} exceeds the "
                 f"max positions served ({self.max_model_len}; the model's: {self.shape.max_positions})")
-        need = self.pool.pages_needed(len(prompt) + budget)
+        need = self.pool.pages_needed(len(tokens) + budget)
         if need > self.pool.capacity:
             raise errors.NeverFitsError(
-                f"{request_id}: needs {need} pages of {self.pool.page_size} slots (prompt {len(prompt)} + budget "
+                f"{request_id}: needs {need} pages of {self.pool.page_size} slots (prompt {len(tokens)} + budget "
                 f"{budget}) but the whole pool holds {self.pool.capacity}: it could never be admitted")
-        return budget
+        return tokens, budget
 
-    def cancel(self, request_id: str) -> CancelResult:
-        """Stop a request between steps (between its prompt chunks or decode tokens). It keeps what it emitted; its
-        pages return at the end of the next step; nobody else's tokens change. An unknown, finished or already
-        cancelled id is a no-op: CancelResult.outcome says which ("unknown", "already-finished",
-        "already-cancelled"), .noop is True."""
-        res = self.scheduler.cancel(str(request_id), self.requests)
-        if res.cancelled:
-            self.requests[str(request_id)].finish_time = self.now()
+    def cancel(self, request_id) -> CancelResult:
+        """Stop a request; any thread may call it, also while another steps. It keeps what it emitted and emits
+        nothing more: a cancel that lands during a step's forward takes effect at the end of that step (its row's
+        token is dropped); its pages return at the end of that step (or of the next one, between steps); nobody
+        else's tokens change. An unknown, finished or already cancelled id is a no-op: CancelResult.outcome says
+        which ("unknown", "already-finished", "already-cancelled"), .noop is True."""
+        rid = inputs.request_id_of(request_id)
+        with self.lock:
+            res = self.scheduler.cancel(rid, self.requests)
+            if res.cancelled:
+                self.requests[rid].finish_time = self.now()
         return res
+
+    def pop_result(self, request_id) -> RequestResult:
+        """Take a finished or cancelled request's result and forget the request (its record, its top-k records):
+        the id can be submitted again. A request still waiting or running (a cancelled one until the end of the
+        step that retires it) raises RequestNotDoneError; an id the engine does not hold, UnknownRequestError."""
+        rid = inputs.request_id_of(request_id)
+        with self.lock:
+            r = self.requests.get(rid)
+            if r is None:
+                raise errors.UnknownRequestError(f"no request {rid!r} (never submitted, or its result was popped)")
+            if not r.done or any(x is r for x in self.scheduler.running):
+                raise errors.RequestNotDoneError(
+                    f"{rid} is {r.state.value}" + (" and holds its pages until the end of the step" if r.done
+                                                    else "") + ": its result is not final yet")
+            del self.requests[rid]
+            self.topk.pop(rid, None)
+            return RequestResult.of(r)
 
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> StepRecord:
+        """One step. One thread steps at a time (a second waits); the forward runs without the bookkeeping lock, so
+        submit and cancel from other threads do not wait for it."""
+        with self._stepping:
+            return self._step()
+
+    def _step(self) -> StepRecord:
         cfg = self.config
         if cfg.sync_trace:
             self._sync()
-        start = self.now()
-        plan = self.scheduler.schedule()
-        # cached pages evicted to admit this step's requests: NaN before their new owners write them
-        self.runner.poison_pages(self.pool.take_evicted())
-        for r in plan.admitted:
-            r.admit_time = start
-        blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
-        pages_of = self.pool.owned
+        with self.lock:
+            start = self.now()
+            plan = self.scheduler.schedule()
+            # cached pages evicted to admit this step's requests: NaN before their new owners write them
+            evicted = self.pool.take_evicted()
+            for r in plan.admitted:
+                r.admit_time = start
+            blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
+            # the forward's own view: a submit or cancel during it changes no page of the plan's requests
+            pages_of = dict(self.pool.owned)
+        self.runner.poison_pages(evicted)
         out = self.runner.run(plan, pages_of, cfg.forward) if not plan.empty else None
         if cfg.sync_trace:
             self._sync()
-        end = self.now()
-        if out is not None:
-            sampled = plan.sampled
-            if cfg.poison and any(out.nonfinite):
-                err = self.poison_error(plan, sampled, out.nonfinite)   # reads the cache as the step left it
-                self.scheduler.finish_step()   # keep the pool consistent before raising
-                raise err
-            plan.apply(out.tokens, end)
-            for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
-                self.topk.setdefault(r.request_id, []).append((ids, vals))
-        freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
-        self.runner.poison_pages(freed)
-        rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
-                         len(plan.admitted), start, end - start, blocked, plan.withheld)
-        self.trace.append(rec)
+        with self.lock:
+            end = self.now()
+            if out is not None:
+                sampled = plan.sampled
+                if cfg.poison and any(out.nonfinite):
+                    err = self.poison_error(plan, sampled, out.nonfinite)   # reads the cache as the step left it
+                    self.scheduler.finish_step()   # keep the pool consistent before raising
+                    raise err
+                # a request cancelled during the forward emits nothing
+                emitted = {id(r) for r in plan.apply(out.tokens, end)}
+                for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
+                    if id(r) in emitted:
+                        self.topk.setdefault(r.request_id, []).append((ids, vals))
+            freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
+            rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
+                             len(plan.admitted), start, end - start, blocked, plan.withheld)
+            self.trace.append(rec)
+            if cfg.trace_limit is not None and len(self.trace) > cfg.trace_limit:
+                del self.trace[:len(self.trace) - cfg.trace_limit]
+        self.runner.poison_pages(freed)    # no step can admit into them before this: one thread steps at a time
         return rec
 
     def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
@@ -309,9 +353,11 @@ class Engine:
                 f"forward read a poisoned slot itself")
 
     # -- running ---------------------------------------------------------------------------------------------
-    def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None) -> dict:
+    def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None,
+            until=None) -> dict:
         """Serve `specs` (and whatever is queued) to completion. open_loop: deliver each request at its
-        arrival_time on the engine's clock, while the engine works; otherwise all arrive now."""
+        arrival_time on the engine's clock, while the engine works; otherwise all arrive now. until(engine): checked
+        before each step; once true, return and leave what is queued or running as it is."""
         pending = sorted(specs or [], key=lambda s: s.arrival_time)
         if not open_loop:
             for s in pending:
@@ -324,6 +370,8 @@ class Engine:
                 s = pending[i]
                 self.submit(s.prompt, s.budget, s.request_id, s.arrival_time)
                 i += 1
+            if until is not None and until(self):
+                break
             if not self.scheduler.has_work:
                 time.sleep(max(0.0, min(pending[i].arrival_time - now, 0.01)))
                 continue
@@ -333,19 +381,25 @@ class Engine:
         return self.results()
 
     def results(self) -> dict[str, RequestResult]:
-        return {rid: RequestResult.of(r) for rid, r in self.requests.items()}
+        """Every request the engine holds (not popped), by id."""
+        with self.lock:
+            return {rid: RequestResult.of(r) for rid, r in self.requests.items()}
 
     # -- teacher forcing -------------------------------------------------------------------------------------
     def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
         """Logits [len(tokens), vocab] at every position of `tokens` ([1, vocab]: the last position's, with
         `last_only`), in one forward over the paged cache."""
-        owner = f"__score__{len(tokens)}"
-        self.pool.reserve(owner, len(tokens))
-        self.runner.poison_pages(self.pool.take_evicted())
-        try:
-            r = Request(owner, list(tokens), 1)
-            return self.runner.score(Chunk(r, 0, len(tokens)), self.pool.owned[owner], last_only)
-        finally:
-            self.pool.release(owner)
-            if not self.pool.in_step:
-                self.runner.poison_pages(self.pool.end_step())
+        with self._stepping:
+            with self.lock:
+                self.pool.reserve(SCORE_OWNER, len(tokens))
+                pages = self.pool.owned[SCORE_OWNER]
+                evicted = self.pool.take_evicted()
+            self.runner.poison_pages(evicted)
+            try:
+                return self.runner.score(Chunk(Request(SCORE_OWNER, list(tokens), 1), 0, len(tokens)), pages,
+                                         last_only)
+            finally:
+                with self.lock:
+                    self.pool.release(SCORE_OWNER)
+                    freed = [] if self.pool.in_step else self.pool.end_step()
+                self.runner.poison_pages(freed)

@@ -29,6 +29,41 @@ class DuplicateRequestIdError(RequestError):
     pass
 
 
+class BadPromptError(RequestError):
+    """The prompt is not a one-dimensional sequence of integer token ids (a float, a bool, bytes, a string, a
+    mapping, an array of another dimension); the message names the position and the type."""
+
+
+class BadRequestIdError(RequestError):
+    """A request id must be a non-empty string or an integer."""
+
+
+class BadArrivalTimeError(RequestError):
+    """An arrival time must be a finite real number of seconds on the engine's clock."""
+
+
+class UnknownRequestError(RequestError, KeyError):
+    """pop_result() of an id the engine does not hold (never submitted, or already popped)."""
+
+    def __str__(self) -> str:       # KeyError's own __str__ would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RequestNotDoneError(RequestError):
+    """pop_result() of a request still waiting or running (a cancelled one counts as running until the end of the
+    step that retires it)."""
+
+
+class ConfigError(ValueError):
+    """An EngineConfig field (or the pool it makes with the model) that the engine cannot serve with: the message
+    names the field and its value."""
+
+
+class PoolInvariantError(RuntimeError):
+    """The page pool's bookkeeping broke one of its invariants (a bug, never bad input). Raised in every
+    interpreter mode, `python -O` included."""
+
+
 class PoisonedLogitsError(RuntimeError):
     """In poison mode a step produced non-finite logits: some kernel read a freed or never-written slot."""
 

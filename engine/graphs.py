@@ -19,7 +19,7 @@ cache length, so the tail is never read.
 Graphs are captured per (rows, table width): widths 16, 32, 64, ... up to W. A step replays the narrowest width
 that holds its longest row, reading the first w columns of the table in place (a strided view). flash-attn's
 split-KV decode divides the table's width, not each row's length, among its splits, so a table as wide as the
-longest admissible request makes every step pay for it (kernels/flash_backend.py has the H200 figures).
+longest admissible request makes every step pay for it (kernels/flash_backend.py says why).
 
 Captured graphs read the runner's KV cache tensors and the model's weights in place (their addresses are fixed
 for the engine's life) and write their logits into one static buffer per graph set. Sampling (argmax, the poison
@@ -77,11 +77,13 @@ class CapturedSteps:
     buffer bookkeeping (refresh, padding, the pad page) is testable on a CPU."""
     kind = "captured"
 
-    def __init__(self, runner: "ModelRunner", sections: list[tuple[str, tuple[int, ...]]], logit_rows: int):
+    def __init__(self, runner: "ModelRunner", sections: list[tuple[str, tuple[int, ...]]], logit_rows: int,
+                 capture: bool = True):
         # a weak reference: the runner owns its graph sets, so the two never form a cycle that keeps a dropped
         # engine's KV cache alive until the collector runs
         self.runner = runner if isinstance(runner, weakref.ProxyTypes) else weakref.proxy(runner)
-        self.capture_graphs = runner.device.type == "cuda"
+        # capture=False on CUDA: the same forward over the same buffers, eagerly (EngineConfig.capture_graphs)
+        self.capture_graphs = capture and runner.device.type == "cuda"
         self.offsets: dict[str, int] = {}
         n = 0
         for name, shape in sections:
@@ -206,7 +208,8 @@ def activation_bytes(shape, tokens: int, logit_rows: int, element: int) -> int:
 class DecodeGraphs(CapturedSteps):
     kind = "decode"
 
-    def __init__(self, runner: "ModelRunner", max_batch: int, width: int, progress: bool = True):
+    def __init__(self, runner: "ModelRunner", max_batch: int, width: int, progress: bool = True,
+                 capture: bool = True):
         if not getattr(runner.backend, "graph_safe_decode", False):
             raise RuntimeError(f"the {runner.backend.name!r} backend's decode cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_decode")
@@ -214,7 +217,8 @@ class DecodeGraphs(CapturedSteps):
         self.widths = width_ladder(width)
         self.B = B = self.sizes[-1]
         self.W = width
-        super().__init__(runner, [(name, (B,)) for name in SECTIONS] + [("table", (B, width))], logit_rows=B)
+        super().__init__(runner, [(name, (B,)) for name in SECTIONS] + [("table", (B, width))], logit_rows=B,
+                         capture=capture)
         self.view = {name: self.host_view[name] for name in SECTIONS}
         self.table = self.host_view["table"]
         self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=runner.device)   # one query row per request

@@ -12,10 +12,22 @@ import torch
 from .model import ModelShape, Qwen2
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL_MODEL_DIR = REPO / "golden" / "models" / "qwen2-small"
+
+
+def models_dir() -> Path:
+    """Where the embedded small models are: golden/models in a checkout (an editable install too); once installed,
+    the `stepgate_models` package data beside this package."""
+    for d in (REPO / "golden" / "models", REPO / "stepgate_models"):
+        if d.is_dir():
+            return d
+    return REPO / "golden" / "models"
+
+
+MODELS_DIR = models_dir()
+SMALL_MODEL_DIR = MODELS_DIR / "qwen2-small"
 # The same shape trained (scripts/train_small_model.py) so that its greedy decisions have wide margins: the fp16
 # gates' subject on a GPU, where the random-weight `small` model's logit gaps drown in fp16 rounding.
-SMALL_TRAINED_DIR = REPO / "golden" / "models" / "qwen2-small-trained"
+SMALL_TRAINED_DIR = MODELS_DIR / "qwen2-small-trained"
 NAMED_MODELS = {"small": SMALL_MODEL_DIR, "small-trained": SMALL_TRAINED_DIR}
 
 
@@ -124,10 +136,15 @@ def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, o
         cfg, m = random_1p5b_state(device=device, dtype=dtype)
         return m.eval().fuse(), cfg, RANDOM_1P5B
     if isinstance(source, (str, os.PathLike)):
-        from transformers import AutoConfig
         path = Path(source)
         if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
+            named = next((k for k, d in NAMED_MODELS.items() if Path(d) == path), None)
+            raise FileNotFoundError(
+                f"model directory {path} does not exist" + (
+                    f": the embedded model {named!r} ships with stepgate (golden/models in a checkout, the "
+                    f"stepgate_models package once installed); reinstall stepgate (`pip install .`), or pass a "
+                    f"Hugging Face checkpoint directory" if named else ""))
+        from transformers import AutoConfig
         cfg = AutoConfig.from_pretrained(str(path))
         sd = load_state_dict(path)
         name = path.name

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 from collections import deque
 
+from .errors import PoolInvariantError
 from .prefix_cache import PrefixCache, short
 
 NULL_PAGE = 0
+
+
+def require(ok: bool, message: str) -> None:
+    """An invariant of the pool, checked in every interpreter mode (`python -O` drops an assert)."""
+    if not ok:
+        raise PoolInvariantError(message)
 
 
 def pages_for(slots: int, page_size: int) -> int:
@@ -31,7 +38,7 @@ class PagePool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.free: deque[int] = deque(range(1, num_pages))
-        self.owned: dict[str, list[int]] = {}
+        self.owned: dict[str, list[int]] = {}   # owner (a request id, or an engine-internal key) -> pages
         self.pending: list[tuple[str, list[int]]] = []   # released during a step, returned at its end
         self.refs: dict[int, int] = {}                   # page -> requests holding it (pending ones included)
         self.cache: PrefixCache | None = PrefixCache() if prefix_cache else None
@@ -76,9 +83,9 @@ class PagePool:
         its prompt prefix) are its first pages, shared, each count + 1; the rest come from the free list, then from
         evicting the least recently used cached pages nobody holds."""
         n = self.pages_needed(slots) - len(hits)
-        assert owner not in self.owned, f"{owner} already owns pages"
-        assert n <= self.num_free - self.parked(hits), \
-            f"reserve of {n} pages with {self.num_free - self.parked(hits)} free"
+        require(owner not in self.owned, f"{owner!r} already owns pages")
+        require(n <= self.num_free - self.parked(hits),
+                f"reserve of {n} pages with {self.num_free - self.parked(hits)} free")
         for p in hits:
             self.pin(p)
         pages = list(hits) + [self.take() for _ in range(n)]
@@ -88,7 +95,7 @@ class PagePool:
         return pages
 
     def pin(self, page: int) -> None:
-        assert page in self.cache.by_page, f"page {page} is not cached: it cannot be shared"
+        require(page in self.cache.by_page, f"page {page} is not cached: it cannot be shared")
         self.refs[page] = self.refs.get(page, 0) + 1
         self.cache.unpark(page)
 
@@ -107,9 +114,9 @@ class PagePool:
     def register(self, owner: str, index: int, key: bytes, hashed: tuple) -> bool:
         """Cache page `index` of `owner` (full, just computed) under `key`; False if another page has that key."""
         page = self.owned[owner][index]
-        assert self.refs[page] == 1 and page not in self.cache.by_page, \
-            f"{owner}'s page {page} (#{index}) is shared or cached already (count {self.refs[page]}, hash " \
-            f"{short(self.cache.key_of(page))}): it cannot have been computed by {owner}"
+        require(self.refs[page] == 1 and page not in self.cache.by_page,
+                f"{owner}'s page {page} (#{index}) is shared or cached already (count {self.refs[page]}, hash "
+                f"{short(self.cache.key_of(page))}): it cannot have been computed by {owner}")
         return self.cache.register(page, key, hashed)
 
     def begin_step(self) -> None:
@@ -117,6 +124,7 @@ class PagePool:
 
     def release(self, owner: str) -> None:
         """Hand back `owner`'s pages; they reach the free list at the end of the current (or next) step, never sooner."""
+        require(owner in self.owned, f"release of {owner!r}, which owns no pages")
         pages = self.owned.pop(owner)
         self.pending.append((owner, pages))
         for p in pages:
@@ -171,26 +179,26 @@ class PagePool:
         held = self.holders()
         lru = list(self.cache.lru) if self.cache else []
         bad = [p for p in lru if p in held]
-        assert not bad, "; ".join(f"page {p} (hash {short(self.cache.key_of(p))}) is evictable (in the LRU) while "
-                                  f"held by {held[p]}" for p in bad)
+        require(not bad, "; ".join(f"page {p} (hash {short(self.cache.key_of(p))}) is evictable (in the LRU) while "
+                                   f"held by {held[p]}" for p in bad))
         seen = list(self.free) + lru + list(held)
         what = "free + cached + owned" if self.cache else "free + owned"
-        assert len(seen) == self.capacity, f"{what} = {len(seen)} pages, capacity {self.capacity}"
-        assert len(set(seen)) == len(seen), "a page has two owners (or is free and owned, or cached and owned)"
-        assert NULL_PAGE not in seen, "the null page was handed out"
+        require(len(seen) == self.capacity, f"{what} = {len(seen)} pages, capacity {self.capacity}")
+        require(len(set(seen)) == len(seen), "a page has two owners (or is free and owned, or cached and owned)")
+        require(NULL_PAGE not in seen, "the null page was handed out")
         for p, owners in held.items():
             key = short(self.cache.key_of(p)) if self.cache else "-"
-            assert len(owners) == 1 or self.cache and p in self.cache.by_page, \
-                f"page {p} has two owners {owners} and is not a cached page"
-            assert self.refs.get(p) == len(owners), \
-                f"page {p} (hash {key}) has count {self.refs.get(p)} but is held by {len(owners)}: {owners}"
-            assert len(set(owners)) == len(owners), f"page {p} appears twice in the pages of {owners}"
+            require(len(owners) == 1 or bool(self.cache and p in self.cache.by_page),
+                    f"page {p} has two owners {owners} and is not a cached page")
+            require(self.refs.get(p) == len(owners),
+                    f"page {p} (hash {key}) has count {self.refs.get(p)} but is held by {len(owners)}: {owners}")
+            require(len(set(owners)) == len(owners), f"page {p} appears twice in the pages of {owners}")
         stray = sorted(set(self.refs) - set(held))
-        assert not stray, f"pages {stray} have counts {[self.refs[p] for p in stray]} but nobody holds them"
+        require(not stray, f"pages {stray} have counts {[self.refs[p] for p in stray]} but nobody holds them")
         if self.cache:
             c = self.cache
-            assert len(c.by_key) == len(c.by_page) and all(c.by_key[e.key] is e for e in c.by_page.values()), \
-                "the cache's key and page maps disagree: not one page per hash"
+            require(len(c.by_key) == len(c.by_page) and all(c.by_key.get(e.key) is e for e in c.by_page.values()),
+                    "the cache's key and page maps disagree: not one page per hash")
             loose = sorted(set(self.free) & set(c.by_page))
-            assert not loose, f"free pages {loose} are still cached (hashes {[short(c.key_of(p)) for p in loose]})"
-            assert all(p in c.by_page for p in lru), "an uncached page sits in the LRU"
+            require(not loose, f"free pages {loose} are still cached (hashes {[short(c.key_of(p)) for p in loose]})")
+            require(all(p in c.by_page for p in lru), "an uncached page sits in the LRU")

@@ -15,6 +15,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .errors import PoolInvariantError
+
 KEY_BYTES = 16
 ROOT = b"\0" * KEY_BYTES      # the parent of a sequence's first page
 
@@ -86,7 +88,8 @@ class PrefixCache:
         """Cache `page` under `key`; False (nothing changes) when the key already has its page: one page per hash."""
         if key in self.by_key:
             return False
-        assert page not in self.by_page, f"page {page} is already cached (hash {short(self.by_page[page].key)})"
+        if page in self.by_page:    # the pool's invariant: typed, so that `python -O` keeps it
+            raise PoolInvariantError(f"page {page} is already cached (hash {short(self.by_page[page].key)})")
         entry = CachedPage(page, key, hashed)
         self.by_key[key] = entry
         self.by_page[page] = entry

@@ -50,8 +50,11 @@ class Request:
         """Reserve on admit: the whole prompt plus the whole budget."""
         return self.prompt_len + self.budget
 
-    def emit(self, token: int, step: int, t: float) -> None:
-        """One emitted token; the request finishes when its budget is spent."""
+    def emit(self, token: int, step: int, t: float) -> bool:
+        """One emitted token; the request finishes when its budget is spent. A cancelled request emits nothing
+        (a cancel can land while the step that computed the token runs): False."""
+        if self.state is State.CANCELLED:
+            return False
         self.output.append(token)
         self.token_times.append(t)
         self.token_steps.append(step)
@@ -59,6 +62,7 @@ class Request:
         if len(self.output) >= self.budget:
             self.state = State.FINISHED
             self.finish_time = t
+        return True
 
     def step_of(self, pos: int) -> int | None:
         """The step whose forward wrote the K/V of sequence position `pos` (None: not written yet)."""

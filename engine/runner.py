@@ -181,19 +181,21 @@ class ModelRunner:
         tokens, positions, ctx, rows = self.build(chunks, decodes, pages_of, all_logits)
         return self.model(tokens, positions, self.kv_caches, ctx, rows)
 
-    def capture_decode_graphs(self, max_batch: int, max_pages_per_seq: int, progress: bool = True) -> None:
+    def capture_decode_graphs(self, max_batch: int, max_pages_per_seq: int, progress: bool = True,
+                              capture: bool = True) -> None:
         """Capture the pure decode step for a ladder of batch sizes (needs the pad page and a backend whose decode
         reads only device tensors of fixed shape)."""
         if self.pad_page is None:
             raise RuntimeError("decode graphs need the runner's pad page (ModelRunner(..., pad_page=True))")
-        self.graphs = DecodeGraphs(self, max_batch, max_pages_per_seq, progress=progress)
+        self.graphs = DecodeGraphs(self, max_batch, max_pages_per_seq, progress=progress, capture=capture)
         self._report(self.graphs, progress)
 
     def capture_step_graphs(self, max_tokens: int, max_batch: int, max_pages_per_seq: int,
-                            progress: bool = True) -> None:
+                            progress: bool = True, capture: bool = True) -> None:
         """Capture loaded and chunk-only steps (fused forward) per token-count bucket up to max_tokens (needs the
         pad page and a backend whose prefill reads only device tensors of fixed shape)."""
-        self.step_graphs = StepGraphs(self, max_tokens, max_batch, max_pages_per_seq, progress=progress)
+        self.step_graphs = StepGraphs(self, max_tokens, max_batch, max_pages_per_seq, progress=progress,
+                                      capture=capture)
         self._report(self.step_graphs, progress)
 
     @staticmethod

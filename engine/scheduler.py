@@ -30,9 +30,8 @@ token rate while a long prompt fills.
 - A prompt's LAST long piece (the one after which at most short_prompt_positions are left) also pays its own debt
   ahead, estimated from the extra time of that prompt's previous long piece, and settles the difference after it
   runs. Why: paid after it, that piece's debt would fall due once the prompt already emits its first token, so
-  while a prompt of n long pieces fills the decoders would get only n - 1 of its n debts (44.5% instead of 50% at
-  p = 0.5 with 8 pieces, docs/h200-2026-11-29-s3.md). A prompt's first long piece has no estimate: nothing is
-  paid ahead for it. A prompt cancelled before its last long piece ran gives back what was charged ahead for it.
+  while a prompt of n long pieces fills the decoders would get only n - 1 of its n debts (docs/prefill-share.md).
+  A prompt's first long piece has no estimate: nothing is paid ahead for it. A prompt cancelled before its last long piece ran gives back what was charged ahead for it.
 - A pure decode step pays off its duration; a step with decode tokens and short-prompt pieces (no long work) pays
   off the decode part of it (min(t, t_d)). No credit: the debt never goes below 0.
 - Debt counts only runnable decoders: a step with no decode tokens (nobody decoding, or every decoder finished or
@@ -50,6 +49,7 @@ from dataclasses import dataclass, field
 from .pool import PagePool
 from .prefix_cache import Chain
 from .request import Request, State
+from .schedule_log import ScheduleLog
 
 
 @dataclass(frozen=True)
@@ -79,14 +79,14 @@ class StepPlan:
         """Requests that get a token this step, in the runner's row order: completing chunks, then decodes."""
         return [c.request for c in self.chunks if c.completes_prompt] + self.decodes
 
-    def apply(self, tokens: list[int], t: float) -> None:
-        """Book the step's work: cached positions advance, each sampled request emits its token."""
+    def apply(self, tokens: list[int], t: float) -> list[Request]:
+        """Book the step's work: cached positions advance, each sampled request emits its token (one cancelled
+        while the step ran does not). Returns the requests that emitted."""
         for c in self.chunks:
             c.request.num_cached += c.length
         for r in self.decodes:
             r.num_cached += 1
-        for r, tok in zip(self.sampled, tokens):
-            r.emit(tok, self.index, t)
+        return [r for r, tok in zip(self.sampled, tokens) if r.emit(tok, self.index, t)]
 
     @property
     def kind(self) -> str:
@@ -164,6 +164,7 @@ class Scheduler:
         self.prepaid: dict[str, float] = {}       # request id -> debt charged ahead for its last long piece
         self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
         self.chains: dict[str, Chain] = {}   # request id -> its pages' keys (prefix cache on)
+        self.log = ScheduleLog()             # admissions and releases, for the gates' engine-level checks
 
     @classmethod
     def from_config(cls, pool: PagePool, config) -> "Scheduler":
@@ -266,7 +267,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Admit, then pick this step's prompt chunks and decode tokens. Opens the step in the pool."""
         self.pool.begin_step()
+        free, rows = self.pool.num_free, len(self.running)
         plan = StepPlan(self.step_index, admitted=self.admit())
+        self.log.admitted(plan.index, plan.admitted, self.pool, free, rows, self.waiting)
         plan.decodes = [r for r in self.running if r.state is State.DECODE]
         if not plan.decodes:
             self.debt = 0.0                  # debt counts only runnable decoders
@@ -344,9 +347,9 @@ class Scheduler:
             self.piece_extra.pop(r.request_id, None)
             # cancelled before its last long piece ran: the debt charged ahead for it is owed to nobody
             self.debt = max(0.0, self.debt - self.prepaid.pop(r.request_id, 0.0))
-            self.pool.release(r.request_id)
+            self.log.release(self.step_index, self.pool, r.request_id)
         self.step_index += 1
-        return self.pool.end_step()
+        return self.log.end_step(self.step_index - 1, self.pool)
 
     # -- cancellation ----------------------------------------------------------------------------------------
     def cancel(self, request_id: str, requests: dict[str, Request]) -> CancelResult:

@@ -69,7 +69,8 @@ def shape_only_q_lens(tokens: int, seqs: int) -> list[int]:
 class StepGraphs(CapturedSteps):
     kind = "loaded/chunk-only"
 
-    def __init__(self, runner: "ModelRunner", max_tokens: int, max_batch: int, width: int, progress: bool = True):
+    def __init__(self, runner: "ModelRunner", max_tokens: int, max_batch: int, width: int, progress: bool = True,
+                 capture: bool = True):
         if not getattr(runner.backend, "graph_safe_prefill", False):
             raise RuntimeError(f"the {runner.backend.name!r} backend's prefill cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_prefill")
@@ -82,7 +83,8 @@ class StepGraphs(CapturedSteps):
         T = self.sizes[-1]
         S, R = self.seqs_for(T), self.rows_for(T)
         super().__init__(runner, [("tokens", (T,)), ("positions", (T,)), ("slots", (T,)), ("logit_rows", (R,)),
-                                  ("kv_lens", (S,)), ("cu_q", (S + 1,)), ("table", (S, width))], logit_rows=R)
+                                  ("kv_lens", (S,)), ("cu_q", (S + 1,)), ("table", (S, width))], logit_rows=R,
+                         capture=capture)
         self.q_lens = np.zeros(S, dtype=np.int64)         # host only: query rows per sequence
         self.pad_slot = runner.pad_page * runner.page_size
         self.fallbacks = 0                                  # plans no bucket holds: run eagerly

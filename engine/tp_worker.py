@@ -66,7 +66,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         if spec.setup is not None:
             spec.setup(rank)
         torch.set_num_threads(spec.threads)
-        from .engine import build_runner, torch_dtype
+        from .dtypes import torch_dtype
+        from .engine import build_runner
         cfg, dtype = spec.config, torch_dtype(spec.config.dtype)
         device = torch.device(cfg.device)
         if device.type == "cuda":

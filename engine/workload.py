@@ -25,12 +25,14 @@ class Workload:
     seed: int = SEED
     token_range: tuple[int, int] = (3, 4000)   # prompt token ids drawn from [lo, hi)
     chunk_tokens: int = 512              # the chunk budget this workload is served with (scaled on CPU)
+    lengths_in_order: bool = False       # request i takes prompt_lengths[i % len] instead of a draw
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
         rng, rand = self.draw(vocab_size)
         out = []
         for i in range(self.num_requests):
-            n = rng.choice(self.prompt_lengths)
+            n = self.prompt_lengths[i % len(self.prompt_lengths)] if self.lengths_in_order else \
+                rng.choice(self.prompt_lengths)
             budget = rng.randint(*self.budget_range)
             out.append(RequestSpec(f"{self.name}-{i:04d}", rand(n), budget))
         return out
@@ -68,7 +70,6 @@ MIXED_GATE = Workload("mixed-gate", (16, 64, 256, 1024, 4096), (16, 32), 40)
 UNIFORM_GATE = Workload("uniform-gate", (256,), (16, 32), 40)
 
 
-
 @dataclass(frozen=True)
 class SharedPrefixWorkload(Workload):
     """Requests that share prefixes: a system prompt of `system_len` tokens, then a question drawn from
@@ -101,8 +102,14 @@ class SharedPrefixWorkload(Workload):
 SHARED = SharedPrefixWorkload("shared", (16, 64, 256), (64, 256), 200, system_len=1024)
 SHARED_CPU = SharedPrefixWorkload("shared-cpu", (4, 16, 64), (16, 64), 48, chunk_tokens=128, system_len=256)
 
+# The smoke gate's requests: one per prompt length, each at a page boundary (64; 256 where flash decodes) or a chunk
+# boundary (128 on CPU, 512 otherwise), with short budgets, so that a bug that changes numbers fails in seconds.
+SMOKE_CPU = Workload("smoke-cpu", (63, 64, 65, 127, 128, 129, 255, 256, 257), (8, 12), 9, chunk_tokens=128,
+                     lengths_in_order=True)
+SMOKE_GATE = Workload("smoke-gate", (63, 64, 65, 255, 256, 257, 511, 512, 513), (8, 12), 9, lengths_in_order=True)
+
 WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU, MIXED_GATE, UNIFORM_GATE, SHARED,
-                                 SHARED_CPU)}
+                                 SHARED_CPU, SMOKE_CPU, SMOKE_GATE)}
 
 
 def get_workload(name: str) -> Workload:

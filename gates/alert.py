@@ -26,7 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_STORAGE = Path(__file__).resolve().parent.parent / "golden" / "benchmarks"
+from .paths import golden_root
+
+DEFAULT_STORAGE = golden_root() / "benchmarks"
 STATS = ("median", "mean", "min", "max")
 GPU_KEYS = ("gpu", "gpu_name", "device_name")    # where a run may record its GPU (machine_info or extra_info)
 

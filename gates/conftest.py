@@ -1,19 +1,21 @@
 """Fixtures shared by the gates: options, the loaded model, memoised engine runs, goldens, teacher forcing."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
+import torch
 
 import kernels
 from engine.config import LINEAGE
-from engine.engine import torch_dtype
+from engine.dtypes import torch_dtype
+from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
 from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
+from .schedule_check import check_engine
 
 
 @pytest.fixture(scope="session")
@@ -58,14 +60,23 @@ class Runs:
         """GenRecords of one engine configuration on a workload, in poison mode (the gate default). `repeat`
         asks for another, independent run of the same configuration."""
         key = (engine, backend, workload, repeat, tuple(sorted(overrides.items())))
+        label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:
             wl = get_workload(workload)
             kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides)
             kw.update(overrides)
             ref = EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
-            records = ref.generate(wl.requests())
+            try:
+                records = ref.generate(wl.requests())
+            except PoisonedLogitsError as e:     # the engine names the step, slot, page and owner; not its backend
+                c = ref.config
+                e.add_note(f"in {label}: backend {c.backend}, forward {c.forward}, page_size {c.page_size}, "
+                           f"chunk_tokens {c.chunk_tokens}, {c.device} {c.dtype}")
+                raise
             self.finish(ref.last_engine)
             self.cache[key] = (records, ref.last_engine)
+        # every gate that uses a run fails on its schedule (strict FCFS, eviction at the end of the step, pages back)
+        check_engine(self.cache[key][1], label)
         return self.cache[key]
 
     @property
@@ -114,6 +125,13 @@ def runs(opts) -> Runs:
     return Runs(opts)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    short = getattr(config, "stepgate_short_of_gpus", None)
+    if short:
+        terminalreporter.write_line(f"stepgate: not run on {torch.cuda.device_count()} GPU(s), deselected: "
+                                    f"{', '.join(short)}", yellow=True)
+
+
 # Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file
 # not named here keeps its place among them; tests keep their order within a file.
 GATE_ORDER = ["test_smoke.py", "test_kernels.py", "test_admission.py", "test_tokens.py", "test_page_safety.py",
@@ -138,6 +156,15 @@ def candidate_of(item, o: GateOptions) -> tuple[str, str]:
     return params.get("engine", o.engines[0]), params.get("backend", o.backends[0])
 
 
+def gpus_needed(item, o: GateOptions) -> int:
+    """GPUs a gate needs on CUDA: a tensor-parallel gate's ranks, else one."""
+    mark = item.get_closest_marker("tp_ranks")
+    if mark is None:
+        return 1
+    n = mark.args[0] if mark.args else None
+    return n if n is not None else max(o.tp, 2)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """On CPU the flex engine configuration compiles a FlexAttention kernel per shape (about 2 minutes for the
@@ -147,6 +174,13 @@ def pytest_collection_modifyitems(config, items):
     items[:] = gate_order(items)
     # deselected, not skipped: a candidate the options leave out was asked to be left out, not hidden
     unselected = {item for item in items if is_gate_file(item.nodeid) and not o.selects(*candidate_of(item, o))}
+    if o.is_cuda:
+        # a machine with fewer GPUs than a tensor-parallel gate's ranks cannot run it: that is the machine, not a
+        # broken install, so the gate is deselected (and said so), not skipped into a failing unrun file
+        short = {item for item in items if gpus_needed(item, o) > max(torch.cuda.device_count(), 1)}
+        if short:
+            config.stepgate_short_of_gpus = sorted({f"{item.path.name} (tp={gpus_needed(item, o)})" for item in short})
+        unselected |= short
     if unselected:
         config.hook.pytest_deselected(items=[item for item in items if item in unselected])
         items[:] = [item for item in items if item not in unselected]

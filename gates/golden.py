@@ -27,14 +27,15 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.loader import REPO, model_checksum
-from engine.workload import Workload, get_workload
+from engine.loader import model_checksum
+from engine.workload import SMOKE_CPU, Workload, get_workload
 
 from .compare import TIE_THRESHOLD, GateReport, compare
+from .paths import golden_root
 from .records import GenRecord
 
 SCHEMA_VERSION = 1
-GOLDEN_DIR = REPO / "golden"
+GOLDEN_DIR = golden_root()
 REFERENCES = ("hf", "chunked", "fused", "flash")
 
 
@@ -277,12 +278,20 @@ def describe_changes(report: GateReport, old: dict[str, GenRecord] | None = None
     return "\n".join(lines)
 
 
+def default_targets(references: list[str]) -> list[tuple[str, str]]:
+    """(workload, reference) pairs a regen without --workload writes: the token gates' workloads for every reference,
+    and the smoke gate's for hf, the only reference it reads."""
+    return [(wl, ref) for wl in ("mixed-cpu", "uniform-cpu") for ref in references] + \
+        ([(SMOKE_CPU.name, "hf")] if "hf" in references else [])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gates.golden", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("regen", help="write goldens (atomically) and print what changed")
     r.add_argument("--model", default="small")
-    r.add_argument("--workload", action="append", help="repeatable; default: mixed-cpu and uniform-cpu")
+    r.add_argument("--workload", action="append", help="repeatable; default: mixed-cpu and uniform-cpu (and "
+                                                       "smoke-cpu for hf, the smoke gate's reference)")
     r.add_argument("--reference", action="append", choices=REFERENCES, help="repeatable; default: hf")
     r.add_argument("--device", default="cpu")
     r.add_argument("--dtype", default="float32")
@@ -300,7 +309,8 @@ def main(argv=None) -> int:
         for rec in records.values():
             print(f"{rec.request_id}: prompt {len(rec.prompt)}, {len(rec.tokens)} tokens {rec.tokens[:8]}...")
         return 0
-    targets = [(wl, ref) for wl in a.workload or ["mixed-cpu", "uniform-cpu"] for ref in a.reference or ["hf"]]
+    targets = default_targets(a.reference or ["hf"]) if not a.workload else \
+        [(wl, ref) for wl in a.workload for ref in a.reference or ["hf"]]
     try:
         if not a.check:      # every folder before the first generation
             for wl, ref in targets:

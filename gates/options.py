@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import kernels
-from engine.config import LINEAGE
-from engine.engine import DTYPES
+from engine.config import DEVICE_FORMS, LINEAGE, device_problem
+from engine.dtypes import DTYPE_NAMES, torch_dtype
 from engine.loader import NAMED_MODELS, RANDOM_1P5B, model_class
 
 from .compare import TIE_THRESHOLD
@@ -23,7 +23,6 @@ from .workers import placement_of
 
 ALL = "all"
 MODELS = (*NAMED_MODELS, RANDOM_1P5B)
-DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
 # (engine configuration, attention backend): the candidates every comparison gate is parametrised over. A new
 # backend joins here, so the token, poison and tiny-pool gates all cover it.
 CANDIDATES = [("chunked", "torch"), ("fused", "torch"), ("fused", "flex"), ("flash", "flash")]
@@ -150,26 +149,21 @@ def names(option: str, value: str, known: tuple[str, ...], what: str) -> tuple[s
 
 
 def check_device(device: str) -> str:
-    m = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if device != "cpu" and not m:
+    if device != "cpu" and not re.fullmatch(r"cuda(?::\d+)?", device):
         raise unknown("--device", device, DEVICE_FORMS, "device")
-    if m:
-        n = cuda_devices()
-        if n == 0:
-            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise pytest.UsageError(f"--device {device}: torch {torch.__version__} ({build}) sees no CUDA device; "
-                                    f"on this machine use --device cpu")
-        if m.group(1) is not None and int(m.group(1)) >= n:
-            raise pytest.UsageError(f"--device {device}: torch sees {n} CUDA device(s): cuda:0 to cuda:{n - 1}")
+    problem = device_problem(device, cuda_devices())
+    if problem:
+        hint = "; on this machine use --device cpu" if "no CUDA device" in problem else ""
+        raise pytest.UsageError(f"--device {device}: {problem}{hint}")
     return device
 
 
 def check_dtype(dtype: str | None, device: str) -> str:
     if dtype is None:
         return "float32" if device == "cpu" else "float16"
-    if dtype not in DTYPES:
-        raise unknown("--dtype", dtype, tuple(DTYPES), "dtype")
-    return str(DTYPES[dtype]).removeprefix("torch.")     # goldens are keyed by the canonical name
+    if dtype not in DTYPE_NAMES:
+        raise unknown("--dtype", dtype, tuple(DTYPE_NAMES), "dtype")
+    return DTYPE_NAMES[dtype]     # goldens are keyed by the canonical name
 
 
 def check_model(model: str) -> tuple[str, str]:
@@ -194,7 +188,7 @@ def why_cannot_run(opts: GateOptions, backend: str) -> str | None:
     reason = kernels.why_unavailable(backend, opts.device, page)
     dtype_reason = getattr(kernels.backend_class(backend), "why_unsupported_dtype", None)
     if reason is None and dtype_reason is not None:
-        reason = dtype_reason(DTYPES[opts.dtype])
+        reason = dtype_reason(torch_dtype(opts.dtype))
     return reason
 
 

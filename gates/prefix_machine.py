@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from hypothesis import event, strategies as st
 from hypothesis.stateful import initialize, rule
 
+from engine.errors import PoolInvariantError
 from engine.pool import PagePool
 from engine.prefix_cache import short
 from engine.request import Request
@@ -376,7 +377,7 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                           f"{[self.describe_page(p) for p in set(cache.by_page) - set(self.content)]}")
             try:
                 pool.check()
-            except AssertionError as e:
+            except PoolInvariantError as e:
                 raise AssertionError(f"{TOTAL} violated: pool.check(): {e}") from None
             held = {p for rid in self.running for p in self.model[rid].table}
             check(len(pool.free) == self.free and len(held) + self.free + len(self.lru) == self.cap, TOTAL,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig, lineage_config
-from engine.engine import torch_dtype
+from engine.dtypes import torch_dtype
 from engine.loader import hf_model, load_model
 from engine.workload import RequestSpec
 

@@ -32,33 +32,16 @@ from dataclasses import dataclass, field
 from hypothesis import event, strategies as st
 from hypothesis.stateful import initialize, rule
 
-from engine.errors import NeverFitsError
+from engine.errors import NeverFitsError, PoolInvariantError
 from engine.pool import NULL_PAGE, PagePool
 from engine.request import Request
 from engine.scheduler import Scheduler
 
+from .schedule_check import (CANCEL, CAPACITY, COMPLETES, EVICTION, FCFS, NEVER_FITS, OWNERS, PLAN, RESERVE, ROWS,
+                             STATE, TOTAL, ceil_pages)
 from .stepping import PHASE_OF, SteppingMachine, check, violated
 
 PAGE_SIZES = (64, 256)
-
-# Invariant names: every failure message starts with one of these, followed by " violated: ".
-TOTAL = "free + owned = total"
-OWNERS = "no page has two owners"
-RESERVE = "reserve on admit"
-FCFS = "strict FCFS admission"
-ROWS = "max batch"
-CAPACITY = "no admission beyond capacity"
-EVICTION = "eviction at the end of the step"
-NEVER_FITS = "never fits"
-COMPLETES = "every request completes"
-PLAN = "step plan"
-CANCEL = "cancel outcome"
-STATE = "request state"
-
-
-def ceil_pages(slots: int, page_size: int) -> int:
-    """The gate's own rounding (whole pages, rounded up), independent of engine.pool."""
-    return (slots + page_size - 1) // page_size
 
 
 def submit_or_refuse(pool, scheduler, request: Request) -> None:
@@ -325,7 +308,7 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
             pool, cap = self.pool, self.cap
             try:
                 pool.check()
-            except AssertionError as e:
+            except PoolInvariantError as e:
                 raise violated(TOTAL + " / " + OWNERS, f"pool.check(): {e}") from None
             free = list(pool.free)
             owned = [p for pages in pool.owned.values() for p in pages]

@@ -1,8 +1,14 @@
-"""CUDA-graph gates: an engine that replays captured steps (pure decode steps per row count and table width; loaded
+"""CUDA-graph gates. An engine that replays captured steps (pure decode steps per row count and table width; loaded
 and chunk-only steps per token-count bucket, where the forward is fused and the backend's prefill is graph-safe)
-emits the same tokens, at the same steps, as the same engine run eagerly (graphs off), under the 0.02 rule; both
-runs are in poison mode, so a graph's output passes the same finiteness check as an eager step's. Every step of a
-captured kind must have replayed its graph. Candidates are those of CANDIDATES whose decode can be captured (the
+emits the same tokens, at the same steps, under the 0.02 rule, as
+- the same forward run uncaptured (`capture_graphs=False`: the same packed buffers and kernels, eagerly): this
+  isolates capture itself (stale metadata, a buffer not refreshed), on every model;
+- the engine run eagerly (graphs off), whose loaded steps split attention into a prefill and a decode kernel where
+  the captured step makes one packed call. That changes fp16 rounding, so this comparison runs on the small models
+  only: on the 1.5B shape's random weights the top logits reach 32 to 64, where fp16's spacing (0.031) is wider than
+  the 0.02 rule itself, and rounding-level differences would read as failures.
+Both runs are in poison mode, so a graph's output passes the same finiteness check as an eager step's. Every step of
+a captured kind must have replayed its graph. Candidates are those of CANDIDATES whose decode can be captured (the
 `flash` backend); elsewhere these gates skip with the reason. The planted stale-metadata bugs that these gates must
 catch are in tests/test_graph_buffers.py and tests/test_step_graphs.py."""
 from __future__ import annotations
@@ -27,14 +33,9 @@ def skip_unless_graphs(opts, engine, backend):
     assert ok
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("workload", ["mixed-cpu", "uniform-cpu"])
-@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
-def test_graphs_on_vs_off(runs, opts, engine, backend, workload):
-    skip_unless_graphs(opts, engine, backend)
-    workload = workload_for(opts, workload)
-    eager, _ = runs.candidate(engine, backend, workload, cuda_graphs=False)
-    graphed, eng = runs.candidate(engine, backend, workload, cuda_graphs=True)
+def check_replays(eng) -> None:
+    """Every pure decode step replayed its graph, and (fused forward, graph-safe prefill) every loaded and chunk-only
+    step too: otherwise the gate compared eager steps with eager steps."""
     g, sg = eng.runner.graphs, eng.runner.step_graphs
     assert g is not None and g.replays > 0, "the graphed run replayed no CUDA graph: this gate tested nothing"
     pure = sum(s.kind == "pure-decode" for s in eng.trace)
@@ -44,8 +45,36 @@ def test_graphs_on_vs_off(runs, opts, engine, backend, workload):
         assert sg is not None and sg.replays == mixed > 0 and sg.fallbacks == 0, (
             f"{sg and sg.replays} step graph replays ({sg and sg.fallbacks} run eagerly) for {mixed} loaded and "
             f"chunk-only steps")
+
+
+def graph_gate(runs, opts, engine, backend, workload, name, baseline) -> None:
+    base, _ = runs.candidate(engine, backend, workload, **baseline)
+    graphed, eng = runs.candidate(engine, backend, workload, cuda_graphs=True)
+    check_replays(eng)
     scorer = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
-                             cuda_graphs=False)
-    report = compare(f"{engine}[{backend}] graphs on vs off on {workload}", eager, graphed, scorer.score,
+                             **baseline)
+    report = compare(f"{engine}[{backend}] {name} on {workload}", base, graphed, scorer.score,
                      opts.threshold, opts.flip_cap, check_steps=True)
     assert_gate(report)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload", ["mixed-cpu", "uniform-cpu"])
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_graphs_captured_vs_uncaptured(runs, opts, engine, backend, workload):
+    skip_unless_graphs(opts, engine, backend)
+    graph_gate(runs, opts, engine, backend, workload_for(opts, workload), "graphs captured vs uncaptured",
+               dict(cuda_graphs=True, capture_graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload", ["mixed-cpu", "uniform-cpu"])
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_graphs_on_vs_off(runs, opts, engine, backend, workload):
+    skip_unless_graphs(opts, engine, backend)
+    if opts.model_class != "small":
+        pytest.skip(f"graphs on vs off compares packed with split attention, whose fp16 rounding differs: on "
+                    f"{opts.model}'s logits (32 to 64, fp16 spacing 0.031) that exceeds the 0.02 rule; the captured "
+                    f"vs uncaptured gate covers capture on this model")
+    graph_gate(runs, opts, engine, backend, workload_for(opts, workload), "graphs on vs off",
+               dict(cuda_graphs=False))

@@ -14,6 +14,7 @@ from .compare import compare, compare_request
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
 from .records import GenRecord
 from .reference import EngineReference
+from .schedule_check import check_engine
 
 # The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
 # largest requests. The CPU workloads are scaled by 4, so a small model (by class) gets 4,608 slots.
@@ -29,7 +30,7 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
         pytest.skip("flash decodes only 256-slot pages")
     workload = workload_for(opts, "mixed-cpu")
     full, _ = runs.candidate(engine, backend, workload)
-    from engine.engine import torch_dtype
+    from engine.dtypes import torch_dtype
     from engine.runner import ModelRunner
     slots = TINY_POOL_SLOTS.get(opts.model_class) or \
         TINY_POOL_BYTES // ModelRunner.bytes_per_page(runs.loaded[0].shape, 1, torch_dtype(opts.dtype))
@@ -38,9 +39,8 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
     blocked = sum(1 for s in eng.trace if s.admission_blocked)
     assert blocked > 0, "the capped pool never held admission back: the gate is not testing admission"
     assert all(r.state == "finished" for r in eng.results().values()), "not every request completed"
-    assert eng.pool.num_free == eng.pool.capacity, \
-        f"page leak: {eng.pool.capacity - eng.pool.num_free} pages still owned after the run"
-    eng.pool.check()
+    # strict FCFS, reserve on admit, eviction at the end of the step and every page back, on this very run
+    check_engine(eng, f"{engine}[{backend}] tiny pool ({num_pages - 1} pages of {page_size})")
     score = runs.reference(engine, workload).score
     report = compare(f"{engine}[{backend}] tiny pool ({num_pages - 1} pages of {page_size}) vs uncapped", full,
                      tiny, score, opts.threshold, opts.flip_cap, check_steps=False)
@@ -76,8 +76,7 @@ def test_soak(runs, opts, engine, backend):
                 if to_cancel[rid] < 0:
                     soak.cancel(rid)
                     del to_cancel[rid]
-    assert soak.pool.num_free == soak.pool.capacity, "page leak after the soak"
-    soak.pool.check()
+    check_engine(soak, f"{engine}[{backend}] soak")
     res = soak.results()
     assert set(res) == {s.request_id for s in specs}
     failures = []

@@ -253,7 +253,7 @@ class States:
 
     def loaded(self, model: str):
         if model not in self.weights:
-            from engine.engine import torch_dtype
+            from engine.dtypes import torch_dtype
             self.weights[model] = load_model(model, torch_dtype(self.dtype), self.device)
         return self.weights[model]
 
@@ -460,7 +460,7 @@ def test_decode_kernel_time(benchmark, states, kernel_case):
     if backend == "flex" and not is_cuda(states.device):
         pytest.skip("flex on CPU compiles every shape with Inductor's C++ backend (10-25 s cold each), too slow for "
                     "this file's CPU budget: flex kernel timings are recorded with --device cuda")
-    from engine.engine import torch_dtype
+    from engine.dtypes import torch_dtype
     shape = model_shape(states, case.model)
     hist = [len(s.prompt) + 1 for s in case.workload.requests(shape.vocab_size)[:ROWS]]
     ks = KernelState(backend, shape, hist, page, states.device, torch_dtype(states.dtype))
@@ -506,7 +506,7 @@ def test_flash_decode_cheaper_than_flex(states):
         reason = backend_reason(b, states.device, kernel_page_size(b))
         if reason:
             pytest.skip(f"{b}: {reason}")
-    from engine.engine import torch_dtype
+    from engine.dtypes import torch_dtype
     from engine.loader import QWEN25_1P5B, qwen2_config
     from engine.model import ModelShape
     shape = ModelShape.of(qwen2_config(**QWEN25_1P5B))

@@ -20,12 +20,14 @@ pytestmark = pytest.mark.serial
 SUBSET = 8    # the first requests of the mixed draw: long prompts read in chunks beside decoders, then decoding
 
 
+@pytest.mark.tp_ranks(None)
 @pytest.mark.parametrize("engine,backend", [("fused", "torch"), ("flash", "flash")], ids=["fused-torch", "flash-flash"])
 def test_tp_matches_tp1_step_by_step(runs, opts, engine, backend):
     gate_tp_vs_tp1(runs, opts, engine, backend, opts.tp if opts.tp > 1 else 2)
 
 
 @pytest.mark.slow
+@pytest.mark.tp_ranks(4)
 def test_tp4_with_replicated_kv_heads_matches_tp1(runs, opts):
     """More ranks than the small model's two key/value heads: each is replicated on two ranks."""
     if runs.loaded[0].shape.num_kv_heads >= 4:

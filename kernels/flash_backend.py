@@ -30,14 +30,11 @@ SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
 # flash-attn's split-KV decode divides the block table's WIDTH (not each row's length) into num_splits parts, and its
 # own heuristic (num_splits=0) picks the count from the row count alone. So a wide table (a captured decode step's
 # is as wide as the longest request the engine admits: 128 pages on the 1.5B shape) leaves a long row in a few
-# splits of many blocks each while most SMs idle. Measured inside a CUDA graph on the H200 (scripts/flash_splits.py;
-# 32 rows of the mixed draw, longest 4,097): width 128 took 118 us per layer with the heuristic, 45 us with 32
-# splits; a table cut to the longest row (17 pages) took 38 us with the heuristic and 24 us with 16 splits.
+# splits of many blocks each while most SMs idle (bench/flash_splits.py probes it; docs/RESULTS.md has the figures).
 # Hence: tables are cut to the pages the rows' lengths reach (prepare), and the split count gives each split about
 # BLOCKS_PER_SPLIT of flash-attn's key blocks of the table's width, at most MAX_SPLITS (0 in the variable:
-# flash-attn's heuristic). Both from the same probe: 3 blocks a split was fastest at widths 17 and 32 (22 and 27 us);
-# at widths 64 and 128, 32 splits beat 43 and 86 (33 against 36 us, 45 against 61 us): past that, the empty splits'
-# launches and the combine cost more than they save.
+# flash-attn's heuristic). Both from the same probe: 3 blocks a split was fastest at narrow tables; at wide ones
+# more than 32 splits lost: past that, the empty splits' launches and the combine cost more than they save.
 BLOCKS_PER_SPLIT = 3
 MAX_SPLITS = 32
 

@@ -11,19 +11,19 @@
 #   gates_graphs the graph gates (captured vs eager, stale table, graphs on vs off) on the small model
 #   gates_share  the prefill-share gates on the GPU
 #   planted_gpu captured decode graphs vs eager, padding, and the planted stale block table (tests/test_graph_buffers.py)
-#   profile     scripts/profile_decode.py on the 1.5B shape: where a pure decode step's time goes, graphs on/off
+#   profile     bench/profile_decode.py on the 1.5B shape: where a pure decode step's time goes, graphs on/off
 #   steps_15b   step-timing benchmarks + ratio gates on the GPU (small and 1.5B), baseline saved per machine
 #   slowdown    the same with a planted slowdown, compared against that baseline, and the alert report
-#   bench_200   engine.bench flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
-#   splits      scripts/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits (SPLITS_AUTO=1: use the best)
-#   closed_200  engine.bench flash: closed mixed 32 and 200 (128 new tokens) at chunk $CHUNK, no peer
-#   peer_200    engine.bench flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
+#   bench_200   bench.serving flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
+#   splits      bench/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits (SPLITS_AUTO=1: use the best)
+#   closed_200  bench.serving flash: closed mixed 32 and 200 (128 new tokens) at chunk $CHUNK, no peer
+#   peer_200    bench.serving flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
 #   open_eager  chunked and fused (EAGER_ENGINES), one part each: closed 8/32/64 and an open sweep (EAGER_RATES, EAGER_ARRIVALS)
 #   open_flash  flash: closed 8/32/64 + uniform 256, the open sweep (RATES, ARRIVALS) and the capped-pool control, at chunk $CHUNK
 #   bench_eager the same closed runs with graphs off
 #   peer32      closed mixed 32 (128 new tokens) per engine (PEER_ENGINES), the peer beside each, at chunk $CHUNK
 #   uniform_eager  chunked and fused: the closed uniform 256 control, no warm-up, one run (eager steps are slow here)
-#   chunks      scripts/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
+#   chunks      bench/chunk_sweep.py: open-loop capacity and token gaps per chunk budget 512..4096 (1.5B, flash)
 #   disturb     the disturbance benchmark (1.5B, flash) at chunk budgets 512 and 4096, DISTURB_RUNS times
 #   regen_15b / gates_15b   1.5B-shape goldens and token gates
 set -u
@@ -86,7 +86,7 @@ for p in ${PARTS:-train}; do
     gates_share) need_flash; part gates_share 200 python3 -m pytest gates/test_prefill_share.py --model ${SMALL:-small-trained} \
              "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_share.json ;;
     planted_gpu) need_flash; part planted_gpu 200 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
-    profile) need_flash; part profile 120 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 50 \
+    profile) need_flash; part profile 120 python3 -m bench.profile_decode --model $M15 --device cuda --steps 50 \
              --out results/profile ;;
     steps_15b) need_flash; part steps_15b 200 env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} python3 -m pytest \
              gates/test_step_timings.py "${GATE_OPTS[@]}" -k "${STEPS_K:-pure-decode or graphed or cheaper}" \
@@ -97,44 +97,44 @@ for p in ${PARTS:-train}; do
              --benchmark-compare-fail=median:10% --benchmark-columns=median,rounds; echo pytest rc=\$?; \
              python3 -m gates.alert --baseline \$(ls golden/benchmarks/h200/*/*.json | tail -1) --current results/planted.json \
              --markdown results/alert-planted.md; echo alert rc=\$?" ;;
-    bench_200) need_flash; part bench_200 260 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+    bench_200) need_flash; part bench_200 260 python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --out results/graphs --no-progress --closed --peer --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK \
              --warmups ${WARM:-1} --reps ${REPS:-3} --peer-warmups ${PEER_WARM:-1} --peer-reps 1 ;;
-    splits) need_flash; part splits 90 python3 scripts/flash_splits.py --out results/flash_splits.json
+    splits) need_flash; part splits 90 python3 -m bench.flash_splits --out results/flash_splits.json
              # SPLITS_AUTO=1: the later parts of this call run flash decode at the fastest split count found here
              if [ "${SPLITS_AUTO:-0}" = 1 ] && [ -f results/flash_splits.json ]; then
                export STEPGATE_FLASH_SPLITS=$(python3 -c "import json; print(json.load(open('results/flash_splits.json'))['best']['num_splits'])")
                SUMMARY+=("STEPGATE_FLASH_SPLITS=$STEPGATE_FLASH_SPLITS from here on"); fi ;;
-    closed_200) need_flash; part closed_200 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+    closed_200) need_flash; part closed_200 120 python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --out results/closed200-c$CHUNK --no-progress --closed --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} ;;
-    peer_200) need_flash; part peer_200 300 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+    peer_200) need_flash; part peer_200 300 python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --out results/peer200 --no-progress --closed --peer --batches 200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} --peer-warmups 1 --peer-warmup-requests 8 --peer-reps 1 ;;
     open_eager) for e in ${EAGER_ENGINES:-chunked fused}; do
-             part open_$e ${EAGER_S:-240} python3 -m engine.bench --model $M15 --device cuda --engine $e \
+             part open_$e ${EAGER_S:-240} python3 -m bench.serving --model $M15 --device cuda --engine $e \
              --out results/open-eager --append --no-progress --closed --open --no-capped --batches ${EAGER_BATCHES:-8,32,64} \
              --uniform '' --new-tokens 128 --chunk-tokens $CHUNK --warmups 1 --reps 1 \
              --arrivals ${EAGER_ARRIVALS:-100} --rates ${EAGER_RATES:-2,4,8}; done ;;
-    open_flash) need_flash; part open_flash ${OPEN_S:-480} python3 -m engine.bench --model $M15 --device cuda --engine flash \
+    open_flash) need_flash; part open_flash ${OPEN_S:-480} python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --out results/open-flash-c$CHUNK --no-progress --closed --open --batches 8,32,64 --uniform 256 --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps 2 --arrivals ${ARRIVALS:-200} ${RATES:+--rates $RATES} --max-rates 5 ;;
     peer32) for e in ${PEER_ENGINES:-flash fused chunked}; do
-             part peer32_$e ${PEER32_S:-150} python3 -m engine.bench --model $M15 --device cuda --engine $e \
+             part peer32_$e ${PEER32_S:-150} python3 -m bench.serving --model $M15 --device cuda --engine $e \
              --out results/peer32-c$CHUNK --append --no-progress --closed --peer --batches 32 --uniform '' --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps 2 --peer-warmups 1 --peer-warmup-requests 8 --peer-reps 1; done ;;
     uniform_eager) for e in ${EAGER_ENGINES:-chunked fused}; do
-             part uniform_$e ${UNIFORM_S:-120} python3 -m engine.bench --model $M15 --device cuda --engine $e \
+             part uniform_$e ${UNIFORM_S:-120} python3 -m bench.serving --model $M15 --device cuda --engine $e \
              --out results/uniform-eager --append --no-progress --closed --batches '' --uniform 256 --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 0 --reps 1; done ;;
-    bench_eager) need_flash; part bench_eager 120 python3 -m engine.bench --model $M15 --device cuda --engine flash \
+    bench_eager) need_flash; part bench_eager 120 python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --cuda-graphs off --out results/eager --no-progress --closed --batches 32,200 --uniform "" \
              --new-tokens 128 --warmups 1 --reps 3 ;;
-    chunks) need_flash; part chunks 240 python3 scripts/chunk_sweep.py --model $M15 --device cuda --engine flash \
+    chunks) need_flash; part chunks 240 python3 -m bench.chunk_sweep --model $M15 --device cuda --engine flash \
              --chunks ${CHUNKS:-512,1024,2048,4096} --arrivals ${ARRIVALS:-200} --rate 200 --new-tokens 128 --out results/chunk-sweep${CHUNKS:+-${CHUNKS//,/-}} ;;
     disturb) need_flash; for i in $(seq 1 ${DISTURB_RUNS:-1}); do
-             part disturb_$i 200 python3 -m engine.disturbance --model $M15 --device cuda --engine flash \
+             part disturb_$i 200 python3 -m bench.disturbance --model $M15 --device cuda --engine flash \
              --chunk-tokens 512,4096 --out results/disturbance-$i; done ;;
     regen_15b) need_flash; part regen_15b 150 python3 -m gates.golden regen --model $M15 --workload mixed-gate \
              --device cuda --dtype float16 --reference hf --reference fused --reference flash ;;

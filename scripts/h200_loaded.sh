@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 18 on one H200, one device call (under 8 minutes): captured loaded and chunk-only steps, their gates, and
-# the "Must show" figures with nano-vllm beside them; the results table (scripts/loaded_table.py) is printed last.
+# the "Must show" figures with nano-vllm beside them; the results table (bench/loaded_table.py) is printed last.
 #   needs: STEPGATE_FLASH_ATTN_PATH (flash-attn's src:ext folders); nano-vllm's archive, xxhash wheel and
 #          run_peer.py in .device/nano-vllm/ (else shared/peers/nano-vllm/ or ../shared/peers/nano-vllm/)
 #   back under $OUT (3 files): table.md (the table and each part's exit status), table.json, results.tgz (every
@@ -9,17 +9,17 @@
 # Phase 1, untimed, side by side on the GPU (nothing in it is a timing):
 #   planted    tests/test_step_graphs.py on the GPU (small-trained, fp16): captured vs eager, stale cu_q / table /
 #              kv_lens caught, a poisoned over-read caught
-#   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: graphs on vs off (decode + loaded + chunk-only)
+#   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: captured vs uncaptured (decode + loaded + chunk-only)
 #   nanoprep   nano-vllm on one request: writes its random-weight model files and fills the compile cache, so
 #              that its timed runs below start warm
 # Phase 2, timed, one part at a time (each under `timeout`, SIGINT first so pytest and the benches write what they
 # have, with its own limit cut to what is left before the deadline; a failing part does not stop the next):
-#   c512       engine.bench flash, closed mixed 200, 128 new tokens, 32 rows, chunk 512, graphs on (the default)
+#   c512       bench.serving flash, closed mixed 200, 128 new tokens, 32 rows, chunk 512, graphs on (the default)
 #   nano32     nano-vllm, 32 sequences, 200 requests, 128 new tokens (cold pass, then warm)
 #   c8192      the same as c512 at chunk 8192
 #   r512       the same at 512 rows and chunk 16384 (nano-vllm's batched-token budget)
 #   nano512    nano-vllm, 512 sequences
-#   profile    scripts/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
+#   profile    bench/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
 #   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
 #   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
 set -u
@@ -42,7 +42,7 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status goes to status.txt (p
 }
 bench() {  # bench NAME MAX_SECONDS ARGS...: closed mixed 200, 128 new tokens, flash, results in $RES/NAME
   local name=$1 max=$2; shift 2
-  part "$name" "$max" python3 -m engine.bench --model $M15 --device cuda --engine flash --out "$RES/$name" \
+  part "$name" "$max" python3 -m bench.serving --model $M15 --device cuda --engine flash --out "$RES/$name" \
     --no-progress --closed --batches 200 --uniform "" --new-tokens 128 "$@"
 }
 nano() {   # nano NAME MAX_SECONDS SEQS REQUESTS NEW_TOKENS
@@ -75,13 +75,13 @@ nano nano32 80 32 200 128
 bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
 bench r512 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
 nano nano512 80 512 200 128
-part profile 50 python3 scripts/profile_decode.py --model $M15 --device cuda --steps 30 --out "$RES/profile"
+part profile 50 python3 -m bench.profile_decode --model $M15 --device cuda --steps 30 --out "$RES/profile"
 part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
   --benchmark-json "$RES/steps.json" --benchmark-columns=median,iqr,rounds
 bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
 
-python3 scripts/loaded_table.py "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
+python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
   for f in planted gates15b steps; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -E '[0-9]+ (passed|failed)' "$RES/logs/$f.log" | tail -1)"; done

@@ -6,7 +6,7 @@
 # Parts, in this order, each under `timeout` and the deadline:
 #   nv32, nv512  nano-vllm: 200 mixed prompts, 128 new tokens, twice on one engine at 32 / 512 sequences; its pass 2
 #                hits its prefix cache (the "warm pass")
-#   ours32       engine.bench flash, 32 rows, cache on and off: closed mixed 200 served twice on one engine (pass 2
+#   ours32       bench.serving flash, 32 rows, cache on and off: closed mixed 200 served twice on one engine (pass 2
 #                timed, as the peer's warm pass), and the shared-prefix workload (200: one 1024-token system prompt,
 #                repeats, next turns; pass 1 is its cold run: first token and throughput)
 #   ours512      the mixed 200 twice at 512 rows, cache on and off (max model len 8192, the peer's)
@@ -43,7 +43,7 @@ export FLASH_ATTN_PATH=${FLASH_ATTN_PATH:-${STEPGATE_FLASH_ATTN_PATH:-}}
 
 part nv32 100 python3 $NV/run_peer.py --max-num-seqs 32 --requests 200 --new-tokens 128
 part nv512 80 python3 $NV/run_peer.py --max-num-seqs 512 --requests 200 --new-tokens 128
-BENCH=(python3 -m engine.bench --model $M15 --device cuda --engine flash --no-progress --closed --uniform ""
+BENCH=(python3 -m bench.serving --model $M15 --device cuda --engine flash --no-progress --closed --uniform ""
        --new-tokens 128 --chunk-tokens $CHUNK --prefix-cache on,off --passes 2 --warmups 0 --reps 1)
 part ours32 150 "${BENCH[@]}" --out results/prefix32 --max-batch 32 --batches 200 --shared 200
 part ours512 110 "${BENCH[@]}" --out results/prefix512 --max-batch 512 --max-model-len 8192 --batches 200

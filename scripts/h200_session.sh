@@ -12,6 +12,7 @@
 #   loaded        scripts/h200_loaded.sh (captured loaded steps, the serving bench, nano-vllm beside it)
 #   prefix        scripts/h200_prefix.sh (prefix cache on/off, repeated mixed 200, shared prefixes)
 #   tp            scripts/h200_tp.sh (both GPUs: tp 2 gates, tp 1 vs tp 2 decode step and closed 200)
+#   py:FILE       python3 FILE (an investigation script carried in an ignored folder, e.g. .device/)
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
   NVSHMEM_DISABLE_NVLS=1
@@ -25,7 +26,7 @@ run_list() {   # run_list GPU PARTS...: each part under what is left of the dead
   local dir=/tmp/gpu$gpu n=0; mkdir -p "$dir"
   for p in "$@"; do
     n=$((n + 1))
-    local left=$(( DEADLINE - $(date +%s) - 25 )) t0=$(date +%s) log="$dir/$n-$p.log"
+    local left=$(( DEADLINE - $(date +%s) - 25 )) t0=$(date +%s) log="$dir/$n-${p##*/}.log"
     if (( left < 30 )); then echo "gpu$gpu $p: not run (deadline)" >> "$dir/status.txt"; continue; fi
     case $p in
       smoke_golden) cmd=(python3 -m gates.golden regen --model small-trained --workload smoke-cpu --reference hf
@@ -37,6 +38,7 @@ run_list() {   # run_list GPU PARTS...: each part under what is left of the dead
       loaded) cmd=(env OUT="$dir/loaded" BUDGET_S=$(( left - 10 )) bash scripts/h200_loaded.sh) ;;
       prefix) cmd=(env OUT="$dir/prefix" BUDGET_S=$(( left - 10 )) bash scripts/h200_prefix.sh) ;;
       tp) cmd=(env OUT="$dir/tp" BUDGET_S=$(( left - 10 )) bash scripts/h200_tp.sh) ;;
+      py:*) cmd=(python3 "${p#py:}") ;;
       *) echo "gpu$gpu $p: unknown part" >> "$dir/status.txt"; continue ;;
     esac
     if [ "$p" = tp ]; then

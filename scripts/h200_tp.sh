@@ -4,7 +4,7 @@
 #            flash), every token gate of the fused and flash candidates against the tp 1 goldens, graphs on vs off;
 #            every rank's pages checked after each run, the ranks' agreement checked at every step
 #   bench    the pure decode step and a closed 200-request run at tp 1 vs tp 2 on the 1.5B shape with CUDA graphs,
-#            in one process (scripts/tp_bench.py)
+#            in one process (bench/tp_bench.py)
 #   planted  the worker checks over NCCL: a worker that dies, raises or hangs mid-step, and one that chooses other
 #            tokens (tests/test_planted_tp.py -m gpu). Last: a hung NCCL kernel is the one thing that can stick.
 # Needs STEPGATE_FLASH_ATTN_PATH (flash-attn's built directories; set by the caller). Logs and figures in $OUT
@@ -37,7 +37,7 @@ for p in ${PARTS:-gates bench planted}; do
   case $p in
     gates) part gates 210 gates.log python3 -m pytest $GATES --model small-trained --engine fused,flash \
              --backend torch,flash "${GATE_OPTS[@]}" --gate-summary "$OUT/gate_summary.json" ;;
-    bench) part bench 170 bench.log python3 scripts/tp_bench.py --model qwen2.5-1.5b-random --device cuda \
+    bench) part bench 170 bench.log python3 -m bench.tp_bench --model qwen2.5-1.5b-random --device cuda \
              --engine flash --tp 1,2 --rows 32 --steps 200 --rounds 3 --closed 200 --new-tokens 128 \
              --out "$OUT/tp_bench.json" ;;
     planted) part planted 70 planted.log python3 -m pytest tests/test_planted_tp.py -m gpu -q -p no:cacheprovider -rs ;;

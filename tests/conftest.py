@@ -42,6 +42,23 @@ def graph_mode(request, monkeypatch) -> dict:
     return dict(engine="fused", device="cpu", dtype="float32", model="small")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """The small model's forwards are tiny: on a shared 2-core machine torch's second intra-op thread makes each step
+    up to ~100x slower (spinning against other processes). One thread for the module, restored afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    """The small model, loaded once per module: (model, hf config, name)."""
+    from engine.loader import load_model
+    return load_model(None, torch.float32, "cpu")
+
+
 @pytest.fixture
 def gate_folder(pytester):
     """make(conftest, **gate_files): a synthetic gate folder for pytester runs (an empty golden/, gates/ holding the

@@ -1,4 +1,4 @@
-"""The disturbance benchmark's token check (engine/disturbance.py): identical runs pass, a difference at a near
+"""The disturbance benchmark's token check (bench/disturbance.py): identical runs pass, a difference at a near
 tie is reported as a tie flip, and a planted difference that is not a near tie fails with where it is. Plus one
 short end-to-end run of the CLI on the small model."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import csv
 import pytest
 import torch
 
-from engine import disturbance
+from bench import disturbance
 from engine.config import lineage_config
 from engine.engine import Engine
 from engine.loader import load_model

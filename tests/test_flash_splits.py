@@ -2,7 +2,7 @@
 
 flash-attn's split-KV decode divides the block table's width among its splits, so the backend cuts a decode table to
 the pages the rows' lengths reach and sizes the split count from that width (kernels/flash_backend.py; H200 figures
-in docs/h200-2026-11-29-s3.md). Both are host-side and checked here on a CPU; the kernel itself is gated on a GPU."""
+in docs/RESULTS.md). Both are host-side and checked here on a CPU; the kernel itself is gated on a GPU."""
 from __future__ import annotations
 
 import pytest

@@ -16,6 +16,7 @@ from gates import options
 from gates.golden import GOLDEN_DIR, golden_path
 from gates.options import GateOptions, read_options
 from gates.snapshot import differences, snapshot
+from tests import plants
 
 REPO = Path(__file__).resolve().parent.parent
 INNER_CONFTEST = 'pytest_plugins = ["gates.options", "gates.snapshot"]\n'
@@ -148,14 +149,7 @@ def test_a_config_that_is_not_qwen2_is_a_usage_error(gate_dir, tmp_path):
 @pytest.fixture
 def cuda_without_flash(monkeypatch):
     """A GPU machine (as the options see it) whose flash-attn does not import."""
-    real = kernels.why_unavailable
-
-    def why(name, device, page_size=None):
-        if name == "flash":
-            return "flash-attn does not import: No module named 'flash_attn' (simulated)"
-        return None if str(device).startswith("cuda") else real(name, device, page_size)
-    monkeypatch.setattr(options, "cuda_devices", lambda: 1)
-    monkeypatch.setattr(kernels, "why_unavailable", why)
+    plants.cuda_without_flash(monkeypatch)
 
 
 def test_on_cuda_a_backend_that_cannot_run_fails_the_run_with_the_reason(gate_dir, cuda_without_flash):
@@ -313,10 +307,27 @@ def test_the_real_gates_collect_in_that_order_and_deselect_what_is_not_selected(
     assert r.ret == 0, r.stdout.str()[-2000:]
     ids = [line for line in r.stdout.lines if "::" in line]
     files = list(dict.fromkeys(i.split("::")[0] for i in ids))
-    assert files == ["gates/test_kernels.py", "gates/test_admission.py", "gates/test_tokens.py",
+    assert files == ["gates/test_smoke.py", "gates/test_kernels.py", "gates/test_admission.py", "gates/test_tokens.py",
                      "gates/test_page_safety.py", "gates/test_prefix_cache.py",
                      "gates/test_graphs.py", "gates/test_prefill_share.py",
                      "gates/test_step_timings.py"], files
     tokens = [i for i in ids if i.startswith("gates/test_tokens.py")]
     assert tokens and all("chunked-torch" in i for i in tokens), "only the selected candidate is collected"
     assert "deselected" in r.stdout.lines[-1]
+
+
+def test_tp_gates_need_their_ranks_in_gpus():
+    """On CUDA a tensor-parallel gate with more ranks than GPUs is deselected (the machine, not a broken install);
+    every other gate needs one GPU."""
+    from types import SimpleNamespace
+
+    from gates.conftest import gpus_needed
+
+    def item(*args):
+        mark = None if args == ("none",) else SimpleNamespace(args=args)
+        return SimpleNamespace(get_closest_marker=lambda name: mark if name == "tp_ranks" else None)
+
+    assert gpus_needed(item("none"), SimpleNamespace(tp=1)) == 1
+    assert gpus_needed(item(None), SimpleNamespace(tp=1)) == 2
+    assert gpus_needed(item(None), SimpleNamespace(tp=4)) == 4
+    assert gpus_needed(item(4), SimpleNamespace(tp=1)) == 4

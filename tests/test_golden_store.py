@@ -93,6 +93,17 @@ def test_an_unwritable_golden_folder_fails_before_generating(tiny, tmp_path, mon
     assert rc == 2 and "cannot write goldens to" in capsys.readouterr().err
 
 
+def test_a_regen_without_workloads_also_writes_the_smoke_gates_hf_golden(tmp_path, monkeypatch):
+    done = []
+    monkeypatch.setattr(golden_mod, "regenerate", lambda model, wl, ref, *a, **k: done.append((wl, ref)))
+    assert golden_mod.main(["regen", "--reference", "hf", "--reference", "fused", "--golden-dir", str(tmp_path)]) == 0
+    assert done == [("mixed-cpu", "hf"), ("mixed-cpu", "fused"), ("uniform-cpu", "hf"), ("uniform-cpu", "fused"),
+                    ("smoke-cpu", "hf")]
+    done.clear()
+    assert golden_mod.main(["regen", "--reference", "fused", "--golden-dir", str(tmp_path)]) == 0
+    assert ("smoke-cpu", "fused") not in done and done
+
+
 def two_positions(token: int) -> GenRecord:
     return GenRecord("r", [1, 2], [token, 4], [[token, 9], [4, 9]], [[2.0, 1.0], [2.0, 1.0]], [0, 1])
 

@@ -1,7 +1,8 @@
 """Planted bugs: the admission gate (gates/test_admission.py) must FAIL on each, naming the violated invariant.
 
-Each bug is planted by subclassing PagePool or Scheduler (engine files stay untouched); the very state machine of the
-gate runs against the bugged classes, with enough derandomized examples that hypothesis finds every bug every time.
+Each bug is planted by subclassing PagePool or Scheduler (tests/plants.py; engine files stay untouched); the very
+state machine of the gate runs against the bugged classes, with enough derandomized examples that hypothesis finds
+every bug every time.
 """
 from __future__ import annotations
 
@@ -10,62 +11,15 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from engine.pool import PagePool
-from engine.request import State
 from engine.scheduler import Scheduler
 from gates.test_admission import PAGE_SIZES, make_machine
+from tests.plants import EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler
 
 # Generation only: hypothesis stops at the first failing example and reports its message. (Shrinking is left to the
 # gate itself; here it would only cost time.) Derandomized, so the search is the same on every run; each bug is found
 # in well under max_examples (measured with random seeds: at most ~140 examples, typically under 60).
 FIND = settings(max_examples=500, stateful_step_count=30, derandomize=True, database=None, deadline=None,
                 report_multiple_bugs=False, suppress_health_check=list(HealthCheck), phases=[Phase.generate])
-
-
-# -- the planted bugs ----------------------------------------------------------------------------------------------
-class FlooringPool(PagePool):
-    """(1) A reservation rounded down instead of up."""
-
-    def pages_needed(self, slots: int) -> int:
-        return slots // self.page_size
-
-
-class QueueJumpingScheduler(Scheduler):
-    """(2) Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
-
-    def admit(self):
-        admitted = []
-        for r in list(self.waiting):
-            if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed):
-                self.waiting.remove(r)
-                self.pool.reserve(r.request_id, r.slots_needed)
-                r.state = State.PREFILL
-                r.admit_step = self.step_index
-                self.running.append(r)
-                admitted.append(r)
-        return admitted
-
-
-class EagerFreePool(PagePool):
-    """(3) Pages freed during the step instead of at its end: release() puts them straight back on the free list."""
-
-    def release(self, owner: str) -> None:
-        self.free.extend(self.owned.pop(owner))
-
-
-class OverfullScheduler(Scheduler):
-    """(4) Admission beyond max_batch: the row check is off by one."""
-
-    def admit(self):
-        admitted = []
-        while self.waiting and len(self.running) <= self.max_batch \
-                and self.pool.can_reserve(self.waiting[0].slots_needed):
-            r = self.waiting.popleft()
-            self.pool.reserve(r.request_id, r.slots_needed)
-            r.state = State.PREFILL
-            r.admit_step = self.step_index
-            self.running.append(r)
-            admitted.append(r)
-        return admitted
 
 
 # A floored pages_needed breaks two checks at once: a request up to a page larger than the pool passes the never-fits

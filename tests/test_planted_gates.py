@@ -10,7 +10,6 @@ import re
 import shutil
 
 import pytest
-import torch
 
 from engine import Engine, EngineConfig, PoisonedLogitsError
 from engine.runner import ModelRunner
@@ -21,6 +20,7 @@ from gates.golden import GoldenError, golden_path, read_golden
 from gates.reference import EngineReference, HFReference
 from gates.triage import ALWAYS, failure_message
 from kernels.torch_backend import TorchBackend
+from tests import plants
 
 SUBSET = MIXED_CPU.scaled(12)     # the first 12 requests of the golden workload
 
@@ -89,70 +89,23 @@ def test_unplanted_subset_passes(golden, hf):
 
 
 def test_decode_row_with_wrong_rotary_position_is_caught(golden, hf, monkeypatch):
-    build = ModelRunner.build
-
-    def bugged(self, chunks, decodes, pages_of, all_logits=False):
-        tokens, positions, ctx, rows = build(self, chunks, decodes, pages_of, all_logits)
-        positions[ctx.num_prefill:] += 1          # decode rows rotated as if one position later
-        return tokens, positions, ctx, rows
-
-    monkeypatch.setattr(ModelRunner, "build", bugged)
+    plants.rotary(monkeypatch)
     assert_caught_in_decode_rows(golden, hf)
 
 
 def test_cache_length_off_by_one_is_caught(golden, hf, monkeypatch):
-    build = ModelRunner.build
-
-    def bugged(self, chunks, decodes, pages_of, all_logits=False):
-        tokens, positions, ctx, rows = build(self, chunks, decodes, pages_of, all_logits)
-        if ctx.decode is not None:                # decode attends to one slot fewer than its history
-            ctx.decode.kv_lens = [n - 1 for n in ctx.decode.kv_lens]
-            ctx.decode.kv_lens_t -= 1
-            self.backend.prepare(ctx.decode, "decode")
-        return tokens, positions, ctx, rows
-
-    monkeypatch.setattr(ModelRunner, "build", bugged)
+    plants.cache_len(monkeypatch)
     # batch-free, prompt-chunk-free: it reads as a decode row's numbers gone wrong, as a rotary bug does
     assert_caught_in_decode_rows(golden, hf)
 
 
 def test_decode_rows_choosing_their_runner_up_are_caught(golden, hf, monkeypatch):
-    run = ModelRunner.run
-
-    def bugged(self, plan, pages_of, forward_mode, use_graphs=True):
-        first = sum(c.completes_prompt for c in plan.chunks)     # decode rows come after completing chunks
-        sample = self.sample
-
-        def runner_up(logits):
-            logits = logits.clone()
-            rows = torch.arange(first, logits.shape[0])
-            second = logits[first:].topk(2).indices[:, 1]
-            logits[rows, second] = logits[first:].max(-1).values + 0.5
-            return sample(logits)
-
-        self.sample = runner_up
-        try:
-            return run(self, plan, pages_of, forward_mode, use_graphs)
-        finally:
-            del self.sample
-
-    monkeypatch.setattr(ModelRunner, "run", bugged)
+    plants.token_choice(monkeypatch)
     assert "not a near tie under 0.02" in assert_caught_in_decode_rows(golden, hf)
 
 
 def test_prompt_chunks_after_the_first_at_shifted_positions_are_caught(golden, hf, monkeypatch):
-    build = ModelRunner.build
-
-    def bugged(self, chunks, decodes, pages_of, all_logits=False):
-        tokens, positions, ctx, rows = build(self, chunks, decodes, pages_of, all_logits)
-        i = 0
-        for c in chunks:
-            if c.start > 0:                       # every prompt chunk but a prompt's first, one position late
-                positions[i:i + c.length] += 1
-            i += c.length
-        return tokens, positions, ctx, rows
-
-    monkeypatch.setattr(ModelRunner, "build", bugged)
+    plants.chunk_position(monkeypatch)
     report, message = run_gate(golden, hf, SUBSET.requests(), chunk_tokens=SUBSET.chunk_tokens)
     assert_caught(report)
     msg = assert_triaged(message, "only when its prompt is chunked", "from its last prompt chunk")
@@ -162,17 +115,10 @@ def test_prompt_chunks_after_the_first_at_shifted_positions_are_caught(golden, h
 def test_decode_rows_reading_the_previous_rows_block_table_are_caught_only_batched(hf, monkeypatch):
     """Row i reads row i-1's history (of at least its own length: prompts in decreasing length, so no poisoned
     slot is read and only the numbers change)."""
-    attn = ModelRunner._attn_batch
-
-    def bugged(self, q_lens, kv_lens, tables):
-        if len(q_lens) >= 2 and all(n == 1 for n in q_lens):
-            tables = tables[:1] + tables[:-1]
-        return attn(self, q_lens, kv_lens, tables)
-
     specs = [RequestSpec(f"batched-{i}", [(37 * i + 11 * k) % 3000 + 3 for k in range(n)], 10)
              for i, n in enumerate((40, 32, 24, 16))]
     golden = hf.generate(specs)
-    monkeypatch.setattr(ModelRunner, "_attn_batch", bugged)
+    plants.stale_read(monkeypatch)
     report, message = run_gate(golden, hf, specs, chunk_tokens=128)
     assert_caught(report)
     assert report.failures[0].request_id != "batched-0", "row 0 reads its own table: it must pass"
@@ -183,23 +129,7 @@ def test_decode_rows_reading_the_previous_rows_block_table_are_caught_only_batch
 
 
 def test_decode_kernel_reading_one_slot_past_the_length_is_caught_by_poison(monkeypatch):
-    from kernels import torch_backend
-
-    gather = torch_backend.gather_slots
-
-    def one_past(block_tables, kv_lens, max_kv, page_size):
-        return gather(block_tables, kv_lens + 1, max_kv + 1, page_size)
-
-    monkeypatch.setattr(torch_backend, "gather_slots", one_past)
-    orig = TorchBackend.prepare
-
-    def prepare(self, batch, kind):
-        orig(self, batch, kind)
-        slots, mask, s, i = batch.prepared[kind]
-        # the mask still hides the extra slot: poisoning must catch the read itself (0 * NaN = NaN)
-        batch.prepared[kind] = (slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
-
-    monkeypatch.setattr(TorchBackend, "prepare", prepare)
+    plants.read_past_length(monkeypatch)      # the mask still hides the extra slot: poison must catch the read
     reads = ModelRunner.poisoned_reads
     monkeypatch.setattr(ModelRunner, "poisoned_reads", lambda self, *a: reads(self, *a, max_reads=3))
     with pytest.raises(PoisonedLogitsError) as e:
@@ -261,15 +191,7 @@ def test_a_bug_only_in_replayed_decode_graphs_is_caught_only_with_graphs(hf, mon
 def test_decode_row_reading_a_finished_requests_block_table_names_the_slot_and_its_last_owner(monkeypatch):
     """Decode rows keep the block table of the first request they served (a stale row cache): once A finishes and B
     moves up to A's row, B reads A's freed, poisoned page. The error blames the read, not B's own pages."""
-    attn = ModelRunner._attn_batch
-    stale = {}
-
-    def bugged(self, q_lens, kv_lens, tables):
-        if all(n == 1 for n in q_lens):
-            tables = [stale.setdefault(i, t) for i, t in enumerate(tables)]
-        return attn(self, q_lens, kv_lens, tables)
-
-    monkeypatch.setattr(ModelRunner, "_attn_batch", bugged)
+    plants.stale_row_cache(monkeypatch)
     e = Engine(EngineConfig(poison=True, chunk_tokens=128, num_pages=8))
     with pytest.raises(PoisonedLogitsError) as err:
         e.run([RequestSpec("A", list(range(3, 23)), 4), RequestSpec("B", list(range(30, 40)), 10)])
@@ -283,14 +205,7 @@ def test_decode_row_reading_a_finished_requests_block_table_names_the_slot_and_i
 
 def test_poisoned_read_of_a_never_written_slot_names_its_owner_and_cached_length(monkeypatch):
     """A decode row that reads one slot past its length reads its own never-written slot."""
-    orig = ModelRunner._attn_batch
-
-    def one_past(self, q_lens, kv_lens, tables):
-        if all(n == 1 for n in q_lens):
-            kv_lens = [n + 1 for n in kv_lens]
-        return orig(self, q_lens, kv_lens, tables)
-
-    monkeypatch.setattr(ModelRunner, "_attn_batch", one_past)
+    plants.decode_one_past(monkeypatch)
     e = Engine(EngineConfig(poison=True, chunk_tokens=128, num_pages=8))
     with pytest.raises(PoisonedLogitsError) as err:
         e.run([RequestSpec("A", list(range(3, 23)), 4)])

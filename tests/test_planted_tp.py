@@ -192,7 +192,7 @@ def test_engine_closes_and_its_workers_stop(loaded):
 
 
 def test_bad_tp_is_a_clear_error(loaded):
-    with pytest.raises(ValueError, match="tp must be an integer >= 1"):
+    with pytest.raises(ValueError, match="tp=0: must be an integer >= 1"):
         EngineConfig(tp=0)
     with pytest.raises(ValueError, match="4 attention heads do not split over 3 ranks"):
         Engine(EngineConfig(tp=3), loaded=loaded)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.errors import PoolInvariantError
 from engine.pool import PagePool
 from engine.prefix_cache import ROOT, Chain, PrefixCache
 from engine.request import Request, State
@@ -153,12 +154,12 @@ def test_check_names_page_hash_and_holders():
     step(sched)
     page = pool.owned["b"][0]
     pool.refs[page] += 1
-    with pytest.raises(AssertionError, match=rf"page {page} \(hash [0-9a-f]{{12}}\) has count 2 but is held by 1: "
+    with pytest.raises(PoolInvariantError, match=rf"page {page} \(hash [0-9a-f]{{12}}\) has count 2 but is held by 1: "
                                              rf"\['b'\]"):
         pool.check()
     pool.refs[page] -= 1
     pool.cache.park(page)
-    with pytest.raises(AssertionError, match=rf"page {page} \(hash [0-9a-f]{{12}}\) is evictable \(in the LRU\) "
+    with pytest.raises(PoolInvariantError, match=rf"page {page} \(hash [0-9a-f]{{12}}\) is evictable \(in the LRU\) "
                                              rf"while held by \['b'\]"):
         pool.check()
 

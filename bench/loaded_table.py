@@ -1,7 +1,7 @@
 """The results table of `scripts/h200_loaded.sh`: issue 18's "Must show" figures read from one call's files, each
 with its target, its status and the command that produced it. Missing files read "not run".
 
-    python scripts/loaded_table.py RESULTS_DIR [--json OUT.json]
+    python -m bench.loaded_table RESULTS_DIR [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-WORKLOAD = "mixed-new128-200"       # engine.bench's closed mixed 200 at 128 new tokens
+WORKLOAD = "mixed-new128-200"       # bench.serving's closed mixed 200 at 128 new tokens
 
 
 def load(path: Path):
@@ -21,7 +21,7 @@ def load(path: Path):
 
 
 def ours(res: Path, name: str) -> dict | None:
-    """Closed mixed 200 of one engine.bench run (results/<name>/flash/summary.json)."""
+    """Closed mixed 200 of one bench.serving run (results/<name>/flash/summary.json)."""
     s = load(res / name / "flash" / "summary.json")
     row = (s or {}).get("closed", {}).get(WORKLOAD)
     if not row or not row.get("time_to_last_median_s"):
@@ -97,7 +97,7 @@ def rows(res: Path) -> list[tuple]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.loaded_table", description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)

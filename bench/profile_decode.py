@@ -4,7 +4,7 @@ An engine serves the first 32 requests of the mixed draw until all 32 rows decod
 tokens advance) are timed with host timers around each part of `Engine.step` and CUDA events around the device
 work, and one more window runs under torch's profiler (top ops by device and host time to --out).
 
-    python scripts/profile_decode.py --model qwen2.5-1.5b-random --device cuda --steps 50 --out results/profile
+    python -m bench.profile_decode --model qwen2.5-1.5b-random --device cuda --steps 50 --out results/profile
 
 Parts: schedule (the scheduler's plan), pack (host lists to device tensors: the static buffer's fill for graphs,
 `build` eagerly), launch (graph replay or the eager forward's launches, until the host is free), wait+sample (the
@@ -21,17 +21,14 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engine import Engine, lineage_config  # noqa: E402
-from engine.engine import torch_dtype  # noqa: E402
-from engine.graphs import DecodeGraphs  # noqa: E402
-from engine.loader import load_model  # noqa: E402
-from engine.request import State  # noqa: E402
-from engine.runner import ModelRunner  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from engine.workload import MIXED, MIXED_CPU  # noqa: E402
+from engine import Engine, lineage_config
+from engine.dtypes import torch_dtype
+from engine.graphs import DecodeGraphs
+from engine.loader import load_model
+from engine.request import State
+from engine.runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.workload import MIXED, MIXED_CPU
 
 
 class Timers:
@@ -101,15 +98,15 @@ def profile(e: Engine, steps: int, out: Path, tag: str) -> None:
         p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--engine", default="flash")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default="results/profile")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_model(None if a.model == "small" else a.model, torch_dtype(a.dtype), a.device)

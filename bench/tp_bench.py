@@ -1,6 +1,6 @@
 """Tensor parallel against one GPU, measured in one process: the pure decode step and a closed run, per tp.
 
-    python scripts/tp_bench.py --model qwen2.5-1.5b-random --device cuda --engine flash --tp 1,2 \\
+    python -m bench.tp_bench --model qwen2.5-1.5b-random --device cuda --engine flash --tp 1,2 \\
         --out results/tp_bench.json
 
 One engine per tp, alive side by side (the workers load the model by name on their own GPUs, so every rank has the
@@ -19,12 +19,10 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import Engine  # noqa: E402
-from engine.config import lineage_config  # noqa: E402
-from engine.workload import MIXED, MIXED_CPU, RequestSpec  # noqa: E402
-from engine.loader import is_small  # noqa: E402
+from engine import Engine
+from engine.config import lineage_config
+from engine.loader import is_small
+from engine.workload import MIXED, MIXED_CPU, RequestSpec
 
 
 def renamed(specs: list[RequestSpec], tag: str, budget: int | None = None) -> list[RequestSpec]:
@@ -88,7 +86,7 @@ def build(a, dtype: str, tp: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.tp_bench", description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-1.5b-random")
     ap.add_argument("--device", default="cuda")

@@ -1,16 +1,14 @@
-#!/usr/bin/env python3
 """flash-attn's paged decode inside a CUDA graph: per-layer time by split count and block-table width.
 
-Why: torch's profiler put the 1.5B shape's flash decode at 84 us per layer call inside the captured decode step
-(32 rows of the mixed draw, mean history about 800, longest 4,097), against 52 us per call for the eager kernel
-benchmark on the same histories. The graph's block table is as wide as the longest request the engine admits (128
-pages of 256 slots), and flash-attn sizes its split-KV heuristic from that width and from the row count, never from
-the rows' true lengths: one long row then runs unsplit while most SMs idle.
+Why: inside a captured decode step flash decode ran slower per layer call than the eager kernel benchmark on the same
+histories (docs/RESULTS.md). The graph's block table is as wide as the longest request the engine admits (128 pages
+of 256 slots), and flash-attn sizes its split-KV heuristic from that width and from the row count, never from the
+rows' true lengths: one long row then runs unsplit while most SMs idle.
 
 This captures 28 layer calls (each layer its own cache, as in the model) for each (table width, num_splits) and
 times replays with CUDA events; it prints a table and the fastest split count, and writes --out (JSON).
 
-    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python scripts/flash_splits.py --out results/flash_splits.json
+    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m bench.flash_splits --out results/flash_splits.json
 """
 from __future__ import annotations
 
@@ -22,15 +20,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from engine.workload import MIXED  # noqa: E402
-from kernels.flash_backend import _import_flash, decode_splits_for  # noqa: E402
+from engine.workload import MIXED
+from kernels.flash_backend import _import_flash, decode_splits_for
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.flash_splits", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--splits", default="auto,0,8,16,32,64",
@@ -39,7 +34,7 @@ def main() -> int:
                     help="block-table widths: 'fit' (the longest row's pages) or a number")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     fa, reason = _import_flash()
     if fa is None:
         print(f"flash_splits: {reason}", file=sys.stderr)

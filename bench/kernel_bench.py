@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Per-layer decode attention time of every available decode kernel, beside its memory-bandwidth floor, and the
 rows-vs-packed comparison that motivates splitting attention in a fused step.
 
@@ -18,9 +17,9 @@ For each kernel:
 Times are medians after warm-up: triton.testing.do_bench on CUDA (L2 flushed between runs) or CUDA events if Triton
 is missing; time.perf_counter on CPU. The table comes last; --out writes the same rows as CSV.
 
-    python scripts/kernel_bench.py                           # CUDA, the setup above
-    python scripts/kernel_bench.py --device cpu --tiny       # a smoke run on CPU (tiny sizes, fp32)
-    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python scripts/kernel_bench.py --out results/kernels.csv
+    python -m bench.kernel_bench                             # CUDA, the setup above
+    python -m bench.kernel_bench --device cpu --tiny         # a smoke run on CPU (tiny sizes, fp32)
+    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m bench.kernel_bench --out results/kernels.csv
 """
 from __future__ import annotations
 
@@ -32,17 +31,11 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-import kernels  # noqa: E402
-from kernels import AttnBatch  # noqa: E402
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+import kernels
+from engine.dtypes import torch_dtype
+from kernels import AttnBatch
 
 
 def mixed_histories(n: int, seed: int) -> list[int]:
@@ -129,7 +122,7 @@ def copy_bandwidth(device: torch.device, measure, nbytes: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.kernel_bench", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float16 (CUDA default) / bfloat16 / float32 (CPU default)")
     ap.add_argument("--requests", type=int, default=32)
@@ -152,7 +145,7 @@ def main(argv=None) -> int:
     if args.tiny:
         args.requests, args.heads, args.kv_heads, args.head_dim = min(args.requests, 8), 4, 2, 64
         args.page_size = 64 if args.page_size == 256 and device.type == "cpu" else args.page_size
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    dtype = torch_dtype(args.dtype) if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     if args.histories:
         hist = [int(x) for x in args.histories.split(",")]
     else:

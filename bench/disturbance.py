@@ -1,7 +1,7 @@
 """Disturbance benchmark: A decodes a long reply; B sends a long cold prompt; C sends a short chat just after.
 
-    python -m engine.disturbance --model small --device cpu --out results/disturbance/
-    python -m engine.disturbance --model qwen2.5-1.5b-random --device cuda --dtype float16 \\
+    python -m bench.disturbance --model small --device cpu --out results/disturbance/
+    python -m bench.disturbance --model qwen2.5-1.5b-random --device cuda --dtype float16 \\
         --chunk-tokens 512,4096 --shares 1,0.75,0.5,0.25 --out results/disturbance/
 
 For each chunk budget and each prefill share p (docs/DESIGN.md, "Prefill share"): A (a short prompt, a long
@@ -25,21 +25,19 @@ token of A, B and C in <out>/tokens.csv, and a plot <out>/disturbance.png when m
 - withheld_steps: steps that withheld a long-prompt chunk for the decoders' debt;
 - tokens_identical: A's, B's and C's tokens equal those of the first share's run over their common length;
   tokens_check says where they first differ and whether that is a near tie: the gap between the two tokens' logits,
-  scored by teacher forcing over the first run's tokens, under TIE_THRESHOLD (0.02, the gates' rule). Arrivals
+  scored by teacher forcing over the first run's tokens, under the gates' tie threshold (gates/compare.py). Arrivals
   follow the wall clock, so two runs can put the same position in different kinds of step (a loaded step in one, a
   pure decode step in the other, or in batches of other sizes) whatever p is, and so compute it with other
   kernels and GEMM shapes. A tie flip is reported, not failed. A difference that is not a near tie fails the run
   (exit code 1) in float32; in float16/bfloat16 it is reported and the run goes on (--strict-tokens fails it
-  there too): on the H200, the 1.5B shape with random weights in fp16 moved A's logits by up to 0.09 after 2,200
-  tokens between two runs at the SAME p (p = 1), from arrival timing alone (docs/h200-2026-11-29-s4.md). Whether
-  p changes tokens is the exactness gates' call (gates/test_prefill_share.py: every token, every p, teacher forcing
-  under the full rule). After a difference the request's later tokens are not compared.
+  there too): in half precision, arrival timing alone can move logits past the rule between two runs at the same
+  p. Whether p changes tokens is the exactness gates' call (gates/test_prefill_share.py: every token, every p,
+  teacher forcing under the full rule). After a difference the request's later tokens are not compared.
 The device is synchronised around every step (sync_trace), so the debt sees real step times.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import random
 import statistics
@@ -47,16 +45,17 @@ import sys
 import time
 from pathlib import Path
 
+from engine.config import lineage_config
+from engine.engine import Engine, torch_dtype
+from engine.loader import is_small, load_model
+from engine.workload import RequestSpec
+from gates.compare import TIE_THRESHOLD
 
-from .config import LINEAGE, lineage_config
-from .engine import Engine, torch_dtype
-from .loader import is_small, load_model
+from .cli import GRAPHS, cannot_run, cli, device_and_dtype
+from .plots import draw_disturbance
+from .stats import fmt, floats, gaps, ints, log, progress, write_csv
 
-try:
-    from tqdm.auto import tqdm
-except ImportError:  # pragma: no cover
-    tqdm = None
-
+PROG = "bench.disturbance"
 FIELDS = ["model", "device", "dtype", "engine", "chunk_tokens", "prefill_share", "b_tokens", "b_at_s", "c_after_s",
           "b_ttft_s", "b_alone_s", "b_slowdown", "c_ttft_s", "a_longest_pause_s", "a_gap_alone_s", "a_rate_alone",
           "a_rate_during_b", "a_rate_ratio", "decode_time_share", "a_tokens", "withheld_steps", "steps", "loaded_steps",
@@ -64,9 +63,6 @@ FIELDS = ["model", "device", "dtype", "engine", "chunk_tokens", "prefill_share",
 STEP_FIELDS = ["chunk_tokens", "prefill_share", "index", "kind", "start_s", "duration_ms", "prompt_positions",
                "decode_tokens", "chunks", "withheld"]
 TOKEN_FIELDS = ["chunk_tokens", "prefill_share", "request", "position", "token", "time_s", "step"]
-
-
-TIE_THRESHOLD = 0.02        # the gates' rule: only logit ties under this may flip
 
 
 def first_difference(ref: dict[str, list[int]], outs: dict[str, list[int]]):
@@ -102,8 +98,8 @@ def token_kinds(e: Engine, rids) -> dict[str, list[str]]:
     return {rid: [kind.get(st, "?") for st in e.requests[rid].token_steps] for rid in rids if rid in e.requests}
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+def note(msg: str) -> None:
+    log(f"{PROG}: {msg}", sys.stderr)
 
 
 class Scenario:
@@ -114,48 +110,28 @@ class Scenario:
         rng = random.Random(seed)
         hi = min(vocab, 4000)
         draw = lambda n: [rng.randrange(3, hi) for _ in range(n)]  # noqa: E731
-        self.a = ("A", draw(a_prompt), a_budget, 0.0)
-        self.b = ("B", draw(b_tokens), b_budget, b_at)
-        self.c = ("C", draw(c_prompt), c_budget, b_at + c_after)
+        self.a = RequestSpec("A", draw(a_prompt), a_budget, 0.0)
+        self.b = RequestSpec("B", draw(b_tokens), b_budget, b_at)
+        self.c = RequestSpec("C", draw(c_prompt), c_budget, b_at + c_after)
         self.b_at, self.c_at = b_at, b_at + c_after
 
 
-def drive(engine: Engine, arrivals: list[tuple], stop_when, max_s: float) -> None:
-    """Deliver `arrivals` (id, prompt, budget, time) on the engine's clock while stepping; stop when
-    `stop_when(engine)` holds (or after max_s), then cancel what is left and step until the pool is whole."""
-    pending = sorted(arrivals, key=lambda x: x[3])
+def drive(engine: Engine, specs: list[RequestSpec], stop_when, max_s: float) -> None:
+    """Serve `specs` at their arrival times on the engine's clock until `stop_when(engine)` holds (or max_s
+    passes), then cancel what is left and step until the pool is whole."""
     engine.reset_clock()
-    i = 0
-    while engine.now() < max_s:
-        now = engine.now()
-        while i < len(pending) and pending[i][3] <= now:
-            rid, prompt, budget, t = pending[i]
-            engine.submit(prompt, budget, rid, arrival_time=t)
-            i += 1
-        if i == len(pending) and stop_when(engine):
-            break
-        if not engine.scheduler.has_work:
-            if i == len(pending):
-                break
-            time.sleep(max(0.0, min(pending[i][3] - now, 0.005)))
-            continue
-        engine.step()
-    else:
-        log(f"engine.disturbance: stopped after {max_s:.0f} s (--max-run-s) before B and C had their first tokens")
+    engine.run(specs, open_loop=True, until=lambda e: stop_when(e) or e.now() >= max_s)
+    if not stop_when(engine):
+        note(f"stopped after {max_s:.0f} s (--max-run-s) before B and C had their first tokens")
     for rid, r in engine.requests.items():
         if not r.done:
             engine.cancel(rid)
-    while engine.scheduler.has_work:
-        engine.step()
+    engine.run()
     assert engine.pool.num_free == engine.pool.capacity, "pages leaked after the run"
 
 
 def first_tokens(rids):
     return lambda e: all(rid in e.requests and e.requests[rid].output for rid in rids)
-
-
-def gaps(times: list[float]) -> list[float]:
-    return [b - a for a, b in zip(times, times[1:])]
 
 
 def measure(engine: Engine, sc: Scenario) -> dict:
@@ -190,16 +166,6 @@ def measure(engine: Engine, sc: Scenario) -> dict:
     }
 
 
-def fmt(x, nd=3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
-
-
 def table(rows: list[dict]) -> str:
     cols = [("chunk", "chunk_tokens"), ("p", "prefill_share"), ("B ttft s", "b_ttft_s"), ("B alone s", "b_alone_s"),
             ("B x", "b_slowdown"), ("C ttft s", "c_ttft_s"), ("A pause s", "a_longest_pause_s"),
@@ -211,64 +177,8 @@ def table(rows: list[dict]) -> str:
     return "\n".join("  ".join(c[i].rjust(w[i]) for i in range(len(cols))) for c in cells)
 
 
-def plot(rows: list[dict], tokens: list[dict], sc_by_chunk: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    chunks = sorted({r["chunk_tokens"] for r in rows})
-    fig, axes = plt.subplots(len(chunks), 2, figsize=(13, 4.2 * len(chunks)), squeeze=False)
-    for row_axes, ct in zip(axes, chunks):
-        rs = sorted((r for r in rows if r["chunk_tokens"] == ct), key=lambda r: r["prefill_share"])
-        ps = [r["prefill_share"] for r in rs]
-        ax = row_axes[0]
-        for key, label in [("b_ttft_s", "B first token (s)"), ("c_ttft_s", "C first token (s)"),
-                           ("a_longest_pause_s", "A longest pause (s)")]:
-            ax.plot(ps, [r[key] if r[key] is not None else float("nan") for r in rs], "o-", label=label)
-        ax.set_yscale("log")
-        ax.set_xlabel("prefill share p")
-        ax.set_ylabel("seconds")
-        ax.set_title(f"chunk budget {ct}: first tokens and A's longest pause")
-        ax2 = ax.twinx()
-        ax2.plot(ps, [r["a_rate_ratio"] if r["a_rate_ratio"] is not None else float("nan") for r in rs], "s--",
-                 color="black", label="A rate while B fills / alone")
-        ax2.plot(ps, [1 - p for p in ps], ":", color="gray", label="1 - p")
-        ax2.set_ylim(0, 1.05)
-        ax2.set_ylabel("A's token rate ratio")
-        h1, l1 = ax.get_legend_handles_labels()
-        h2, l2 = ax2.get_legend_handles_labels()
-        ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="best")
-        ax = row_axes[1]
-        for p in ps:
-            ts = [t["time_s"] for t in tokens if t["chunk_tokens"] == ct and t["prefill_share"] == p
-                  and t["request"] == "A"]
-            ax.plot(ts, range(1, len(ts) + 1), label=f"p = {p:g}")
-        sc = sc_by_chunk[ct]
-        ax.axvline(sc.b_at, color="red", ls=":", label="B arrives")
-        ax.axvline(sc.c_at, color="orange", ls=":", label="C arrives")
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("A's tokens")
-        ax.set_title(f"chunk budget {ct}: A's tokens over time")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def floats(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x.strip()]
-
-
-def ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def parse_args(argv=None):
-    from .bench import cli
-    ap = cli("python -m engine.disturbance", __doc__)
+    ap = cli(f"python -m {PROG}", __doc__)
     ap.add_argument("--chunk-tokens", default=None, help="chunk budgets, comma separated (default 512; 128 small)")
     ap.add_argument("--shares", default="1,0.75,0.5,0.25", help="prefill shares p, comma separated")
     ap.add_argument("--b-tokens", type=int, default=None,
@@ -295,16 +205,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from .bench import GRAPHS, device_and_dtype
     a = parse_args(argv)
-    dev, dtype = device_and_dtype(a)
-    small = is_small(a.model)
-    from kernels import why_unavailable
-    base = LINEAGE[a.engine]
-    reason = why_unavailable(base["backend"], a.device, base["page_size"])
-    if reason:
-        log(f"engine.disturbance: engine {a.engine!r} cannot run here: {reason}")
+    if cannot_run(PROG, a.engine, a.device):
         return 2
+    _, dtype = device_and_dtype(a.device, a.dtype, a.threads)
+    small = is_small(a.model)
     chunks = ints(a.chunk_tokens) if a.chunk_tokens else [128 if small else 512]
     shares = floats(a.shares)
     b_at = a.b_at if a.b_at is not None else (1.0 if small else 5.0)
@@ -326,25 +231,25 @@ def main(argv=None) -> int:
     room = slots - 3 * page - (a.a_prompt + a_budget) - (a.c_prompt + a.c_budget)   # 3 pages: rounding slack
     b_tokens = a.b_tokens or min(4096 if small else 32768, shape.max_positions - a.b_budget, room - a.b_budget)
     if b_tokens < 1 or a.a_prompt + a_budget > shape.max_positions:
-        log(f"engine.disturbance: the pool ({slots} slots) or max positions ({shape.max_positions}) cannot hold A "
-            f"({a.a_prompt} + {a_budget}) and B")
+        note(f"the pool ({slots} slots) or max positions ({shape.max_positions}) cannot hold A "
+             f"({a.a_prompt} + {a_budget}) and B")
         return 2
-    log(f"engine.disturbance: {a.engine} on {loaded[2]} ({a.device}, {dtype}); A {a.a_prompt}+{a_budget}, B "
-        f"{b_tokens}+{a.b_budget} at {b_at} s, C {a.c_prompt}+{a.c_budget} {c_after} s later; chunk budgets "
-        f"{chunks}; shares {shares}; pool {slots} slots")
+    note(f"{a.engine} on {loaded[2]} ({a.device}, {dtype}); A {a.a_prompt}+{a_budget}, B "
+         f"{b_tokens}+{a.b_budget} at {b_at} s, C {a.c_prompt}+{a.c_budget} {c_after} s later; chunk budgets "
+         f"{chunks}; shares {shares}; pool {slots} slots")
     sc = Scenario(shape.vocab_size, b_tokens, a.a_prompt, a_budget, a.b_budget, a.c_prompt, a.c_budget, b_at,
                   c_after, a.seed)
     # warm-up (discarded): kernels, allocator and the long history's shapes, once per chunk budget
     for ct in chunks:
         e = Engine(config(ct, 1.0), loaded=loaded)
-        drive(e, [("w", sc.b[1][:min(b_tokens, 2 * ct + 7)], 4, 0.0), ("v", sc.c[1], 4, 0.0)],
+        drive(e, [RequestSpec("w", sc.b.prompt[:min(b_tokens, 2 * ct + 7)], 4), RequestSpec("v", sc.c.prompt, 4)],
               first_tokens(["w", "v"]), a.max_run_s)
     runs = [(ct, p) for ct in chunks for p in shares]
-    bar = tqdm(total=len(runs) + (0 if a.no_alone else len(chunks)), desc="disturbance", unit="run") \
-        if tqdm and not a.no_progress else None
+    bar = progress(len(runs) + (0 if a.no_alone else len(chunks)), "disturbance", leave=True,
+                   disable=a.no_progress, unit="run")
     rows, steps, tokens, first_run, problems, notes = [], [], [], {}, [], []
     strict = a.strict_tokens if a.strict_tokens is not None else dtype == "float32"
-    prompts = {rid: prompt for rid, prompt, _, _ in (sc.a, sc.b, sc.c)}
+    prompts = {s.request_id: s.prompt for s in (sc.a, sc.b, sc.c)}
     for ct, p in runs:
         e = Engine(config(ct, p), loaded=loaded)
         t = time.perf_counter()
@@ -364,7 +269,7 @@ def main(argv=None) -> int:
                **m}
         rows.append(row)
         if m["a_finished_early"]:
-            log(f"engine.disturbance: chunk {ct}, p {p}: A finished before B's first token; raise --a-budget")
+            note(f"chunk {ct}, p {p}: A finished before B's first token; raise --a-budget")
         for s in e.trace:
             steps.append({"chunk_tokens": ct, "prefill_share": p, "index": s.index, "kind": s.kind,
                           "start_s": round(s.start, 6), "duration_ms": round(s.duration * 1e3, 4),
@@ -375,9 +280,8 @@ def main(argv=None) -> int:
             for i, (tok, tt, st) in enumerate(zip(r.output, r.token_times, r.token_steps) if r else []):
                 tokens.append({"chunk_tokens": ct, "prefill_share": p, "request": rid, "position": i, "token": tok,
                                "time_s": round(tt, 6), "step": st})
-        if bar:
-            bar.update(1)
-            bar.set_postfix_str(f"chunk {ct} p {p}: B {fmt(row['b_ttft_s'], 2)} s, C {fmt(row['c_ttft_s'], 2)} s")
+        bar.update(1)
+        bar.set_postfix_str(f"chunk {ct} p {p}: B {fmt(row['b_ttft_s'], 2)} s, C {fmt(row['c_ttft_s'], 2)} s")
         del e
     # B alone on an idle engine, per chunk budget (after the runs: the allocator and kernels are warm by then)
     if not a.no_alone:
@@ -385,7 +289,7 @@ def main(argv=None) -> int:
             times = []
             for _ in range(a.alone_reps):        # a median: one run is at the mercy of the host
                 e = Engine(config(ct, 1.0), loaded=loaded)
-                drive(e, [("B", sc.b[1], sc.b[2], 0.0)], first_tokens(["B"]), a.max_run_s)
+                drive(e, [RequestSpec("B", sc.b.prompt, sc.b.budget)], first_tokens(["B"]), a.max_run_s)
                 b = e.requests["B"]
                 if b.output:
                     times.append(b.first_token_time - b.arrival_time)
@@ -395,37 +299,26 @@ def main(argv=None) -> int:
                 if row["chunk_tokens"] == ct:
                     row["b_alone_s"] = alone
                     row["b_slowdown"] = None if row["b_ttft_s"] is None or not alone else row["b_ttft_s"] / alone
-            if bar:
-                bar.update(1)
-    if bar:
-        bar.close()
+            bar.update(1)
+    bar.close()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "disturbance.csv", FIELDS, rows)
+    write_csv(out / "disturbance.csv", FIELDS, rows, digits=6)
     with open(out / "disturbance.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    write_csv(out / "steps.csv", STEP_FIELDS, steps)
-    write_csv(out / "tokens.csv", TOKEN_FIELDS, tokens)
-    drew = plot(rows, tokens, {ct: sc for ct in chunks}, out / "disturbance.png")
+    write_csv(out / "steps.csv", STEP_FIELDS, steps, digits=6)
+    write_csv(out / "tokens.csv", TOKEN_FIELDS, tokens, digits=6)
+    drew = draw_disturbance(rows, tokens, {ct: sc for ct in chunks}, out / "disturbance.png")
     print(table(rows))
-    log(f"engine.disturbance: rows in {out / 'disturbance.csv'}" + (f", plot {out / 'disturbance.png'}" if drew
-                                                                   else " (no matplotlib: no plot)")
-        + f"; done in {time.perf_counter() - t0:.1f} s")
+    note(f"rows in {out / 'disturbance.csv'}" + (f", plot {out / 'disturbance.png'}" if drew
+                                                 else " (no matplotlib: no plot)")
+         + f"; done in {time.perf_counter() - t0:.1f} s")
     for msg in notes:
-        log(f"engine.disturbance: {msg}: not a near tie under {TIE_THRESHOLD} (reported, not failed: {dtype} "
-            f"without --strict-tokens)")
+        note(f"{msg}: not a near tie under {TIE_THRESHOLD} (reported, not failed: {dtype} without --strict-tokens)")
     for msg in problems:
-        log(f"engine.disturbance: {msg}: not a near tie under {TIE_THRESHOLD}")
+        note(f"{msg}: not a near tie under {TIE_THRESHOLD}")
     return 1 if problems else 0
-
-
-def write_csv(path: Path, fields: list[str], rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()})
 
 
 if __name__ == "__main__":

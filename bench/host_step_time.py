@@ -2,8 +2,8 @@
 (`StepGraphs.fill` for a loaded step, `DecodeGraphs.fill` for a pure decode step), with the 1.5B shape's page
 geometry (256-slot pages, tables 128 pages wide) and the mixed draw's histories.
 
-    python scripts/host_step_time.py [--rows 31] [--chunk 512] [--reps 300]
-    python scripts/host_step_time.py --repo /path/to/other/checkout      # the same on another checkout
+    python -m bench.host_step_time [--rows 31] [--chunk 512] [--reps 300]
+    python -m bench.host_step_time --repo /path/to/other/checkout      # the same on another checkout
 
 The attention backend is a fake whose `prepare` does nothing, so only packing is timed (no model, no kernel). The
 model is a one-layer stand-in: packing depends on pages and positions, not on the model's width."""
@@ -20,7 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 if "--repo" in sys.argv:     # before the imports below: which checkout's engine is timed
     REPO = Path(sys.argv[sys.argv.index("--repo") + 1]).resolve()
-sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO))
 
 from engine.model import ModelShape, Qwen2  # noqa: E402
 from engine.pool import PagePool  # noqa: E402
@@ -72,7 +72,7 @@ def median_us(fn, reps: int) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.host_step_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=31, help="decode rows of the loaded step")
     ap.add_argument("--chunk", type=int, default=512, help="positions in the loaded step's prompt chunk")
     ap.add_argument("--reps", type=int, default=300)

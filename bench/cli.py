@@ -1,0 +1,47 @@
+"""The command-line pieces every engine benchmark shares: which model, where, in what dtype, which engine
+configuration; and the refusal of a configuration that cannot run here."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from engine.config import LINEAGE
+
+GRAPHS = {"auto": None, "on": True, "off": False}     # --cuda-graphs -> EngineConfig.cuda_graphs
+
+
+def cli(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A parser with the arguments every engine benchmark shares; `doc` (the module's) is its description."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+    ap.add_argument("--model", default="small", help="small, small-trained, qwen2.5-1.5b-random, or a checkpoint directory")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
+    ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
+                         "waiting on a descheduled sibling, which can make a step 50x slower")
+    ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                    help="replay captured steps (pure decode; loaded and chunk-only where the forward is fused): "
+                         "auto = where the backend allows (flash on CUDA); off = eager, to compare")
+    return ap
+
+
+def device_and_dtype(device: str, dtype: str | None, threads: int | None = None) -> tuple[torch.device, str]:
+    """Apply `threads`; the device, and the dtype (fp16 on CUDA, fp32 on CPU unless `dtype` says)."""
+    if threads:
+        torch.set_num_threads(threads)
+    dev = torch.device(device)
+    return dev, dtype or ("float16" if dev.type == "cuda" else "float32")
+
+
+def cannot_run(prog: str, engine: str, device: str) -> bool:
+    """True (and the reason on stderr) when engine configuration `engine` cannot run on `device`."""
+    from kernels import why_unavailable
+    base = LINEAGE[engine]
+    reason = why_unavailable(base["backend"], device, base["page_size"])
+    if reason:
+        print(f"{prog}: engine {engine!r} cannot run here: {reason}", file=sys.stderr, flush=True)
+    return reason is not None

@@ -1,0 +1,137 @@
+"""Engine-level scheduling checks: a finished engine's schedule log (engine/schedule_log.py) against the admission
+invariants of docs/DESIGN.md, on the real engine's run rather than on a model of the scheduler (the hypothesis gate,
+gates/test_admission.py, does that). Every gate run of an engine is checked here (gates/conftest.py, Runs.candidate).
+
+- strict FCFS admission: admissions in arrival order, none while an earlier arrival still waits, and the head admitted
+  as soon as it fits (pages and a row);
+- reserve on admit: ceil((prompt + budget) / page_size) pages, the same ones until released;
+- max batch: at most max_batch rows held; no admission beyond the free pages;
+- eviction at the end of the step: a release never reaches the free list inside the step, the step's end returns
+  the pages released in it (but those still held by another request or cached), and a finished request is released
+  at the end of the step of its last token;
+- every page back: at the end of the run nothing is owned and the pool's own invariants hold."""
+from __future__ import annotations
+
+from engine.request import State
+from engine.schedule_log import ScheduleLog
+
+# Invariant names: every failure message starts with one of these, followed by " violated: " (gates/test_admission.py
+# uses the same names).
+TOTAL = "free + owned = total"
+OWNERS = "no page has two owners"
+RESERVE = "reserve on admit"
+FCFS = "strict FCFS admission"
+ROWS = "max batch"
+CAPACITY = "no admission beyond capacity"
+EVICTION = "eviction at the end of the step"
+NEVER_FITS = "never fits"
+COMPLETES = "every request completes"
+PAGES_BACK = "every page back"
+PLAN = "step plan"
+CANCEL = "cancel outcome"
+STATE = "request state"
+
+SHOWN = 5     # problems quoted in a failure message
+
+
+class ScheduleViolation(AssertionError):
+    """A finished engine run broke an admission or eviction invariant; the message names it, the step and the
+    requests."""
+
+
+def ceil_pages(slots: int, page_size: int) -> int:
+    """The gates' own rounding (whole pages, rounded up), independent of engine.pool."""
+    return (slots + page_size - 1) // page_size
+
+
+def admission_problems(log: ScheduleLog, max_batch: int, page_size: int) -> list[str]:
+    out = []
+    waits = {w.step: w for w in log.waits}
+    last = None
+    for a in log.admissions:
+        who = f"step {a.step} admitted {a.request_id} (arrival {a.arrival})"
+        if last is not None and a.arrival < last.arrival:
+            out.append(f"{FCFS} violated: {who} after {last.request_id} (arrival {last.arrival}, admitted at step "
+                       f"{last.step})")
+        w = waits.get(a.step)
+        if w is not None and w.arrival < a.arrival:
+            out.append(f"{FCFS} violated: {who} while {w.request_id} (arrival {w.arrival}, needs "
+                       f"{ceil_pages(w.slots, page_size)} pages) still waited")
+        want = ceil_pages(a.prompt_len + a.budget, page_size)
+        if len(a.pages) != want:
+            out.append(f"{RESERVE} violated: {who} with {len(a.pages)} pages, ceil(({a.prompt_len} + {a.budget}) / "
+                       f"{page_size}) = {want}")
+        if len(a.pages) - a.hits > a.free_before:
+            out.append(f"{CAPACITY} violated: {who} with {len(a.pages) - a.hits} new pages, {a.free_before} were "
+                       f"free")
+        if a.rows > max_batch:
+            out.append(f"{ROWS} violated: {who}: {a.rows} rows held, max_batch is {max_batch}")
+        last = a
+    for w in log.waits:
+        need = ceil_pages(w.slots, page_size)
+        if need <= w.free and w.rows < max_batch:
+            out.append(f"{FCFS} violated: step {w.step}: the head {w.request_id} (arrival {w.arrival}) waited though "
+                       f"it fits: needs {need} pages, {w.free} free, {w.rows} of {max_batch} rows held")
+    return out
+
+
+def eviction_problems(log: ScheduleLog, last_token_step: dict[str, int]) -> list[str]:
+    """`last_token_step`: request id -> step of its last token, for the requests that finished."""
+    out = []
+    given = {a.request_id: a.pages for a in log.admissions}
+    released: dict[int, list[int]] = {}
+    for r in log.releases:
+        who = f"step {r.step} released {r.owner}'s pages {list(r.pages)}"
+        if r.free_after > r.free_before:
+            out.append(f"{EVICTION} violated: {who} straight to the free list during the step (free "
+                       f"{r.free_before} -> {r.free_after}); pages may return only at the step's end")
+        if not r.in_step:
+            out.append(f"{EVICTION} violated: {who} outside a step")
+        if r.owner in given and tuple(r.pages) != tuple(given[r.owner]):
+            out.append(f"{RESERVE} violated: {who}, it was admitted with {list(given[r.owner])}")
+        done = last_token_step.get(r.owner)
+        if done is not None and done != r.step:
+            out.append(f"{EVICTION} violated: {who}, its last token came at step {done}")
+        released.setdefault(r.step, []).extend(r.pages)
+    for e in log.ends:
+        want = set(released.pop(e.step, []))
+        lost = sorted(want - set(e.freed) - set(e.kept))
+        extra = sorted(set(e.freed) - want)
+        if lost or extra:
+            out.append(f"{EVICTION} violated: the end of step {e.step} returned pages {sorted(e.freed)}, the step "
+                       f"released {sorted(want)}" +
+                       (f": {lost} were not returned (so never poisoned) and nobody holds them" if lost else "") +
+                       (f": {extra} were never released" if extra else ""))
+    return out
+
+
+def pool_problems(pool) -> list[str]:
+    out = []
+    pending = getattr(pool, "pending", [])
+    if pool.owned or pending or pool.num_free != pool.capacity:
+        owners = sorted(pool.owned) + sorted(o for o, _ in pending)
+        out.append(f"{PAGES_BACK} violated: {pool.capacity - pool.num_free} of {pool.capacity} pages are not free "
+                   f"after the run (held by {owners[:SHOWN]})")
+    try:
+        pool.check()
+    except AssertionError as e:
+        out.append(f"{TOTAL} violated: {e}")
+    return out
+
+
+def engine_problems(engine) -> list[str]:
+    """Every scheduling invariant broken by a finished engine run, in the order checked."""
+    sched = engine.scheduler
+    finished = {rid: r.token_steps[-1] for rid, r in engine.requests.items()
+                if r.state is State.FINISHED and r.token_steps}
+    return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +
+            eviction_problems(sched.log, finished) + pool_problems(engine.pool))
+
+
+def check_engine(engine, label: str) -> None:
+    """Raise ScheduleViolation naming the first few broken invariants of a finished engine run."""
+    problems = engine_problems(engine)
+    if problems:
+        more = f"\n  ... {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        raise ScheduleViolation(f"{label}: the engine's schedule broke {len(problems)} invariant check(s):\n  " +
+                                "\n  ".join(problems[:SHOWN]) + more)

@@ -1,0 +1,357 @@
+"""Planted bugs, one name each: the planted-bug tests patch them in one at a time, and a whole gate run takes one
+for the session as a pytest plugin:
+
+    python -m pytest gates/ -p tests.plants --plant NAME -x [--plant-record FILE]
+
+`--plant-record FILE` writes the first failing report (node id, wall clock and CPU seconds, message) as JSON, for
+scripts/plant_table.py. Each plant carries what the failure message must match to name its cause."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+from engine.pool import PagePool
+from engine.scheduler import Scheduler
+from gates.triage import ALWAYS
+
+
+# -- pool and scheduler plants (subclasses: the hypothesis gate runs its machine over them) -------------------------
+class FlooringPool(PagePool):
+    """A reservation rounded down instead of up."""
+
+    def pages_needed(self, slots: int) -> int:
+        return slots // self.page_size
+
+
+class QueueJumpingScheduler(Scheduler):
+    """Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
+
+    def admit(self):
+        admitted = []
+        for r in list(self.waiting):
+            hits = self.prefix_hits(r)
+            if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed, hits):
+                self.waiting.remove(r)
+                self.admit_one(r, hits)
+                admitted.append(r)
+        return admitted
+
+
+class EagerFreePool(PagePool):
+    """Pages freed during the step instead of at its end: release() puts them straight back on the free list."""
+
+    def release(self, owner: str) -> None:
+        pages = self.owned.pop(owner)
+        for p in pages:    # counts dropped with them: the bug is the timing, not a count left behind
+            self.refs.pop(p, None)
+        self.free.extend(pages)
+
+
+class OverfullScheduler(Scheduler):
+    """Admission beyond max_batch: the row check is off by one."""
+
+    def admit(self):
+        self.max_batch += 1
+        try:
+            return super().admit()
+        finally:
+            self.max_batch -= 1
+
+
+# -- patches: each takes a pytest.MonkeyPatch (a test's `monkeypatch`, or the session's in the plugin) -------------
+def after_build(mp: pytest.MonkeyPatch, change: Callable) -> None:
+    """ModelRunner.build, then `change(runner, chunks, positions, ctx)` on what it built."""
+    from engine.runner import ModelRunner
+    build = ModelRunner.build
+
+    def bugged(self, chunks, *args, **kwargs):
+        tokens, positions, ctx, rows = build(self, chunks, *args, **kwargs)
+        change(self, chunks, positions, ctx)
+        return tokens, positions, ctx, rows
+
+    mp.setattr(ModelRunner, "build", bugged)
+
+
+def rotary(mp: pytest.MonkeyPatch) -> None:
+    """Decode rows rotated as if one position later."""
+    def change(runner, chunks, positions, ctx):
+        positions[ctx.num_prefill:] += 1
+    after_build(mp, change)
+
+
+def cache_len(mp: pytest.MonkeyPatch) -> None:
+    """Decode attends to one slot fewer than its history."""
+    def change(runner, chunks, positions, ctx):
+        if ctx.decode is not None:
+            ctx.decode.kv_lens = [n - 1 for n in ctx.decode.kv_lens]
+            ctx.decode.kv_lens_t -= 1
+            runner.backend.prepare(ctx.decode, "decode")
+    after_build(mp, change)
+
+
+def chunk_position(mp: pytest.MonkeyPatch) -> None:
+    """Every prompt chunk but a prompt's first, one position late."""
+    def change(runner, chunks, positions, ctx):
+        i = 0
+        for c in chunks:
+            if c.start > 0:
+                positions[i:i + c.length] += 1
+            i += c.length
+    after_build(mp, change)
+
+
+def token_choice(mp: pytest.MonkeyPatch) -> None:
+    """Every decode row takes its runner-up (completing prompt chunks keep their first choice)."""
+    import torch
+    from engine.runner import ModelRunner
+    run = ModelRunner.run
+
+    def bugged(self, plan, pages_of, forward_mode, use_graphs=True):
+        first = sum(c.completes_prompt for c in plan.chunks)     # decode rows come after completing chunks
+        sample = self.sample
+
+        def runner_up(logits):
+            logits = logits.clone()
+            rows = torch.arange(first, logits.shape[0])
+            second = logits[first:].topk(2).indices[:, 1]
+            logits[rows, second] = logits[first:].max(-1).values + 0.5
+            return sample(logits)
+
+        self.sample = runner_up
+        try:
+            return run(self, plan, pages_of, forward_mode, use_graphs)
+        finally:
+            del self.sample
+
+    mp.setattr(ModelRunner, "run", bugged)
+
+
+def decode_tables(mp: pytest.MonkeyPatch, change: Callable, kv_change: Callable | None = None) -> None:
+    """The decode batch's block-table rows through `change(tables)` (and its lengths through `kv_change`)."""
+    from engine.runner import ModelRunner
+    attn = ModelRunner._attn_batch
+
+    def bugged(self, q_lens, kv_lens, tables):
+        if all(n == 1 for n in q_lens):
+            tables = change(tables)
+            kv_lens = kv_change(kv_lens) if kv_change else kv_lens
+        return attn(self, q_lens, kv_lens, tables)
+
+    mp.setattr(ModelRunner, "_attn_batch", bugged)
+
+
+def stale_read(mp: pytest.MonkeyPatch) -> None:
+    """Decode row i reads its history through row i-1's block-table row: another request's pages."""
+    decode_tables(mp, lambda tables: tables[:1] + tables[:-1] if len(tables) >= 2 else tables)
+
+
+def stale_row_cache(mp: pytest.MonkeyPatch) -> None:
+    """Decode rows keep the block table of the first request they served: once it finishes, the request that
+    moves up to its row reads its freed, poisoned pages."""
+    stale: dict[int, list[int]] = {}
+    decode_tables(mp, lambda tables: [stale.setdefault(i, t) for i, t in enumerate(tables)])
+
+
+def decode_one_past(mp: pytest.MonkeyPatch) -> None:
+    """Each decode row attends to one slot past its length: its own never-written slot."""
+    decode_tables(mp, lambda tables: tables, lambda kv_lens: [n + 1 for n in kv_lens])
+
+
+def read_past_length(mp: pytest.MonkeyPatch) -> None:
+    """The torch kernels gather one slot past each sequence's length; the mask still hides it, so only poisoning
+    can catch the read itself (0 * NaN = NaN)."""
+    import torch
+    from kernels import torch_backend
+    from kernels.torch_backend import TorchBackend
+    gather = torch_backend.gather_slots
+
+    def one_past(block_tables, kv_lens, max_kv, page_size):
+        return gather(block_tables, kv_lens + 1, max_kv + 1, page_size)
+
+    mp.setattr(torch_backend, "gather_slots", one_past)
+    prepare = TorchBackend.prepare
+
+    def padded_mask(self, batch, kind):
+        prepare(self, batch, kind)
+        slots, mask, s, i = batch.prepared[kind]
+        batch.prepared[kind] = (slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
+
+    mp.setattr(TorchBackend, "prepare", padded_mask)
+
+
+def fcfs(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(Scheduler, "admit", QueueJumpingScheduler.admit)
+
+
+def eager_free(mp: pytest.MonkeyPatch) -> None:
+    mp.setattr(PagePool, "release", EagerFreePool.release)
+
+
+def slow_step(mp: pytest.MonkeyPatch) -> None:
+    from gates.test_step_timings import PLANT_ENV
+    mp.setenv(PLANT_ENV, "200")
+
+
+def cuda_without_flash(mp: pytest.MonkeyPatch) -> None:
+    """A GPU machine, as the gate options see it, whose flash-attn does not import: the run is given --device cuda
+    and must stop with the reason instead of skipping the flash configuration."""
+    import kernels
+    from gates import options
+    real = kernels.why_unavailable
+
+    def why(name, device, page_size=None):
+        if name == "flash":
+            return "flash-attn does not import: No module named 'flash_attn' (simulated)"
+        return None if str(device).startswith("cuda") else real(name, device, page_size)
+    mp.setattr(options, "cuda_devices", lambda: 1)
+    mp.setattr(kernels, "why_unavailable", why)
+
+
+def rewrite_a_golden(mp: pytest.MonkeyPatch) -> Callable[[], None]:
+    """A gate run that rewrites a golden byte-identically, through the golden store's own atomic writer. Returns
+    what puts the files' modes back (after the session's own checks), so the checkout is left as it was found."""
+    from gates.golden import _atomic_write, golden_path
+    base = golden_path(None, "small", "mixed-cpu", "hf", "cpu", "float32")
+    modes = {}
+    for path in (base.with_suffix(".meta.json"), base.with_suffix(".json.gz")):
+        modes[path] = path.stat().st_mode & 0o777
+        _atomic_write(path, path.read_bytes())
+    return lambda: [os.chmod(path, mode) for path, mode in modes.items()]
+
+
+STORAGE = "{tmp}/benchmarks"                         # the plant table fills in {tmp}
+
+
+# What a failure message must say to name the cause (regexes). A token failure: where the token was computed (step,
+# step kind, a decode row or a prompt chunk, page and slot, backend), then the triage's verdict. A poisoned read: the
+# step, the reader, the slot read, its page and its owner, and (the gates' note) the backend it ran under.
+def token_cause(source: str, verdict: str) -> str:
+    return (r"computed at step \d+, an? [\w-]+ step[^\n]*from " + source + r"[^\n]*page \d+, slot \d+[^\n]*"
+            r"backend \w+[\s\S]*verdict: " + verdict)
+
+
+def poison_cause(owner: str) -> str:
+    """`owner`: a regex for the slot's owner, given the reader as group 1."""
+    return (r"step \d+ \([\w-]+\): non-finite logits[^\n]*\n[\s\S]*?(?<=\s)(\S+) read slot \d+ \(page \d+\): "
+            r"owned by " + owner + r" \(position \d+\)(?=[\s\S]*in \S+ on \S+: backend \w+)")
+
+
+IN_DECODE_ROWS = re.escape(ALWAYS) + r" \(in decode rows only"
+
+
+@dataclass(frozen=True)
+class Plant:
+    what: str
+    cause: str                          # regex: the failure message names the cause when it matches
+    patch: Callable | None = None       # patch(mp); may return a callable run when the session is over
+    args: tuple[str, ...] = ()          # pytest arguments the plant table adds (a plant of the command line)
+    paths: tuple[str, ...] = ()         # what the plant table runs (default: gates/)
+    baseline: tuple[str, ...] = ()      # an unplanted run the plant table makes first (pytest arguments)
+    number_changing: bool = False       # must fail the CPU run within 20 s
+    during_first_test: bool = False     # patched once the first test has run, not at configure
+
+
+PLANTS = {
+    "rotary": Plant("a decode row's rotary position +1", token_cause("a decode row", IN_DECODE_ROWS), rotary,
+                    number_changing=True),
+    "cache-len": Plant("a decode row's cache length one short", token_cause("a decode row", IN_DECODE_ROWS),
+                       cache_len, number_changing=True),
+    "token-choice": Plant("every decode row takes its runner-up", token_cause("a decode row", IN_DECODE_ROWS),
+                          token_choice, number_changing=True),
+    "chunk-position": Plant("every prompt chunk but a prompt's first one position late",
+                            token_cause("its last prompt chunk", "only when its prompt is chunked"), chunk_position,
+                            number_changing=True),
+    "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
+                        poison_cause(r"(?!\1 )\S+") + "|" + token_cause("a decode row", "only when batched with"),
+                        stale_read, number_changing=True),
+    "read-past-length": Plant("the torch kernels read one slot past each length, masked afterwards",
+                              poison_cause(r"\1"), read_past_length),
+    "fcfs": Plant("admission lets a later request that fits jump the blocked head",
+                  r"strict FCFS admission violated: step \d+ admitted \S+ \(arrival \d+[^)]*\) while \S+ "
+                  r"\(arrival \d+", fcfs),
+    "eager-free": Plant("release() puts pages straight back on the free list, mid-step",
+                        r"eviction at the end of the step violated: step \d+ released \S+'s pages \[[\d, ]+\] "
+                        r"straight to the free list during the step", eager_free),
+    "golden-write": Plant("a gate run rewrites a golden byte-identically",
+                          r"run changed the goldens[\s\S]{0,600}(replaced by a new file|rewritten|mode 0)",
+                          rewrite_a_golden, during_first_test=True),
+    "missing-backend": Plant("a GPU machine (simulated) whose flash-attn does not import; the run is given --device "
+                             "cuda", r"flash: flash-attn does not import", cuda_without_flash,
+                             args=("--device", "cuda")),
+    "typo": Plant("nothing planted: the run is given --engine fussed",
+                  r"(?i)(unknown|invalid|not a known).{0,60}fussed|fussed.{0,80}(known|one of|choose)",
+                  args=("--engine", "fussed")),
+    "slow-step": Plant("a 200 ms sleep inside every timed step (STEPGATE_PLANT_SLOWDOWN_MS), against a baseline "
+                       "of the step benchmarks recorded unplanted first", r"(?i)performance has regressed", slow_step,
+                       args=(f"--benchmark-storage=file://{STORAGE}", "--benchmark-compare",
+                             "--benchmark-compare-fail=median:10%"),
+                       paths=("gates/test_step_timings.py",),
+                       baseline=("gates/test_step_timings.py", f"--benchmark-storage=file://{STORAGE}",
+                                 "--benchmark-autosave")),
+}
+
+
+# -- the plugin -----------------------------------------------------------------------------------------------------
+def pytest_addoption(parser):
+    g = parser.getgroup("plants", "planted bugs (tests/plants.py)")
+    g.addoption("--plant", default=None, help=f"plant one bug for the whole session: {', '.join(PLANTS)}")
+    g.addoption("--plant-record", default=None, help="write the first failing report here (JSON)")
+
+
+class PlantPlugin:
+    def __init__(self, config, plant: Plant | None):
+        self.config, self.plant = config, plant
+        self.mp = pytest.MonkeyPatch()
+        self.undo: list[Callable[[], None]] = []
+        self.record = config.getoption("--plant-record")
+        self.recorded = False
+        if plant is not None and plant.patch is not None and not plant.during_first_test:
+            self.apply()
+
+    def apply(self):
+        done = self.plant.patch(self.mp)
+        if callable(done):
+            self.undo.append(done)
+
+    def pytest_runtest_teardown(self, item):
+        if self.plant is not None and self.plant.during_first_test and self.plant.patch is not None:
+            self.apply()
+            self.plant = None
+
+    def write(self, nodeid: str, when: str, message: str):
+        if self.record and not self.recorded:
+            self.recorded = True
+            with open(self.record, "w") as f:
+                json.dump({"nodeid": nodeid, "when": when, "time": time.time(), "cpu_s": time.process_time(),
+                           "message": message}, f)
+
+    def pytest_runtest_logreport(self, report):
+        if report.failed:
+            self.write(report.nodeid, report.when, report.longreprtext)
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.write(report.nodeid or "(collection)", "collect", report.longreprtext)
+
+    def close(self):
+        self.mp.undo()
+        for f in self.undo:
+            f()
+
+
+@pytest.hookimpl(tryfirst=True)      # before gates/options.py reads the options: a plant may change what they see
+def pytest_configure(config):
+    name = config.getoption("--plant")
+    if name is not None and name not in PLANTS:
+        raise pytest.UsageError(f"--plant {name!r}: unknown plant; known: {', '.join(PLANTS)}")
+    if name is None and not config.getoption("--plant-record"):
+        return
+    plugin = PlantPlugin(config, PLANTS.get(name))
+    config.pluginmanager.register(plugin, "stepgate-plant")
+    config.add_cleanup(plugin.close)

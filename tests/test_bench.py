@@ -1,0 +1,105 @@
+"""The bench package on CPU with the small model: every CLI answers --help, the serving and chunk-sweep function APIs
+return rows without touching the disk, the peer's rows are numbered by the runner, and Engine.run's stop condition
+(the disturbance's loop) leaves the engine resumable."""
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import chunk_sweep, serving
+from bench.serving import ServingOptions, serve
+from engine import Engine, RequestSpec, lineage_config
+from engine.loader import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIS = ["serving", "disturbance", "chunk_sweep", "kernel_bench", "profile_decode", "flash_splits", "host_step_time",
+        "compile_cost", "tp_bench", "loaded_table"]
+
+
+@pytest.fixture(scope="module")
+def small():
+    torch.set_num_threads(1)
+    return load_model("small", torch.float32, "cpu")
+
+
+def test_serving_help_as_a_module():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "bench.serving", "--help"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "usage: python -m bench.serving" in p.stdout and "--closed" in p.stdout and "--peer" in p.stdout
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_every_cli_answers_help(name, capsys):
+    mod = importlib.import_module(f"bench.{name}")
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--help"])
+    assert e.value.code == 0
+    assert f"python -m bench.{name}" in capsys.readouterr().out
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="--prefix-cache: on, off or on,off"):
+        ServingOptions(prefix_cache=["maybe"]).resolved()
+    with pytest.raises(ValueError, match="--passes must be >= 1"):
+        ServingOptions(passes=0).resolved()
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--prefix-cache", "maybe"])
+
+
+def test_quick_defaults_and_sorted_rates():
+    o = ServingOptions(quick=True, rates=[8.0, 2.0, 4.0, 1.0]).resolved()
+    assert (o.closed, o.open, o.peer) == (True, True, True)          # no part named: all of them
+    assert (o.batches, o.uniform, o.warmups, o.reps, o.arrivals) == ([8], [32], 1, 1, 24)
+    assert o.rates == [1.0, 2.0, 4.0]                                 # ascending, cut to max_rates (3) by --quick
+
+
+def test_chunk_sweep_function_api(small, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rows = chunk_sweep.sweep(chunk_sweep.SweepOptions(chunks=(32, 64), arrivals=3, rate=200.0, new_tokens=4,
+                                                      threads=1), loaded=small)
+    assert [r["chunk_tokens"] for r in rows] == [32, 64]
+    assert all(r["served_rate"] > 0 and r["steps"] > 0 and r["gap_worst_ms"] >= r["gap_median_ms"] for r in rows)
+    assert list(tmp_path.iterdir()) == []                             # no files: the rows came back in memory
+    assert "| 32 |" in chunk_sweep.table(rows)
+
+
+def test_closed_rows_and_the_peers_rows_numbered_by_the_runner(small, monkeypatch):
+    class FakePeer:
+        """Stands in for transformers' continuous batching: two runs, rows without the runner's columns."""
+        def __init__(self, setup, options):
+            pass
+
+        def closed(self, specs, name, warmups, reps, ours):
+            rows = [dict(batch=len(specs), rep=i, warmup=i < warmups, time_to_last_s=1.0, requests=len(specs))
+                    for i in range(warmups + reps)]
+            return [1.0] * reps, dict(attn_implementation="fake", budgets_honoured="-", same_tokens=0), rows
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(serving, "Peer", FakePeer)
+    run = serve(ServingOptions(closed=True, peer=True, batches=[2], uniform=[], warmups=0, reps=1, new_tokens=3,
+                               threads=1, no_progress=True), loaded=small)
+    assert [(r["part"], r["run"]) for r in run.runs] == [("closed", 1), ("peer", 2)]
+    peer = run.runs[1]
+    assert list(peer)[:7] == ["part", "engine", "model", "device", "dtype", "workload", "run"]
+    assert run.summary["peer"]["mixed-cpu-new3-2"]["ours_over_peer"] > 0
+    assert run.steps and all(s["run"] == 1 for s in run.steps)
+
+
+def test_engine_run_until_stops_and_resumes(small):
+    e = Engine(lineage_config("fused", device="cpu", dtype="float32", chunk_tokens=32), loaded=small)
+    specs = [RequestSpec("a", list(range(5, 25)), 6), RequestSpec("b", list(range(30, 70)), 6)]
+    e.run(specs, until=lambda eng: len(eng.requests["a"].output) >= 2)
+    assert len(e.requests["a"].output) == 2 and not e.requests["a"].done
+    done = e.run()                                                    # nothing new: drains what is queued
+    assert all(len(r.tokens) == 6 for r in done.values())
+    assert e.pool.num_free == e.pool.capacity

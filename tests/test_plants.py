@@ -1,0 +1,108 @@
+"""The planted-bug harness: the plugin plants a named bug for a whole gate run and records the first failure; the
+plant table classifies a run as caught by a gate, caught by the session, or not caught."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import plants
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+import plant_table  # noqa: E402
+
+
+def pytest_run(*args) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_every_plant_plants_something_or_changes_the_command():
+    for name, p in plants.PLANTS.items():
+        assert p.patch is not None or p.args, name
+        assert p.cause, name
+
+
+def test_unknown_plant_is_a_usage_error():
+    p = pytest_run("gates/test_smoke.py", "-p", "tests.plants", "--plant", "rotery")
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert "--plant 'rotery': unknown plant; known: rotary, cache-len" in p.stderr
+
+
+def test_a_plant_is_in_place_before_the_options_are_read():
+    """The simulated GPU machine without flash-attn: the options must see a CUDA device (else the run stops on
+    "sees no CUDA device" instead) and then refuse the missing backend with its reason."""
+    p = pytest_run("gates/test_smoke.py", "-p", "tests.plants", "--plant", "missing-backend", "--device", "cuda")
+    assert p.returncode == 4, p.stdout + p.stderr
+    assert "every selected attention backend must run on CUDA" in p.stderr and \
+        "  flash: flash-attn does not import" in p.stderr, p.stderr
+
+
+def test_the_smoke_gate_catches_a_planted_rotary_bug_and_the_table_says_so(tmp_path, monkeypatch):
+    """One real planted run, end to end: the plugin plants the bug, the smoke gate fails, the record names it."""
+    smoke_only = plants.Plant("rotary, smoke gate only", plants.PLANTS["rotary"].cause, plants.rotary,
+                              paths=("gates/test_smoke.py::test_smoke[fused-torch]",), number_changing=True)
+    monkeypatch.setitem(plants.PLANTS, "rotary", smoke_only)
+    r = plant_table.run_row(plant_table.Row("rotary", "rotary"), timeout=600, log_dir=tmp_path)
+    log = next(tmp_path.glob("*.log")).read_text()
+    assert r.caught and r.gate == "gates/test_smoke.py::test_smoke[fused-torch]", log[-3000:]
+    assert r.named and r.exit == 1 and 0 < r.cpu < r.seconds + 60, log[-3000:]
+    assert "not a near tie under 0.02" in log
+    # the excerpt runs from where the token was computed to the triage's verdict
+    assert re.match(r"provenance: smoke-cpu-\d+ position \d+ was computed at step \d+, a [\w-]+ step, from a "
+                    r"decode row .* … verdict: always: model, rotary or token choice \(in decode rows only",
+                    r.excerpt), r.excerpt
+    row = plant_table.markdown([r], "header").splitlines()[-1]
+    assert row.startswith("| `rotary` | rotary, smoke gate only | yes | `gates/test_smoke.py::test_smoke[fused-torch]` "
+                          "|"), row
+
+
+def test_cause_patterns_tell_a_read_of_another_requests_slot_from_a_read_of_ones_own():
+    def poisoned(reader: str, owner: str, note: bool = True) -> str:
+        return (f"E   PoisonedLogitsError: step 3 (pure-decode): non-finite logits for ['{reader}']: a kernel read\n"
+                f"E     {reader} read slot 70 (page 1): owned by {owner} (position 6), never written\n" +
+                ("E   in chunked[torch] on smoke-cpu: backend torch, forward chunked\n" if note else ""))
+    stale, past = plants.PLANTS["stale-read"].cause, plants.PLANTS["read-past-length"].cause
+    assert re.search(stale, poisoned("b", "a")) and not re.search(stale, poisoned("a", "a"))
+    assert re.search(past, poisoned("a", "a")) and not re.search(past, poisoned("b", "a"))
+    assert not re.search(past, poisoned("a", "a", note=False)), "a poisoned read must name its backend"
+    assert plant_table.excerpt_of(poisoned("b", "a"), stale) == \
+        "PoisonedLogitsError: step 3 (pure-decode): non-finite logits for ['b']: a kernel read … b read slot 70 " \
+        "(page 1): owned by a (position 6), never written"
+
+
+def test_the_table_says_which_plants_share_one_cause_pattern():
+    note = plant_table.shared_causes(["rotary", "cache-len", "token-choice", "chunk-position", "typo"])
+    assert note.strip() == "`rotary`, `cache-len`, `token-choice`: one cause pattern, so their messages name the " \
+        "same cause; the table does not claim they are told apart from each other."
+    assert plant_table.shared_causes(["rotary", "typo"]) == ""
+
+
+def test_a_poisoned_read_in_a_gate_run_names_the_configuration_it_ran_under(request, monkeypatch):
+    """The engine's error names the step, the slot read, its page and owner, and the reader; the gates' run adds the
+    backend (and the rest of the configuration) it ran under."""
+    from engine import PoisonedLogitsError
+    from gates.conftest import Runs
+    from gates.options import gate_options
+    plants.stale_read(monkeypatch)
+    with pytest.raises(PoisonedLogitsError) as e:       # this session's gate options: the defaults, on a CPU
+        Runs(gate_options(request.config)).candidate("chunked", "torch", "smoke-cpu")
+    assert str(e.value).startswith("step 1 (loaded): non-finite logits for ['smoke-cpu-0001']"), str(e.value)
+    assert "smoke-cpu-0001 read slot 128 (page 2): owned by smoke-cpu-0000" in str(e.value)
+    assert e.value.__notes__ == ["in chunked[torch] on smoke-cpu: backend torch, forward chunked, page_size 64, "
+                                 "chunk_tokens 128, cpu float32"]
+
+
+@pytest.mark.parametrize("rc,gate,caught", [(0, "not caught", False), (4, "(session, exit 4)", True),
+                                            ("timeout", "not caught (timed out)", False)])
+def test_a_run_without_a_failing_report_is_classified_by_its_exit(rc, gate, caught):
+    r = plant_table.classify(plant_table.Row("typo", "typo"), None, rc, "ERROR: --engine 'fussed': unknown engine; "
+                             "known: chunked, fused, flash", 0.0, 12.0, 3.0)
+    assert (r.gate, r.caught) == (gate, caught)
+    assert r.named is (True if caught else None)

@@ -1,0 +1,151 @@
+"""The engine-level scheduling checks (gates/schedule_check.py) fail on planted scheduler and pool bugs, naming the
+invariant, the step and the requests: first on the scheduler and pool alone, then in a real engine run on the small
+model, without the hypothesis gate (gates/test_admission.py) anywhere."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from engine import Engine, lineage_config
+from engine.loader import load_model
+from engine.pool import PagePool
+from engine.request import Request, State
+from engine.scheduler import Scheduler
+from engine.workload import Workload
+from gates.schedule_check import ScheduleViolation, check_engine, engine_problems
+from tests import plants
+
+# Ten short requests in a pool of 6 pages of 64 slots: the head of the queue waits for pages while a later, smaller
+# request would fit (first at step 8), and pages are released while others still run.
+WORKLOAD = Workload("schedule-check", (8, 40, 200), (4, 12), 10, seed=4, chunk_tokens=128)
+PAGES = 6
+
+
+def drive(pool_cls=PagePool, scheduler_cls=Scheduler, pages: int = PAGES):
+    """The scheduler and pool alone, stepped as Engine.step does (any token will do)."""
+    pool = pool_cls(pages + 1, 64)
+    sched = scheduler_cls(pool, chunk_tokens=WORKLOAD.chunk_tokens)
+    requests = {}
+    for s in WORKLOAD.requests():
+        requests[s.request_id] = r = Request(s.request_id, s.prompt, s.budget)
+        sched.add(r)
+    while sched.has_work:
+        plan = sched.schedule()
+        plan.apply([7] * len(plan.sampled), 0.0)
+        sched.finish_step()
+    return SimpleNamespace(scheduler=sched, pool=pool, requests=requests)
+
+
+def first_problem(run) -> str:
+    problems = engine_problems(run)
+    assert problems, "the check passed a planted bug"
+    return problems[0]
+
+
+def test_unplanted_schedule_passes_and_is_tested():
+    run = drive()
+    assert engine_problems(run) == []
+    log = run.scheduler.log
+    assert len(log.admissions) == 10 and len(log.releases) == 10
+    # not vacuous: the head waited for pages while rows were free
+    assert any(w.rows < run.scheduler.max_batch for w in log.waits)
+
+
+def test_queue_jump_is_caught():
+    msg = first_problem(drive(scheduler_cls=plants.QueueJumpingScheduler))
+    assert msg.startswith("strict FCFS admission violated: step 8 admitted schedule-check-0008 (arrival 8) while "
+                          "schedule-check-0007 (arrival 7, needs 4 pages) still waited"), msg
+
+
+@pytest.fixture
+def no_pool_check(monkeypatch):
+    """The pool's own invariant check off: the schedule check must catch the planted bug alone (with it on, the pool
+    raises PoolInvariantError first, which is the engine's first line of defence)."""
+    monkeypatch.setattr(PagePool, "check", lambda self: None)
+
+
+def test_release_straight_to_the_free_list_is_caught(no_pool_check):
+    msg = first_problem(drive(pool_cls=plants.EagerFreePool))
+    assert msg.startswith("eviction at the end of the step violated: step "), msg
+    assert "straight to the free list during the step" in msg and "pages [" in msg
+
+
+def test_reservation_rounded_down_is_caught():
+    msg = first_problem(drive(pool_cls=plants.FlooringPool, pages=PAGES + 2))
+    assert msg.startswith("reserve on admit violated: step 0 admitted schedule-check-0000 (arrival 0) with 0 pages, "
+                          "ceil((8 + 8) / 64) = 1"), msg
+
+
+def test_admission_beyond_max_batch_is_caught():
+    class OneRow(plants.OverfullScheduler):
+        def __init__(self, pool, **kw):
+            super().__init__(pool, max_batch=1, **kw)
+    msg = first_problem(drive(scheduler_cls=OneRow, pages=60))
+    assert msg.startswith("max batch violated: step 0 admitted schedule-check-0001 (arrival 1): 2 rows held, "
+                          "max_batch is 1"), msg
+
+
+class LateRetirement(Scheduler):
+    """A finished request is retired one step after its last token."""
+
+    def finish_step(self, duration=None):
+        late = [r for r in self.running if r.state is State.FINISHED and r.token_steps[-1] == self.step_index]
+        for r in late:
+            r.state = State.DECODE
+        freed = super().finish_step(duration)
+        for r in late:
+            r.state = State.FINISHED
+        return freed
+
+
+def test_late_release_is_caught():
+    msg = first_problem(drive(scheduler_cls=LateRetirement))
+    assert msg.startswith("eviction at the end of the step violated: step ") and "its last token came at step" in msg
+
+
+class LeakyPool(PagePool):
+    def release(self, owner):
+        self.owned.pop(owner)          # the pages are dropped, neither pending nor free
+
+
+def test_page_leak_is_caught(no_pool_check):
+    problems = engine_problems(drive(pool_cls=LeakyPool, pages=60))
+    assert any(p.startswith("every page back violated: ") for p in problems), problems
+
+
+# -- a real engine run on the small model ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(None)
+
+
+def engine_run(loaded) -> Engine:
+    cfg = lineage_config("fused", poison=True, page_size=64, num_pages=PAGES + 1, chunk_tokens=WORKLOAD.chunk_tokens)
+    eng = Engine(cfg, loaded=loaded)
+    eng.run(WORKLOAD.requests(loaded[0].shape.vocab_size))
+    return eng
+
+
+def test_real_engine_run_passes(loaded):
+    eng = engine_run(loaded)
+    check_engine(eng, "fused[torch] tiny pool")
+    assert any(s.admission_blocked for s in eng.trace)
+
+
+def test_real_engine_queue_jump_fails_the_check(loaded, monkeypatch):
+    plants.fcfs(monkeypatch)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"^fused\[torch\] tiny pool: the engine's schedule broke \d+ "
+                                                r"invariant check\(s\):\n  strict FCFS admission violated: step \d+ "
+                                                r"admitted \S+ \(arrival \d+\) while \S+ \(arrival \d+, needs \d+ "
+                                                r"pages\) still waited"):
+        check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_real_engine_eager_free_fails_the_check(loaded, monkeypatch, no_pool_check):
+    plants.eager_free(monkeypatch)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"eviction at the end of the step violated: step \d+ released \S+'s "
+                                                r"pages \[[\d, ]+\] straight to the free list during the step"):
+        check_engine(eng, "fused[torch] tiny pool")

@@ -1,7 +1,6 @@
 """Fixtures shared by the gates: options, the loaded model, memoised engine runs, goldens, teacher forcing."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -1,14 +1,15 @@
 """pytest setup for the gates and the tests: threads, hypothesis profiles, and the stepgate plugins.
 
 The options (`--device`, `--dtype`, `--backend`, `--engine`, `--model`, `--golden-dir`, `--tie-threshold`,
-`--flip-cap`, `--regen-golden`, `--gate-summary`, `--allow-skipped-files`, `--tp`) are declared and checked in
-gates/options.py; gates/snapshot.py fails a plain run that changes the goldens.
+`--flip-cap`, `--regen-golden`, `--gate-summary`, `--gate-summary-md`, `--allow-skipped-files`, `--tp`) are declared
+and checked in gates/options.py; gates/snapshot.py fails a plain run that changes the goldens; gates/summary.py
+summarises the gates (JSON, Markdown); gates/workers.py places xdist workers and times out a hung gate.
 """
 from __future__ import annotations
 
 import os
 
-pytest_plugins = ["pytester", "gates.options", "gates.snapshot"]
+pytest_plugins = ["pytester", "gates.workers", "gates.options", "gates.snapshot", "gates.summary"]
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -10,6 +10,7 @@ from .dtypes import canonical_dtype
 from .errors import ConfigError
 
 FORWARD_MODES = ("chunked", "fused")
+KV_CACHE_BYTES = {"cpu": 256 << 20, "cuda": 16 << 30}   # the KV budget by device type where none is given
 DEVICE_FORMS = ("cpu", "cuda", "cuda:N")
 
 
@@ -72,7 +73,7 @@ class EngineConfig:
     max_batch: int = 32
     chunk_tokens: int = 512
     num_pages: int | None = None    # the pool's pages (null page included); None: from kv_cache_bytes
-    kv_cache_bytes: int | None = None   # None: 256 MiB on CPU, 16 GiB on CUDA
+    kv_cache_bytes: int | None = None   # None: KV_CACHE_BYTES of the device type
     poison: bool = False            # NaN in every freed or never-written slot; finite-logit check each step
     record_topk: int = 0            # record top-k logits of every emitted token (gates)
     dtype: str = "float32"

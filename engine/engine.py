@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import errors, inputs
-from .config import EngineConfig
+from .config import KV_CACHE_BYTES, EngineConfig
 from .dtypes import torch_dtype
 from .loader import load_model
 from .pool import PagePool, pages_for
@@ -122,7 +122,8 @@ class Engine:
         max_batch rows of the longest request can use."""
         if config.num_pages is not None:
             return config.num_pages
-        budget = config.kv_cache_bytes or ((16 << 30) if torch.device(config.device).type == "cuda" else (256 << 20))
+        kind = torch.device(config.device).type
+        budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
         # tp > 1: each rank holds its own key/value heads of every page, so the budget is per rank (per GPU)
         per_page = ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp), config.page_size, dtype)
         if budget // per_page < 2:

@@ -1,8 +1,6 @@
 """Fixtures shared by the gates: options, the loaded model, memoised engine runs, goldens, teacher forcing."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -13,7 +11,6 @@ from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
-from . import summary
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
 from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
@@ -127,24 +124,11 @@ def runs(opts) -> Runs:
     return Runs(opts)
 
 
-def pytest_sessionstart(session):
-    summary.PATH = Path(session.config.getoption("--gate-summary"))
-
-
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     short = getattr(config, "stepgate_short_of_gpus", None)
     if short:
         terminalreporter.write_line(f"stepgate: not run on {torch.cuda.device_count()} GPU(s), deselected: "
                                     f"{', '.join(short)}", yellow=True)
-    lines = summary.lines()
-    if not lines:
-        return
-    terminalreporter.section("stepgate gate summary")
-    for line in lines:
-        terminalreporter.write_line(line)
-    path = config.getoption("--gate-summary")
-    summary.write_json(path)
-    terminalreporter.write_line(f"(written to {path})")
 
 
 # Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file

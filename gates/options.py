@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from engine.loader import NAMED_MODELS, RANDOM_1P5B, model_class
 
 from .compare import TIE_THRESHOLD
 from .golden import GOLDEN_DIR
+from .workers import placement_of
 
 ALL = "all"
 MODELS = (*NAMED_MODELS, RANDOM_1P5B)
@@ -42,6 +43,8 @@ class GateOptions:
     backends: tuple[str, ...]
     allow_skipped_files: bool
     tp: int = 1                 # tensor-parallel ranks of every candidate engine (references and goldens stay tp 1)
+    kv_bytes: int | None = None  # KV budget of every engine the gates build (None: the engine's default);
+                                 # gates/workers.py sets it where xdist workers share a GPU, or from STEPGATE_KV_BYTES
 
     @property
     def model_arg(self):
@@ -74,6 +77,8 @@ def pytest_addoption(parser):
     g.addoption("--model", default="small", help="small (embedded), small-trained, qwen2.5-1.5b-random, or a "
                 "checkpoint directory (its class, small or large, comes from its config.json)")
     g.addoption("--gate-summary", default="gate-summary.json", help="where the JSON gate summary is written")
+    g.addoption("--gate-summary-md", default="gate-summary.md", help="where the Markdown gate summary is written "
+                "(also appended to $GITHUB_STEP_SUMMARY when that is set)")
     g.addoption("--tp", type=int, default=1, help="tensor-parallel ranks of the engine under test (goldens: tp 1)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
@@ -84,9 +89,10 @@ _KEY = pytest.StashKey["GateOptions"]()
 
 
 def gate_options(config) -> GateOptions:
-    """This run's checked options, read once per session."""
+    """This run's checked options, read once per session, with this process's KV budget (gates/workers.py)."""
     if _KEY not in config.stash:
-        config.stash[_KEY] = read_options(config.getoption)
+        opts = read_options(config.getoption)
+        config.stash[_KEY] = replace(opts, kv_bytes=placement_of(config, opts.device, opts.tp).kv_bytes)
     return config.stash[_KEY]
 
 
@@ -204,7 +210,8 @@ def is_gate_file(nodeid: str) -> bool:
 
 
 def pytest_configure(config):
-    gate_options(config)
+    from . import reference
+    reference.KV_BYTES = gate_options(config).kv_bytes
     if not hasattr(config, "workerinput"):      # an xdist worker sees part of a file: its controller counts
         config.pluginmanager.register(UnrunFiles(config), "stepgate-unrun-files")
 

@@ -15,6 +15,8 @@ from engine.workload import RequestSpec
 from .records import GenRecord
 
 TOPK = 8
+KV_BYTES: int | None = None     # set by the gate options: the KV budget of every engine built here (None: the
+                                # engine's own), so that xdist workers sharing one GPU fit their pools together
 
 
 class Reference:
@@ -75,6 +77,8 @@ class EngineReference(Reference):
     def __init__(self, name: str, model=None, device="cpu", dtype="float32", loaded=None, **overrides):
         self.name = name
         kw = dict(device=device, dtype=dtype, record_topk=TOPK)
+        if KV_BYTES is not None:
+            kw["kv_cache_bytes"] = KV_BYTES
         kw.update(overrides)
         self.config = lineage_config(name, **kw) if name in ("chunked", "fused", "flash") else EngineConfig(**kw)
         self.model = model

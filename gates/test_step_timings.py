@@ -50,6 +50,9 @@ from engine.workload import MIXED, MIXED_CPU, SEED, UNIFORM_CPU, Workload
 
 from .options import gate_options
 
+# a timing taken beside another worker's steps is noise, and pytest-benchmark turns itself off under xdist
+pytestmark = pytest.mark.serial
+
 ROWS = 32                                   # decode rows of the fixed state (max batch)
 KINDS = ("pure-decode", "loaded", "chunk-only")
 KERNEL_BACKENDS = ("torch", "flex", "flash")

@@ -14,6 +14,9 @@ from .conftest import skip_unless_runs, workload_for
 from .test_tokens import assert_gate
 from .tp import tp_vs_tp1
 
+# its ranks span GPUs that other xdist workers gate on, and on a CPU its rank processes would share the cores
+pytestmark = pytest.mark.serial
+
 SUBSET = 8    # the first requests of the mixed draw: long prompts read in chunks beside decoders, then decoding
 
 

@@ -57,3 +57,18 @@ def loaded():
     """The small model, loaded once per module: (model, hf config, name)."""
     from engine.loader import load_model
     return load_model(None, torch.float32, "cpu")
+
+
+@pytest.fixture
+def gate_folder(pytester):
+    """make(conftest, **gate_files): a synthetic gate folder for pytester runs (an empty golden/, gates/ holding the
+    files given, markers as the project registers them), whose conftest loads the stepgate plugins it names."""
+    def make(conftest: str, **gate_files: str):
+        pytester.makeconftest(conftest)
+        pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
+        (pytester.path / "golden").mkdir()
+        (pytester.path / "gates").mkdir()
+        for name, text in gate_files.items():
+            (pytester.path / "gates" / name).write_text(text)
+        return pytester
+    return make

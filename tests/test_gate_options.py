@@ -37,14 +37,9 @@ def fake_config(**given):
 
 
 @pytest.fixture
-def gate_dir(pytester):
+def gate_dir(gate_folder):
     """A synthetic gate folder (with an empty golden/) that loads the stepgate plugins."""
-    pytester.makeconftest(INNER_CONFTEST)
-    pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a CUDA device\n")
-    (pytester.path / "golden").mkdir()
-    (pytester.path / "gates").mkdir()
-    (pytester.path / "gates" / "test_one.py").write_text("def test_one():\n    pass\n")
-    return pytester
+    return gate_folder(INNER_CONFTEST, **{"test_one.py": "def test_one():\n    pass\n"})
 
 
 def run(pytester, *args):

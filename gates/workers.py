@@ -1,0 +1,279 @@
+"""The gates over pytest-xdist workers, a pytest plugin: which GPU each worker gates on and how much KV cache its
+engines may take, the gates that need their device(s) to themselves (marked `serial`), and a timeout on every gate.
+
+`pytest gates/ -n 4 --device cuda`: on a machine of several GPUs the controller gives worker k the GPU k mod GPUs as
+its only visible one (CUDA_VISIBLE_DEVICES, set in the worker before any CUDA call); workers that share a GPU split
+the engine's CUDA KV budget between them, so that their pools fit together. STEPGATE_KV_BYTES sets the budget of
+every engine the gates build instead (bytes, or with a KiB/MiB/GiB suffix). Gates marked `serial` (step timings:
+pytest-benchmark turns itself off under xdist, and a shared device makes them noise; tensor parallel: it spans GPUs
+other workers own) are deselected under xdist: `pytest gates/ -m serial` runs them."""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from dataclasses import asdict, dataclass
+
+import pytest
+
+from engine.config import KV_CACHE_BYTES
+
+KV_ENV = "STEPGATE_KV_BYTES"
+PLACEMENT_KEY = "stepgate_placement"    # workerinput: the worker's Placement, chosen by the controller
+SERIAL_KEY = "stepgate_serial"          # workeroutput: the serial gates a worker deselected
+WORKERS_PER_GPU = 4         # `-n auto` on CUDA: the suite is bound by host work (compiling, packing) more than the GPU
+# a gate that runs longer than this has hung (a kernel that never returns): it fails with every thread's stack.
+# --timeout N (or PYTEST_TIMEOUT, or the ini's timeout) sets every gate's; @pytest.mark.timeout(N) one gate's.
+GATE_TIMEOUT_S = {"cuda": 600, "cpu": 1800}
+UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+
+
+@dataclass(frozen=True)
+class Placement:
+    device: str                # the device this process gates on, as its gates name it
+    visible: str | None        # CUDA_VISIBLE_DEVICES of the worker (its own GPU); None: the controller's
+    sharers: int               # processes of this run gating on that device (1: its own)
+    kv_bytes: int | None       # the KV budget of every engine the gates build; None: the engine's default
+    where: str                 # for the header: how it was chosen
+
+
+def kv_bytes_from(value: str) -> int:
+    """STEPGATE_KV_BYTES: bytes, or a number with a KiB/MiB/GiB (or K/M/G) suffix."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in UNITS:
+        raise pytest.UsageError(f"{KV_ENV}={value!r}: not a size (bytes, or a number with KiB, MiB or GiB)")
+    n = int(float(m.group(1)) * UNITS[m.group(2).lower()])
+    if n < 1 << 20:
+        raise pytest.UsageError(f"{KV_ENV}={value!r}: {n} bytes is under 1 MiB, too small for one page of a model")
+    return n
+
+
+def gpu_ids(gpus: int, env=os.environ) -> list[str]:
+    """The GPUs the controller sees, as CUDA_VISIBLE_DEVICES names them (its own mask kept: "2,3" stays 2 and 3)."""
+    given = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return given[:gpus] if len(given) >= gpus else [str(i) for i in range(gpus)]
+
+
+def placement(device: str, tp: int, worker: int | None, workers: int, gpus: int, env=os.environ) -> Placement:
+    """Where worker `worker` of `workers` gates (None: a run without xdist), given the `--device` asked for and the
+    GPUs the controller sees."""
+    explicit = kv_bytes_from(env[KV_ENV]) if env.get(KV_ENV) else None
+    if worker is None or not device.startswith("cuda"):
+        return Placement(device, None, 1, explicit, KV_ENV if explicit else "")
+    visible = None
+    if device == "cuda" and tp == 1 and gpus > 1:
+        index = worker % gpus
+        visible = gpu_ids(gpus, env)[index]
+        sharers = len(range(index, workers, gpus))
+        where = f"worker {worker} of {workers} on GPU {visible} of {gpus}"
+    else:       # a named device, one GPU, or tensor parallel from the first GPU: every worker shares
+        sharers = workers
+        where = f"worker {worker} of {workers} sharing {device}" + (f" (tp {tp})" if tp > 1 else "")
+    kv = explicit or (KV_CACHE_BYTES["cuda"] // sharers if sharers > 1 else None)
+    return Placement(device, visible, sharers, kv, where)
+
+
+def placement_of(config, device: str, tp: int) -> Placement:
+    """This process's placement: the one its controller sent (an xdist worker), else a plain run's."""
+    sent = getattr(config, "workerinput", {}).get(PLACEMENT_KEY)
+    return Placement(**sent) if sent else placement(device, tp, None, 0, 0)
+
+
+def xdist_workers(config) -> int:
+    """The workers this run's controller starts (0: no xdist)."""
+    try:
+        return int(config.getoption("numprocesses") or 0)
+    except (ValueError, KeyError):       # pytest-xdist not installed (KeyError: a test's stand-in config)
+        return 0
+
+
+def serial_command(config) -> str:
+    """The command that runs the gates marked serial, under this run's own -m expression."""
+    expr = config.getoption("markexpr", "") or ""
+    return f"pytest gates/ -m {f'serial and ({expr})' if expr else 'serial'!r} (without -n)"
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.3g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.4g} MiB"
+
+
+# -- the plugin's hooks --------------------------------------------------------------------------------------------
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` with --device cuda: WORKERS_PER_GPU per GPU (capped by the cores); on CPU, xdist's own count."""
+    if not str(config.getoption("--device")).startswith("cuda"):
+        return None
+    from .options import cuda_devices
+    return max(1, min(os.cpu_count() or 1, WORKERS_PER_GPU * max(1, cuda_devices())))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: needs its device(s) to itself (step timings, tensor parallel): "
+                            "deselected under xdist; run with pytest gates/ -m serial")
+    sent = getattr(config, "workerinput", {}).get(PLACEMENT_KEY)
+    if sent and sent["visible"] is not None:
+        see_only(sent["visible"])
+
+
+def see_only(gpu: str) -> None:
+    """Make `gpu` this worker's only CUDA device. CUDA reads the mask once, at its first call in the process (a
+    device count included), so one made earlier, by an import or a conftest, would leave every GPU visible."""
+    from .options import cuda_devices
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    if cuda_devices() != 1:
+        raise pytest.UsageError(f"CUDA_VISIBLE_DEVICES={gpu} set too late in this xdist worker: it sees "
+                                f"{cuda_devices()} GPUs (something called CUDA while pytest loaded its plugins); "
+                                f"run without -n, or name one device (--device cuda:0) to share it")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """The controller places each worker as it starts it."""
+    from .options import cuda_devices, gate_options
+    o = gate_options(node.config)
+    worker = int(str(node.workerinput["workerid"]).removeprefix("gw"))
+    p = placement(o.device, o.tp, worker, int(node.workerinput["workercount"]), cuda_devices() if o.is_cuda else 0)
+    node.workerinput[PLACEMENT_KEY] = asdict(p)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    from .options import is_gate_file
+    if hasattr(config, "workerinput"):
+        serial = [item for item in items if item.get_closest_marker("serial")]
+        if serial:
+            config.hook.pytest_deselected(items=serial)
+            items[:] = [item for item in items if not item.get_closest_marker("serial")]
+        config.workeroutput[SERIAL_KEY] = len(serial)
+    add_timeouts(config, [item for item in items if is_gate_file(item.nodeid)])
+
+
+_SERIAL = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """Every worker deselects the same serial gates: the controller keeps their count for its reports."""
+    n = getattr(node, "workeroutput", {}).get(SERIAL_KEY)
+    if n is not None:
+        node.config.stash[_SERIAL] = max(n, node.config.stash.get(_SERIAL, 0))
+
+
+def serial_note(config) -> str | None:
+    """What a run over workers left out, and the command that runs it; None when it left nothing out."""
+    n = config.stash.get(_SERIAL, 0)
+    if not n:
+        return None
+    return f"{n} gate(s) marked serial were deselected under xdist: run them with {serial_command(config)}"
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    note = serial_note(config)
+    if note:
+        terminalreporter.write_line(f"stepgate: {note}", yellow=True)
+
+
+def gate_timeout(config) -> tuple[float, str]:
+    """(seconds, method) of every gate: pytest-timeout's own setting (--timeout, PYTEST_TIMEOUT, the ini) where
+    given, else GATE_TIMEOUT_S for the device; the `thread` method unless another is named, because a kernel that
+    never returns holds the main thread where no signal handler runs: the thread dumps every stack and exits."""
+    from pytest_timeout import get_env_settings
+
+    from .options import gate_options
+    seconds = get_env_settings(config).timeout
+    if seconds is None:
+        seconds = GATE_TIMEOUT_S["cuda" if gate_options(config).is_cuda else "cpu"]
+    method = config.getoption("timeout_method", None) or config.getini("timeout_method") or "thread"
+    return seconds, method
+
+
+def add_timeouts(config, items) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    seconds, method = gate_timeout(config)
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(seconds, method=method))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout's thread method, with the stacks where a reader finds them: on stderr (an xdist worker's
+    stdout goes nowhere, its stderr reaches the controller's) and in the gate summary (gates/summary.py)."""
+    if settings.method != "thread" or not settings.timeout:
+        return None
+    timer = threading.Timer(settings.timeout, timed_out, (item, settings))
+    timer.name = f"stepgate timeout {item.nodeid}"
+    timer.daemon = True
+
+    def cancel():
+        timer.cancel()
+        timer.join()
+    item.cancel_timeout = cancel
+    timer.start()
+    return True
+
+
+class StackText:
+    """What pytest_timeout.dump_stacks writes to, kept as text."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+
+    def sep(self, char: str, title: str) -> None:
+        self.parts.append(f" {title} ".center(100, char) + "\n")
+
+    def write(self, text: str) -> None:
+        self.parts.append(text)
+
+
+def timed_out(item, settings) -> None:
+    """The timer ran out: every thread's stack to stderr and the gate summary, then the process ends (a kernel that
+    never returns cannot be interrupted; under xdist the controller reports the crash and goes on)."""
+    import pytest_timeout
+
+    from . import summary
+    if not settings.disable_debugger_detection and pytest_timeout.is_debugging():
+        return
+    try:
+        out = StackText()
+        capman = item.config.pluginmanager.getplugin("capturemanager")
+        if capman:      # pytest holds fd 1 and 2 during a test: give them back, with what the test printed
+            capman.suspend_global_capture(item)
+            for name, text in zip(("stdout", "stderr"), capman.read_global_capture()):
+                if text:
+                    out.sep("~", f"Captured {name}")
+                    out.write(text)
+        pytest_timeout.dump_stacks(out)
+        text = (f"+++ Timeout: {item.nodeid} ran past {settings.timeout:g} s (a hung kernel?); every thread's "
+                f"stack follows +++\n" + "".join(out.parts))
+        os.write(2, text.encode())
+        summary.timed_out(item, text)
+    finally:
+        os._exit(1)
+
+
+def pytest_report_header(config):
+    from .options import gate_options
+    o = gate_options(config)
+    if config.pluginmanager.hasplugin("timeout"):
+        seconds, method = gate_timeout(config)
+        lines = [f"stepgate: every gate times out after {seconds:g} s ({method} method: every thread's stack, "
+                 f"then the run stops); --timeout N to change it, --timeout 0 for none"]
+    else:
+        lines = ["stepgate: pytest-timeout is not installed: a hung gate hangs the run (pip install -e '.[test]')"]
+    workers = xdist_workers(config)
+    if workers:
+        from .options import cuda_devices
+        gpus = cuda_devices() if o.is_cuda else 0
+        plan = [placement(o.device, o.tp, w, workers, gpus) for w in range(workers)]
+        devices = sorted({p.device if p.visible is None else f"GPU {p.visible}" for p in plan})
+        kv = {p.kv_bytes for p in plan}
+        budget = ("the engine's default KV budget" if kv == {None} else
+                  "KV budget " + ", ".join(gib(b) for b in sorted(b for b in kv if b)) + " per engine")
+        lines.append(f"stepgate: {workers} xdist workers on {', '.join(devices)} ({budget}); gates marked serial "
+                     f"are deselected here: run them with {serial_command(config)}")
+    elif o.kv_bytes:
+        lines.append(f"stepgate: KV budget {gib(o.kv_bytes)} per engine ({KV_ENV})")
+    return lines

@@ -1,0 +1,329 @@
+"""The gates over xdist workers (gates/workers.py, gates/summary.py): each worker's GPU and KV budget (GPUs
+simulated), one summary from the controller equal to a plain run's, serial gates left to their own run, the unrun-file
+and golden checks on the controller, and a hung gate that fails with a trace instead of holding the runner. Inner runs use tiny synthetic gate
+folders (pytester), not the real gates."""
+from __future__ import annotations
+
+import json
+import os
+import types
+from pathlib import Path
+
+import pytest
+
+from engine.config import KV_CACHE_BYTES
+from gates import options, summary, workers
+from gates.workers import KV_ENV, placement
+
+REPO = Path(__file__).resolve().parent.parent
+PLUGINS = 'pytest_plugins = ["gates.workers", "gates.options", "gates.snapshot", "gates.summary"]\n'
+GiB = 1 << 30
+
+# Synthetic gates: four that pass (one with an accepted flip), one that fails with a triage verdict, one skipped,
+# one marked serial. Records as gates/test_tokens.py makes them (summary.record of a compare report).
+GATES = '''
+import time
+import pytest
+import torch
+from gates import summary
+from gates.compare import compare
+from gates.records import GenRecord
+
+def rec(tokens, ids, logits):
+    return {"r": GenRecord("r", [5, 6], tokens, ids, logits, [0, 1])}
+
+REF = rec([7, 8], [[7, 1], [8, 9]], [[3.0, 1.0], [3.0, 2.995]])
+FLIP = rec([7, 9], [[7, 1], [9, 8]], [[3.0, 1.0], [3.0, 2.99]])
+BAD = rec([9, 8], [[9, 7], [8, 1]], [[3.0, 1.0], [3.0, 1.0]])
+
+def score(prompt, tokens):
+    logits = torch.zeros(len(tokens), 16)
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 3.0
+    return logits
+
+@pytest.mark.parametrize("i", range(3))
+def test_identical(i):
+    time.sleep(0.05 * i)
+    assert summary.record(compare(f"identical {i}", REF, REF, score)).ok
+
+def test_flip():
+    assert summary.record(compare("flipped", REF, FLIP, score)).ok
+
+def test_planted_failure():
+    report = summary.record(compare("planted", REF, BAD, score))
+    assert report.ok, "\\n".join(["gate planted failed:", *report.problems(), "verdict: only when batched with r2"])
+
+def test_skipped():
+    pytest.skip("not on this machine")
+
+@pytest.mark.serial
+def test_timing():
+    pass
+'''
+
+REWRITE = """
+from pathlib import Path
+
+def test_rewrites_a_golden():     # the same bytes, written again: the guard sees the write
+    golden = Path("golden/g.json")
+    golden.write_bytes(golden.read_bytes())
+"""
+
+
+@pytest.fixture
+def gate_dir(gate_folder):
+    return gate_folder(PLUGINS, **{"test_synthetic.py": GATES})
+
+
+def run(pytester, *args, name="serial", subprocess=False):
+    """A run of the synthetic gates writing its summaries as `name`.json / `name`.md."""
+    args = ("-p", "no:cacheprovider", "--golden-dir", "golden", "--gate-summary", f"{name}.json",
+            "--gate-summary-md", f"{name}.md", *args)
+    if subprocess:     # the plugins from this checkout, not an installed copy
+        return pytester.runpytest_subprocess(*args)
+    return pytester.runpytest(*args)
+
+
+# -- each worker's device and KV budget ----------------------------------------------------------------------------
+GPU = KV_CACHE_BYTES["cuda"]
+
+
+@pytest.mark.parametrize("device,tp,worker,workers,gpus,want", [
+    ("cpu", 1, None, 0, 0, (None, 1, None)),                        # a plain CPU run: the engine's default
+    ("cpu", 1, 1, 2, 0, (None, 1, None)),                           # CPU workers share memory, not a GPU
+    ("cuda", 1, None, 0, 1, (None, 1, None)),                       # a plain GPU run
+    ("cuda", 1, 2, 4, 1, (None, 4, GPU // 4)),                      # four workers on one GPU split its budget
+    ("cuda", 1, 3, 4, 2, ("1", 2, GPU // 2)),                       # two GPUs: worker k on GPU k mod 2
+    ("cuda", 1, 2, 4, 4, ("2", 1, None)),                           # a GPU each: the whole budget
+    ("cuda", 1, 4, 5, 4, ("0", 2, GPU // 2)),                       # five on four: GPU 0 has two
+    ("cuda:1", 1, 0, 3, 2, (None, 3, GPU // 3)),                    # a named device: every worker shares it
+    ("cuda", 2, 1, 2, 2, (None, 2, GPU // 2)),                      # tp 2 spans the GPUs from the first: shared
+])
+def test_each_worker_gets_a_gpu_and_a_share_of_its_kv_budget(device, tp, worker, workers, gpus, want):
+    p = placement(device, tp, worker, workers, gpus, env={})
+    assert (p.visible, p.sharers, p.kv_bytes) == want
+    assert p.device == device, "a worker names its device as the run does: the mask makes its GPU cuda:0"
+
+
+def test_a_worker_gets_its_gpu_by_the_controllers_own_mask():
+    env = {"CUDA_VISIBLE_DEVICES": "5, 7"}
+    assert [placement("cuda", 1, w, 4, 2, env=env).visible for w in range(4)] == ["5", "7", "5", "7"]
+
+
+def test_the_kv_budget_can_be_named_and_a_bad_one_is_a_usage_error():
+    assert placement("cuda", 1, 0, 4, 1, env={KV_ENV: "2GiB"}).kv_bytes == 2 * GiB
+    assert placement("cpu", 1, None, 0, 0, env={KV_ENV: "512M"}).kv_bytes == 512 << 20
+    assert placement("cuda", 1, None, 0, 1, env={KV_ENV: str(3 * GiB)}).kv_bytes == 3 * GiB
+    for bad in ("lots", "2 parsecs", "100"):
+        with pytest.raises(pytest.UsageError, match=KV_ENV):
+            placement("cpu", 1, None, 0, 0, env={KV_ENV: bad})
+
+
+# Simulated GPUs for a CPU run over workers: as many as CUDA_VISIBLE_DEVICES names, --device cuda
+# accepted, the backends' CUDA check left out. Each gate writes where it ran and what its engines may take.
+FAKE_GPUS = """
+import os
+import pytest
+from gates import options
+
+def fake_gpus():
+    return len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+
+FAKE = pytest.MonkeyPatch()     # an inline run's controller is the test's own process: undone when it ends
+FAKE.setattr(options, "cuda_devices", fake_gpus)
+FAKE.setattr(options, "check_required_backends", lambda opts: None)
+
+def pytest_unconfigure(config):
+    FAKE.undo()
+"""
+WHERE = """
+import json, os
+import pytest
+from gates import reference
+from gates.options import gate_options
+
+@pytest.mark.parametrize("i", range(8))
+def test_where(request, i):
+    o = gate_options(request.config)
+    seen = dict(worker=os.environ["PYTEST_XDIST_WORKER"], visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                gpus=options_gpus(), device=o.device, kv=o.kv_bytes, engines_kv=reference.KV_BYTES)
+    with open(f"where-{seen['worker']}.jsonl", "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+
+def options_gpus():
+    from gates import options
+    return options.cuda_devices()
+"""
+
+
+def where_workers_ran(pytester, *args) -> dict:
+    r = run(pytester, "gates/test_where.py", "--device", "cuda", *args)
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()[-3000:]
+    seen = {}
+    for path in pytester.path.glob("where-gw*.jsonl"):
+        rows = {json.dumps(row, sort_keys=True) for row in map(json.loads, path.read_text().splitlines())}
+        assert len(rows) == 1, f"one worker, one placement: {rows}"
+        row = json.loads(rows.pop())
+        seen[row.pop("worker")] = row
+    return seen
+
+
+def test_three_workers_on_two_gpus_see_one_each_and_the_pair_on_one_gpu_split_its_kv_budget(gate_dir, monkeypatch):
+    """The controller's own mask names the GPUs (7 and 5 here): each worker sees only its own."""
+    monkeypatch.delenv(KV_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7,5")
+    gate_dir.makeconftest(PLUGINS + FAKE_GPUS)
+    (gate_dir.path / "gates" / "test_where.py").write_text(WHERE)
+    seen = where_workers_ran(gate_dir, "-n", "3", "--dist", "each")
+    assert seen == {"gw0": dict(visible="7", gpus=1, device="cuda", kv=GPU // 2, engines_kv=GPU // 2),
+                    "gw1": dict(visible="5", gpus=1, device="cuda", kv=None, engines_kv=None),
+                    "gw2": dict(visible="7", gpus=1, device="cuda", kv=GPU // 2, engines_kv=GPU // 2)}
+
+
+def test_a_worker_whose_cuda_started_before_its_mask_stops_the_run(monkeypatch):
+    """CUDA reads the mask once: a worker that still sees every GPU would gate on GPU 0 with all the others."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(options, "cuda_devices", lambda: 2)          # the mask came too late: both still seen
+    with pytest.raises(pytest.UsageError, match=r"CUDA_VISIBLE_DEVICES=1 set too late .* sees 2 GPUs"):
+        workers.see_only("1")
+    monkeypatch.setattr(options, "cuda_devices", lambda: 1)
+    workers.see_only("1")
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_engines_built_by_the_gates_take_the_budget(monkeypatch):
+    from gates import reference
+    monkeypatch.setattr(reference, "KV_BYTES", 64 << 20)
+    assert reference.EngineReference("fused").config.kv_cache_bytes == 64 << 20
+    assert reference.EngineReference("fused", kv_cache_bytes=32 << 20).config.kv_cache_bytes == 32 << 20
+
+
+# -- one summary from the controller, as a plain run's -------------------------------------------------------------
+def outcome_counts(r) -> dict:
+    return {k: v for k, v in r.parseoutcomes().items() if k in ("passed", "failed", "skipped")}
+
+
+def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
+    """The same gates, counts, unrun files and Markdown from the controller; the serial gate is left to its own run,
+    and the header says which."""
+    (gate_dir.path / "gates" / "test_nothing.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(4))\ndef test_n(i):\n    pytest.skip('no device')\n")
+    (gate_dir.path / "gates" / "test_rewrite.py").write_text(REWRITE)
+    (gate_dir.path / "golden" / "g.json").write_text("{}\n")
+    plain = run(gate_dir, "-p", "no:xdist", name="plain")
+    spread = run(gate_dir, "-n", "2", "-m", "not gpu", name="spread")
+    assert plain.ret == spread.ret == pytest.ExitCode.TESTS_FAILED
+    assert outcome_counts(plain) == {"passed": 6, "failed": 1, "skipped": 5}
+    assert outcome_counts(spread) == {"passed": 5, "failed": 1, "skipped": 5}, "the serial gate is left out"
+    spread.stdout.fnmatch_lines(["stepgate: 2 xdist workers on cpu (*); gates marked serial are deselected here: "
+                                 "run them with pytest gates/ -m 'serial and (not gpu)' (without -n)"])
+    spread.stdout.fnmatch_lines(["stepgate: 1 gate(s) marked serial were deselected under xdist: run them with "
+                                 "pytest gates/ -m 'serial and (not gpu)' (without -n)"])
+    for r in (plain, spread):       # a worker's write is seen by the controller's snapshot
+        r.stdout.fnmatch_lines(["*stepgate: the run changed the goldens*", "*changed  g.json: rewritten*"])
+    gates = {n: json.loads((gate_dir.path / f"{n}.json").read_text()) for n in ("plain", "spread")}
+    assert gates["plain"] == gates["spread"], "the same gates, in the same (collection) order"
+    assert [(g["gate"], g["ok"]) for g in gates["plain"]] == [
+        ("identical 0", True), ("identical 1", True), ("identical 2", True), ("flipped", True), ("planted", False)]
+    assert gates["plain"][4]["test"] == "gates/test_synthetic.py::test_planted_failure"
+    for r in (plain, spread):
+        r.stdout.fnmatch_lines(["*stepgate gate summary*", "identical 0 *", "identical 1 *", "identical 2 *",
+                                "flipped  *0  *1  *0  *1  *0  ok", "*flip site r@1: 8->9 gaps ref 0.0050 cand 0.0100",
+                                "planted  *0  *0  *1  *0  *0  FAIL"])
+        r.stdout.fnmatch_lines(["gates/test_nothing.py: 4 collected, all skipped: no device"])
+    md = (gate_dir.path / "spread.md").read_text()
+    for part in ("## stepgate gates: FAILED (1 failed, 5 passed, 5 skipped)",
+                 "1 gate(s) marked serial were deselected under xdist: run them with pytest gates/ -m",
+                 "| planted | 0 | 0 | 1 | 0 | 0 | **FAIL** |",
+                 "- flipped: flip site r@1: 8->9 gaps ref 0.0050 cand 0.0100",
+                 "#### `gates/test_synthetic.py::test_planted_failure`", "```text\nAssertionError: gate planted failed:\n"
+                 "r position 0: reference token 7, candidate token 9;",
+                 "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 11)"):
+        assert part in md, f"{part!r} not in the Markdown summary:\n{md}"
+    assert "test_timing" not in md and "assert False" not in md
+    assert outcome_counts(run(gate_dir, "-m", "serial")) == {"passed": 1}, "without -n the serial gates run"
+
+
+def test_the_markdown_summary_is_appended_to_the_github_step_summary(gate_dir, monkeypatch):
+    step = gate_dir.path / "step-summary.md"
+    step.write_text("# earlier steps\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
+    run(gate_dir, "-p", "no:xdist", "-k", "identical")
+    text = step.read_text()
+    assert text.startswith("# earlier steps\n## stepgate gates: passed (3 passed)"), text[:300]
+    assert text.count("## stepgate gates") == 1
+
+
+def test_the_json_summary_is_on_disk_after_every_gate(tmp_path):
+    """A run cut short (a CI timeout) still leaves the summary of the gates it finished."""
+    collector = summary.GateSummary(types.SimpleNamespace(getoption={"--gate-summary": tmp_path / "s.json",
+                                                                     "--gate-summary-md": tmp_path / "s.md"}.get))
+    for name, ok in (("first", True), ("second", False)):
+        gate = {"gate": name, "ok": ok}
+        collector.pytest_runtest_logreport(types.SimpleNamespace(
+            nodeid="tests/x.py::t", user_properties=[(summary.KEY, gate)]))
+        assert json.loads((tmp_path / "s.json").read_text())[-1] == gate
+    assert [g["gate"] for g in json.loads((tmp_path / "s.json").read_text())] == ["first", "second"]
+
+
+def test_a_summary_path_that_is_not_a_file_is_written_in_place_never_replaced(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        summary.write_json(fifo, [{"gate": "g"}])
+        assert json.loads(os.read(fd, 1000)) == [{"gate": "g"}]
+        assert fifo.is_fifo(), "the pipe was replaced by a file (as /dev/null would be)"
+    finally:
+        os.close(fd)
+
+
+# -- a hung gate fails with a trace --------------------------------------------------------------------------------
+HANG = "import time\n\ndef test_hangs():\n    time.sleep(300)   # a kernel that never returns\n"
+
+
+def test_every_gate_has_the_default_timeout_unless_one_is_given(gate_dir):
+    (gate_dir.path / "gates" / "conftest.py").write_text(
+        "def pytest_collection_finish(session):\n"
+        "    for item in session.items:\n"
+        "        m = item.get_closest_marker('timeout')\n"
+        "        print('TIMEOUT', item.name, m.args, m.kwargs)\n")
+    (gate_dir.path / "gates" / "test_own.py").write_text(
+        "import pytest\n\n@pytest.mark.timeout(5)\ndef test_own_timeout():\n    pass\n")
+    cpu = workers.GATE_TIMEOUT_S["cpu"]
+    r = run(gate_dir, "--collect-only", "-s", "-k", "identical and 0 or own")
+    r.stdout.fnmatch_lines([f"stepgate: every gate times out after {cpu} s (thread method*",
+                            "TIMEOUT test_own_timeout (5,) {}",           # its own, kept
+                            f"TIMEOUT test_identical[0] ({cpu},) {{'method': 'thread'}}"])
+    r = run(gate_dir, "--collect-only", "-q", "-s", "-k", "identical and 0 or own", "--timeout", "7")
+    r.stdout.fnmatch_lines(["TIMEOUT test_own_timeout (5,) {}",
+                            "TIMEOUT test_identical[0] (7.0,) {'method': 'thread'}"])
+
+
+def test_a_hung_gate_fails_with_every_threads_stack_and_the_summary_says_where(gate_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    (gate_dir.path / "gates" / "test_hang.py").write_text(HANG)
+    r = run(gate_dir, "gates/test_hang.py", "gates/test_synthetic.py", "-k", "hang or identical", "-p", "no:xdist",
+            "--timeout", "2", name="hung", subprocess=True)
+    assert r.ret != 0
+    assert_hung(r.stderr.str(), (gate_dir.path / "hung.md").read_text(), passed=0)
+
+
+def test_a_hung_gate_under_xdist_fails_and_the_controller_goes_on_and_summarises(gate_dir, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    (gate_dir.path / "gates" / "test_hang.py").write_text(HANG)
+    r = run(gate_dir, "gates/test_hang.py", "gates/test_synthetic.py", "-k", "hang or identical", "-n", "1",
+            "--timeout", "3", name="hung", subprocess=True)
+    assert r.ret == pytest.ExitCode.TESTS_FAILED
+    r.stdout.fnmatch_lines(["*worker 'gw*' crashed while running 'gates/test_hang.py::test_hangs'*"])
+    assert_hung(r.stderr.str(), (gate_dir.path / "hung.md").read_text(), passed=3)
+
+
+def assert_hung(stderr: str, md: str, passed: int) -> None:
+    """The stacks on stderr (where an xdist worker's reach the log), and in the Markdown where it hung."""
+    for part in ("+++ Timeout: gates/test_hang.py::test_hangs ran past", "Stack of MainThread",
+                 "time.sleep(300)   # a kernel that never returns"):
+        assert part in stderr, f"{part!r} missing from stderr:\n{stderr[-3000:]}"
+    assert "#### `gates/test_hang.py::test_hangs` (timeout)" in md, md
+    assert "time.sleep(300)   # a kernel that never returns" in md, md
+    assert f"1 failed, {passed} passed" in md if passed else "(1 failed)" in md, md

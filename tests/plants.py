@@ -194,7 +194,7 @@ def eager_free(mp: pytest.MonkeyPatch) -> None:
 
 
 def slow_step(mp: pytest.MonkeyPatch) -> None:
-    from gates.test_step_timings import PLANT_ENV
+    from gates.step_states import PLANT_ENV
     mp.setenv(PLANT_ENV, "200")
 
 

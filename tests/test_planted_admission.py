@@ -12,7 +12,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from engine.pool import PagePool
 from engine.scheduler import Scheduler
-from gates.test_admission import PAGE_SIZES, make_machine
+from gates.admission_machine import PAGE_SIZES, make_machine
 from tests.plants import EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler
 
 # Generation only: hypothesis stops at the first failing example and reports its message. (Shrinking is left to the

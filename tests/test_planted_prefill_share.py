@@ -20,7 +20,7 @@ from engine.loader import load_model
 from engine.request import State
 from engine.scheduler import Chunk, DEBT_CAP_SECONDS, DEBT_CAP_STEPS, StepPlan, Scheduler
 from engine.workload import MIXED_CPU
-from gates.test_prefill_share import DEBT_CASE, check_debt_rule, check_identical, piece_problems, serve
+from gates.prefill_share_check import DEBT_CASE, check_debt_rule, check_identical, piece_problems, serve
 
 SUBSET = MIXED_CPU.scaled(16)      # shorts that decode while 1024-position prompts fill
 FIND = settings(max_examples=300, derandomize=True, database=None, deadline=None, report_multiple_bugs=False,

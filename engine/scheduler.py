@@ -45,11 +45,14 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .pool import PagePool
 from .prefix_cache import Chain
 from .request import Request, State
 from .schedule_log import ScheduleLog
+
+CHUNK_TOKENS = 512      # the default chunk budget: prompt positions a step may carry (docs/DESIGN.md)
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,17 @@ class Chunk:
     @property
     def completes_prompt(self) -> bool:
         return self.start + self.length == self.request.prompt_len
+
+
+class StepKind(StrEnum):
+    """What a step carries. A str, so traces, JSON and tables read (and compare equal to) the plain names."""
+    PURE_DECODE = "pure-decode"     # decode tokens only
+    LOADED = "loaded"               # prompt chunks and decode tokens
+    CHUNK_ONLY = "chunk-only"       # prompt chunks only
+    IDLE = "idle"                   # nothing
+
+
+WORK_KINDS = (StepKind.PURE_DECODE, StepKind.LOADED, StepKind.CHUNK_ONLY)   # the kinds that do work, table order
 
 
 @dataclass
@@ -89,14 +103,14 @@ class StepPlan:
         return [r for r, tok in zip(self.sampled, tokens) if r.emit(tok, self.index, t)]
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> StepKind:
         if self.chunks and self.decodes:
-            return "loaded"
+            return StepKind.LOADED
         if self.chunks:
-            return "chunk-only"
+            return StepKind.CHUNK_ONLY
         if self.decodes:
-            return "pure-decode"
-        return "idle"
+            return StepKind.PURE_DECODE
+        return StepKind.IDLE
 
     @property
     def prompt_positions(self) -> int:
@@ -142,7 +156,7 @@ def normalise_share(p) -> float:
 
 
 class Scheduler:
-    def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = 512, prefill_share: float = 1.0,
+    def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = CHUNK_TOKENS, prefill_share: float = 1.0,
                  short_prompt_positions: int = 512):
         if max_batch < 1 or chunk_tokens < 1:
             raise ValueError(f"max_batch and chunk_tokens must be >= 1, got {max_batch}, {chunk_tokens}")

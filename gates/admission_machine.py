@@ -44,14 +44,9 @@ PAGE_SIZES = (64, 256)
 
 
 def submit_or_refuse(pool, scheduler, request: Request) -> None:
-    """Queue `request`, or refuse it with NeverFitsError when it needs more pages than the whole pool holds.
-
-    Mirrors the pool check of Engine.validate (engine/engine.py), then Scheduler.add, as Engine.submit does."""
-    need = pool.pages_needed(request.slots_needed)
-    if need > pool.capacity:
-        raise NeverFitsError(
-            f"{request.request_id}: needs {need} pages of {pool.page_size} slots (prompt {request.prompt_len} + "
-            f"budget {request.budget}) but the whole pool holds {pool.capacity}: it could never be admitted")
+    """Queue `request` as Engine.submit does: the pool's never-fits rule (PagePool.check_fits, which Engine.validate
+    applies), then Scheduler.add."""
+    pool.check_fits(request.request_id, request.prompt_len, request.budget)
     scheduler.add(request)
 
 

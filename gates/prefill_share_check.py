@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from engine.pool import PagePool
 from engine.request import Request, RequestResult, State
 from engine.scheduler import DEBT_CAP_SECONDS, DEBT_CAP_STEPS, Scheduler
-from engine.workload import RequestSpec
+from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
 
 from .reference import EngineReference
 
@@ -59,7 +59,7 @@ def check_identical(base: dict[str, RequestResult], other: dict[str, RequestResu
 
 
 def serve(loaded, specs: list[RequestSpec], prefill_share: float, *, engine="fused", backend="torch", device="cpu",
-          dtype="float32", chunk_tokens=128, scheduler_cls=Scheduler, **overrides):
+          dtype="float32", chunk_tokens=CPU_CHUNK_TOKENS, scheduler_cls=Scheduler, **overrides):
     """Serve `specs` (all at time zero) in poison mode with `scheduler_cls`; returns (results, engine)."""
     ref = EngineReference(engine, device=device, dtype=dtype, loaded=loaded, backend=backend, poison=True,
                           chunk_tokens=chunk_tokens, prefill_share=prefill_share, **overrides)

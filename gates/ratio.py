@@ -5,6 +5,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from engine.scheduler import StepKind
+
 from .step_states import FixedState
 
 
@@ -64,9 +66,9 @@ def check_faster(fast_name: str, fast, slow_name: str, slow, reps: int = 15, war
 def fused_vs_chunked(st: FixedState, reps: int, warmup: int = 2, plant=None) -> Ratio:
     """The ratio gate: a fused loaded step against the two chunked forwards it replaces, on the same state.
     `plant` wraps the fused step (tests only)."""
-    fused = st.step_fn("loaded", "fused")
+    fused = st.step_fn(StepKind.LOADED, "fused")
     if plant is not None:
         fused = plant(fused)
-    chunked = st.step_fn("loaded", "chunked")
+    chunked = st.step_fn(StepKind.LOADED, "chunked")
     return check_faster("fused loaded step (one forward)", fused, "chunked loaded step (two forwards)", chunked,
                         reps=reps, warmup=warmup, sync=st.sync)

@@ -18,13 +18,12 @@ from engine.config import LINEAGE
 from engine.loader import RANDOM_1P5B, load_model
 from engine.pool import pages_for
 from engine.request import Request, State
-from engine.scheduler import Chunk, StepPlan
+from engine.scheduler import WORK_KINDS, Chunk, StepKind, StepPlan
 from engine.workload import MIXED, MIXED_CPU, SEED, UNIFORM_CPU, Workload
 
 from .options import gate_options
 
 ROWS = 32                                   # decode rows of the fixed state (max batch)
-KINDS = ("pure-decode", "loaded", "chunk-only")
 KERNEL_BACKENDS = ("torch", "flex", "flash")
 PLANT_ENV = "STEPGATE_PLANT_SLOWDOWN_MS"
 ROUNDS_ENV = "STEPGATE_BENCH_ROUNDS"
@@ -52,8 +51,7 @@ class ModelCase:
     @property
     def chunk(self) -> int:
         """Positions in the timed prompt chunk: the workload's chunk budget (512; CPU-scaled 128)."""
-        return int(getattr(self.workload, "chunk_tokens", None) or (128 if self.workload.name.endswith("-cpu")
-                                                                    else 512))
+        return self.workload.chunk_tokens
 
 
 def model_cases(config) -> list[ModelCase]:
@@ -115,7 +113,7 @@ def config_reason(config_name: str, device) -> str | None:
 
 def captured(runner, kind: str):
     """The runner's graph set for steps of this kind (None: they run eagerly)."""
-    return runner.graphs if kind == "pure-decode" else runner.step_graphs
+    return runner.graphs if kind == StepKind.PURE_DECODE else runner.step_graphs
 
 
 def synchronizer(device):
@@ -180,13 +178,13 @@ class FixedState:
         return self._chunk
 
     def plan(self, kind: str) -> StepPlan:
-        if kind == "pure-decode":
+        if kind == StepKind.PURE_DECODE:
             return StepPlan(0, decodes=list(self.decodes))
-        if kind == "loaded":
+        if kind == StepKind.LOADED:
             return StepPlan(0, chunks=[self.chunk], decodes=list(self.decodes))
-        if kind == "chunk-only":
+        if kind == StepKind.CHUNK_ONLY:
             return StepPlan(0, chunks=[self.chunk])
-        raise ValueError(f"unknown step kind {kind!r}; known: {KINDS}")
+        raise ValueError(f"unknown step kind {kind!r}; known: {[str(k) for k in WORK_KINDS]}")
 
     def step_fn(self, kind: str, forward_mode: str, graphs: bool = True):
         """One step's forward(s) + sampling, device synchronised around it; nothing in the state changes. A step

@@ -33,9 +33,10 @@ import pytest
 import torch
 
 from engine.config import LINEAGE
+from engine.scheduler import WORK_KINDS
 
 from .ratio import check_faster, fused_vs_chunked
-from .step_states import (KERNEL_BACKENDS, KINDS, ROWS, KernelState, States, backend_reason, captured, config_reason,
+from .step_states import (KERNEL_BACKENDS, ROWS, KernelState, States, backend_reason, captured, config_reason,
                           default_rounds, graph_capable, is_cuda, kernel_page_size, model_cases, model_label,
                           model_shape, ratio_case_for, run_device, run_dtype)
 
@@ -55,17 +56,17 @@ def pytest_generate_tests(metafunc):
     cases = model_cases(cfg)
     if "step_case" in metafunc.fixturenames:
         params = [pytest.param((case, name, kind, True, None), id=f"{dev}-{model_label(case.model)}-{name}-{kind}")
-                  for case in cases for name in LINEAGE for kind in KINDS]
+                  for case in cases for name in LINEAGE for kind in WORK_KINDS]
         # the graph path's eager twin, timed in the same run (graphs are captured only where a config allows)
         params += [pytest.param((case, name, kind, False, None),
                                 id=f"{dev}-{model_label(case.model)}-{name}-{kind}-eager")
-                   for case in cases for name in LINEAGE if graph_capable(name, device) for kind in KINDS]
+                   for case in cases for name in LINEAGE if graph_capable(name, device) for kind in WORK_KINDS]
         # `fused` on the flex backend: the flash generation's predecessor kernel, beside it in the same run (GPU:
         # on CPU, flex compiles every shape with Inductor's C++ backend, too slow for this file)
         if dev == "cuda":
             params += [pytest.param((case, "fused", kind, True, "flex"),
                                     id=f"{dev}-{model_label(case.model)}-fused-flex-{kind}")
-                       for case in cases for kind in KINDS]
+                       for case in cases for kind in WORK_KINDS]
         metafunc.parametrize("step_case", params)
     if "kernel_case" in metafunc.fixturenames:
         params = [pytest.param((case, b), id=f"{dev}-{model_label(case.model)}-{b}")
@@ -161,7 +162,7 @@ def test_flash_decode_cheaper_than_flex(states):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", WORK_KINDS)
 def test_graphed_decode_cheaper_than_eager(states, ratio_case, kind):
     """On GPU: a captured step (one graph launch) beats the same step run eagerly, at 32 rows of the fixed state
     (pure decode; loaded: the chunk beside them; chunk-only), measured interleaved in one run."""

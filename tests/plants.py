@@ -29,6 +29,13 @@ class FlooringPool(PagePool):
         return slots // self.page_size
 
 
+class AcceptingPool(PagePool):
+    """The never-fits rule lost: a request larger than the whole pool is accepted and would wait forever."""
+
+    def check_fits(self, request_id: str, prompt_len: int, budget: int) -> None:
+        pass
+
+
 class QueueJumpingScheduler(Scheduler):
     """Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
 

@@ -1,4 +1,4 @@
-"""The prefill-share checks: chunk boundaries in whole pieces, identical results across runs, a poison-mode serve
+"""The prefill-share checks: chunk boundaries in whole chunks, identical results across runs, a poison-mode serve
 with any scheduler class, and the debt rule driven over the scheduler alone with synthetic step durations
 (gates/test_prefill_share.py runs them; tests/test_planted_prefill_share.py runs them against planted bugs).
 """
@@ -10,14 +10,15 @@ from hypothesis import strategies as st
 
 from engine.pool import PagePool
 from engine.request import Request, RequestResult, State
-from engine.scheduler import DEBT_CAP_SECONDS, DEBT_CAP_STEPS, Scheduler
+from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS
+from engine.scheduler import Scheduler
 from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
 
 from .reference import EngineReference
 
 
-def piece_problems(results: dict[str, RequestResult], chunk_tokens: int, label: str) -> list[str]:
-    """Every request's chunks tile its prompt in whole pieces [k*C, min((k+1)*C, L)) (those it got to)."""
+def chunk_problems(results: dict[str, RequestResult], chunk_tokens: int, label: str) -> list[str]:
+    """Every request's chunks tile its prompt in whole chunks [k*C, min((k+1)*C, L)) (those it got to)."""
     out = []
     for rid, r in results.items():
         pos = 0
@@ -25,7 +26,7 @@ def piece_problems(results: dict[str, RequestResult], chunk_tokens: int, label: 
             want = (pos, min(chunk_tokens, len(r.prompt) - pos))
             if pos % chunk_tokens or (start, length) != want:
                 out.append(f"{label}: {rid} (prompt {len(r.prompt)}) chunk {k} is [{start}, {start + length}), "
-                           f"expected the whole piece [{want[0]}, {want[0] + want[1]}) (chunk_tokens {chunk_tokens})")
+                           f"expected the whole chunk [{want[0]}, {want[0] + want[1]}) (chunk_tokens {chunk_tokens})")
                 break
             pos += length
         else:
@@ -83,13 +84,13 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
                     long_pieces: int, chunk_tokens: int, warmup: int = 3, short: int = 512) -> dict:
     """Drive `scheduler_cls` with synthetic step durations: a step costs t_decode if it carries decode tokens, plus
     extra_ratio * t_decode per chunk_tokens prompt positions. Decoders (one per budget) start first and decode
-    `warmup` steps alone; then a long prompt of `long_pieces` long pieces (+ a short tail) arrives. Checks:
-    - nothing is withheld (no long piece waits, no step idles) while nobody decodes;
-    - per cycle (a step with long work, then pure decode steps up to the next long piece, decoders runnable
+    `warmup` steps alone; then a long prompt of `long_pieces` long chunks (+ a short tail) arrives. Checks:
+    - nothing is withheld (no long chunk waits, no step idles) while nobody decodes;
+    - per cycle (a step with long work, then pure decode steps up to the next long chunk, decoders runnable
       throughout) the pure decode steps cover the debt (t - t_d) (1 - p) / p, saturated at
       max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t), by whole steps: debt <= n t_d < debt + t_d; before the prompt's
-      last long piece, that piece's own debt too (paid ahead, estimated from the piece before it);
-    - over all cycles and the last long piece, the decoders' share of (pure decode time + prompt work's extra time)
+      last long chunk, that chunk's own debt too (paid ahead, estimated from the chunk before it);
+    - over all cycles and the last long chunk, the decoders' share of (pure decode time + prompt work's extra time)
       is 1 - p (unsaturated) within one pure decode step per cycle.
     Returns what it measured."""
     C = chunk_tokens
@@ -111,7 +112,7 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         long_work = any(c.request is longp for c in plan.chunks) and long_left
         if not plan.decodes and longp.state is State.PREFILL:
             assert any(c.request is longp for c in plan.chunks), (
-                f"step {plan.index}: the long prompt's piece was withheld while nobody decodes (debt "
+                f"step {plan.index}: the long prompt's chunk was withheld while nobody decodes (debt "
                 f"{sched.debt:.4g} s): debt must count only runnable decoders")
         extra = extra_ratio * t_decode * plan.prompt_positions / C
         duration = (t_decode if plan.decodes else 0.0) + extra
@@ -139,10 +140,10 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         ahead = ""
         before_last = b == long_at[-1]
         if before_last:
-            # the next piece is the prompt's last long one: it pays its own debt ahead, estimated from this piece
+            # the next chunk is the prompt's last long one: it pays its own debt ahead, estimated from this chunk
             # (same size, so the estimate is exact here), saturated at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS t)
             due = max(due, min(due + owed, max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * (e + t_decode))))
-            ahead = f", plus the last long piece's own debt ahead, estimated as this one's ({owed:.4g} s)"
+            ahead = f", plus the last long chunk's own debt ahead, estimated as this one's ({owed:.4g} s)"
         tol = 1e-6 * max(1.0, due)
         assert due - tol <= n * t_decode < due + t_decode + tol, (
             f"p={p_used}: after the loaded step {seg[0][0]} ({t_loaded:.4g} s, {e:.4g} s beyond a pure decode step of "

@@ -26,7 +26,7 @@ from engine.scheduler import Scheduler
 from engine.workload import get_workload
 
 from .conftest import CANDIDATES, skip_unless_runs
-from .prefill_share_check import DEBT_CASE, apply, assert_no_problems, check_debt_rule, check_identical, piece_problems
+from .prefill_share_check import DEBT_CASE, apply, assert_no_problems, check_debt_rule, check_identical, chunk_problems
 from .reference import EngineReference
 
 SHARES = (1.0, 0.75, 0.5, 0.25)
@@ -42,7 +42,7 @@ def test_tokens_and_chunks_identical_across_prefill_share(runs, opts, engine, ba
     chunk_tokens = get_workload(WORKLOAD).chunk_tokens
     _, base_engine = runs.candidate(engine, backend, WORKLOAD)           # the default, p = 1 (shared with test_tokens)
     base = base_engine.results()
-    problems = piece_problems(base, chunk_tokens, "p=1")
+    problems = chunk_problems(base, chunk_tokens, "p=1")
     assert base_engine.scheduler.prefill_share == 1.0 and base_engine.scheduler.withheld_steps == 0
     for p in SHARES[1:]:
         _, e = runs.candidate(engine, backend, WORKLOAD, prefill_share=p)
@@ -50,7 +50,7 @@ def test_tokens_and_chunks_identical_across_prefill_share(runs, opts, engine, ba
         assert e.scheduler.withheld_steps > 0, \
             f"p={p}: no step withheld a long-prompt piece, so this run proves nothing about the prefill share"
         res = e.results()
-        problems += piece_problems(res, chunk_tokens, f"p={p}")
+        problems += chunk_problems(res, chunk_tokens, f"p={p}")
         problems += check_identical(base, res, "p=1", f"p={p}")
     assert_no_problems(problems, f"{engine}[{backend}] on {WORKLOAD} across prefill_share {SHARES}")
 

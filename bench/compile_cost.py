@@ -53,7 +53,7 @@ def run_warmup(device: str) -> list:
 
 def run_kernels(device: str) -> list:
     import torch
-    from gates.test_kernels import CPU_FLEX_SHAPE, DECODE_LENS, PREFILL_LENS, check_kernel, make_case, run_kernel
+    from gates.kernel_check import CPU_FLEX_SHAPE, DECODE_LENS, PREFILL_LENS, check_kernel, make_case, run_kernel
     from kernels.flex_backend import FlexBackend
     H, kvh, d = CPU_FLEX_SHAPE
     used = []

@@ -48,7 +48,8 @@ from pathlib import Path
 from engine.config import lineage_config
 from engine.engine import Engine, torch_dtype
 from engine.loader import is_small, load_model
-from engine.workload import RequestSpec
+from engine.scheduler import CHUNK_TOKENS, StepKind
+from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
 from gates.compare import TIE_THRESHOLD
 
 from .cli import GRAPHS, cannot_run, cli, device_and_dtype
@@ -150,9 +151,9 @@ def measure(engine: Engine, sc: Scenario) -> dict:
     share = None
     if b_first is not None:     # pure decode time / (that + prompt work's extra time) while B fills: about 1 - p
         fill = [s for s in engine.trace if sc.b_at < s.start <= b_first]
-        pure = [s.duration for s in fill if s.kind == "pure-decode"]
+        pure = [s.duration for s in fill if s.kind == StepKind.PURE_DECODE]
         t_d = statistics.median(pure) if pure else (statistics.median(gaps(alone)) if len(alone) > 2 else 0.0)
-        extra = sum(max(0.0, s.duration - t_d) for s in fill if s.kind == "loaded")
+        extra = sum(max(0.0, s.duration - t_d) for s in fill if s.kind == StepKind.LOADED)
         share = sum(pure) / (sum(pure) + extra) if sum(pure) + extra > 0 else None
     return {
         "b_ttft_s": None if b_first is None else b_first - B.arrival_time,
@@ -161,7 +162,7 @@ def measure(engine: Engine, sc: Scenario) -> dict:
         "a_rate_during_b": during, "a_rate_ratio": None if not (during is not None and rate_alone) else
         during / rate_alone, "a_tokens": len(A.output),
         "decode_time_share": share, "withheld_steps": engine.scheduler.withheld_steps, "steps": len(engine.trace),
-        "loaded_steps": kinds.count("loaded"), "pure_decode_steps": kinds.count("pure-decode"),
+        "loaded_steps": kinds.count(StepKind.LOADED), "pure_decode_steps": kinds.count(StepKind.PURE_DECODE),
         "a_finished_early": A.state.value == "finished" and (b_first is None or A.finish_time < b_first),
     }
 
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
         return 2
     _, dtype = device_and_dtype(a.device, a.dtype, a.threads)
     small = is_small(a.model)
-    chunks = ints(a.chunk_tokens) if a.chunk_tokens else [128 if small else 512]
+    chunks = ints(a.chunk_tokens) if a.chunk_tokens else [CPU_CHUNK_TOKENS if small else CHUNK_TOKENS]
     shares = floats(a.shares)
     b_at = a.b_at if a.b_at is not None else (1.0 if small else 5.0)
     c_after = a.c_after if a.c_after is not None else (0.1 if small else 0.5)

@@ -26,7 +26,7 @@ from engine.model import ModelShape, Qwen2  # noqa: E402
 from engine.pool import PagePool  # noqa: E402
 from engine.request import Request, State  # noqa: E402
 from engine.runner import ModelRunner  # noqa: E402
-from engine.scheduler import Chunk  # noqa: E402
+from engine.scheduler import CHUNK_TOKENS, Chunk  # noqa: E402
 from engine.workload import MIXED  # noqa: E402
 from kernels.base import AttentionBackend  # noqa: E402
 
@@ -74,7 +74,7 @@ def median_us(fn, reps: int) -> tuple[float, float]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.host_step_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=31, help="decode rows of the loaded step")
-    ap.add_argument("--chunk", type=int, default=512, help="positions in the loaded step's prompt chunk")
+    ap.add_argument("--chunk", type=int, default=CHUNK_TOKENS, help="positions in the loaded step's prompt chunk")
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--repo", default=None, help="the checkout whose engine is timed (default: this one)")
     a = ap.parse_args(argv)

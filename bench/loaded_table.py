@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from engine.scheduler import StepKind
+
 WORKLOAD = "mixed-new128-200"       # bench.serving's closed mixed 200 at 128 new tokens
 
 
@@ -69,10 +71,10 @@ def rows(res: Path) -> list[tuple]:
     loaded = get(c512, "step_loaded_median_ms")
     row("median loaded step, chunk 512, closed 200 (trace)", "<= 6 ms", fmt(loaded, " ms"),
         None if loaded is None else loaded <= 6, "c512")
-    fixed = steps.get(("loaded", True))
+    fixed = steps.get((StepKind.LOADED, True))
     row("median loaded step, 32 rows + 512 chunk (step bench)", "<= 6 ms", fmt(fixed, " ms"),
         None if fixed is None else fixed <= 6, "steps")
-    row("  same step eager (step bench)", "-", fmt(steps.get(("loaded", False)), " ms"), None, "steps")
+    row("  same step eager (step bench)", "-", fmt(steps.get((StepKind.LOADED, False)), " ms"), None, "steps")
     row("median chunk-only step, chunk 512 (trace)", "-", fmt(get(c512, "step_chunk-only_median_ms"), " ms"), None,
         "c512")
     for name, part, r, target, seqs, n, need in (("chunk 512", "c512", c512, 40, 32, n32, 1.2),
@@ -91,7 +93,7 @@ def rows(res: Path) -> list[tuple]:
     pure = get(c512, "step_pure-decode_median_ms")
     row("median pure decode step, chunk 512 (trace)", "<= 2.5 ms", fmt(pure, " ms"),
         None if pure is None else pure <= 2.5, "c512")
-    row("  pure decode step, 32 rows (step bench)", "-", fmt(steps.get(("pure-decode", True)), " ms"), None,
+    row("  pure decode step, 32 rows (step bench)", "-", fmt(steps.get((StepKind.PURE_DECODE, True)), " ms"), None,
         "steps")
     return out
 

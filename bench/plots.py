@@ -5,7 +5,8 @@ import csv
 import json
 from pathlib import Path
 
-from .runs import STEP_KINDS
+from engine.scheduler import WORK_KINDS
+
 from .stats import median
 
 
@@ -60,10 +61,10 @@ def draw_serving(out: Path) -> list[str]:
     if steps_p.exists():
         with open(steps_p) as f:
             steps = list(csv.DictReader(f))
-        data = [[float(s["duration_ms"]) for s in steps if s["kind"] == k] for k in STEP_KINDS]
+        data = [[float(s["duration_ms"]) for s in steps if s["kind"] == k] for k in WORK_KINDS]
         if any(data):
             fig, ax = plt.subplots(figsize=(6, 4))
-            kinds = [k for k, d in zip(STEP_KINDS, data) if d]
+            kinds = [k for k, d in zip(WORK_KINDS, data) if d]
             ax.boxplot([d for d in data if d], showfliers=False)
             ax.set_xticks(range(1, len(kinds) + 1), [f"{k}\n(n={len(d)})" for k, d in zip(kinds, data) if d])
             ax.set(ylabel="step time (ms)", title="step time by kind (device synchronised)")

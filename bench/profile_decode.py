@@ -23,6 +23,7 @@ import torch
 
 from engine import Engine, lineage_config
 from engine.dtypes import torch_dtype
+from engine.scheduler import StepKind
 from engine.graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.request import State
@@ -80,7 +81,7 @@ def measure(e: Engine, steps: int, timers: Timers) -> dict:
         t = time.perf_counter()
         rec = e.step()
         walls.append(time.perf_counter() - t)
-        assert rec.kind == "pure-decode", rec
+        assert rec.kind == StepKind.PURE_DECODE, rec
     timers.on = False
     parts = {p: timers.median_ms(p) for p in ("schedule", "pack", "run", "sample", "finish")}
     return dict(step_ms=statistics.median(walls) * 1e3, **parts)

@@ -11,6 +11,7 @@ from engine.config import lineage_config
 from engine.engine import Engine, torch_dtype
 from engine.loader import QWEN25_1P5B, RANDOM_1P5B, is_small, load_model
 from engine.runner import ModelRunner
+from engine.scheduler import WORK_KINDS
 from engine.workload import MIXED, MIXED_CPU, SHARED, SHARED_CPU, UNIFORM, UNIFORM_CPU, RequestSpec, Workload
 
 from .cli import GRAPHS, device_and_dtype
@@ -18,7 +19,6 @@ from .stats import gaps, log, median, progress, quantile, write_csv
 
 GIB = 1 << 30
 CAP_1P5B_BYTES = GIB // 2                      # the capped pool of the 1.5B model
-STEP_KINDS = ("pure-decode", "loaded", "chunk-only")
 ARRIVAL_FIELDS = ["part", "engine", "model", "rate", "request_id", "prompt_len", "budget", "tokens", "arrival_s",
                   "admit_s", "first_token_s", "finish_s", "queue_wait_s", "ttft_s", "e2e_s"]
 STEP_FIELDS = ["run", "part", "engine", "workload", "index", "kind", "duration_ms", "prompt_positions",
@@ -49,7 +49,7 @@ class Setup:
         if o.new_tokens:     # a fixed budget (as the "128 new tokens each"), named in the workload
             mixed, uniform, shared = (replace(w.with_budget(o.new_tokens), name=f"{w.name}-new{o.new_tokens}")
                                       for w in (mixed, uniform, shared))
-        chunk = o.chunk_tokens or getattr(mixed, "chunk_tokens", None) or (128 if cpu_scaled else 512)
+        chunk = o.chunk_tokens or mixed.chunk_tokens
         loaded = loaded or load_model(o.model, torch_dtype(dtype), o.device)
         return cls(o.model, o.device, dtype, o.engine, chunk, o.max_batch, mixed, uniform, cpu_scaled, loaded,
                    extra=dict(cuda_graphs=GRAPHS[o.cuda_graphs], progress=not o.no_progress,
@@ -148,7 +148,7 @@ def run_metrics(results: dict, trace: list, pool_pages: int, **extra) -> dict:
              gap_median_ms=(median(gaps_s) or 0) * 1e3 if gaps_s else None,
              gap_worst_ms=max(gaps_s) * 1e3 if gaps_s else None, gap_p99_ms=(quantile(gaps_s, 0.99) or 0) * 1e3
              if gaps_s else None, steps=len(trace), pool_pages=pool_pages, **extra)
-    for kind in STEP_KINDS:
+    for kind in WORK_KINDS:
         d = [s.duration for s in trace if s.kind == kind]
         m[f"steps_{kind}"] = len(d)
         m[f"step_{kind}_median_ms"] = median(d) * 1e3 if d else None

@@ -38,11 +38,12 @@ from pathlib import Path
 import torch
 
 from engine.config import LINEAGE
+from engine.scheduler import WORK_KINDS
 from engine.workload import RequestSpec, Workload, poisson_arrivals
 
 from .cli import cannot_run, cli
 from .peer import Peer
-from .runs import STEP_KINDS, ServingRun, Setup, run_engine, serve_passes
+from .runs import ServingRun, Setup, run_engine, serve_passes
 from .stats import floats, fmt, ints, log, median
 
 PROG = "bench.serving"
@@ -187,7 +188,7 @@ class Bench:
                    prefix_pages_saved=median([r["prefix_pages_saved"] for r in last]),
                    gap_median_ms=median([r["gap_median_ms"] for r in last]),
                    gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in last) if last else None,
-                   **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in STEP_KINDS})
+                   **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in WORK_KINDS})
         if passes > 1:
             res["per_pass"] = {k: {f: median([r[f] for r in rows if r["pass_no"] == k]) for f in
                                    ("time_to_last_s", "ttft_median_s", "tokens_per_s", "prefix_hit_rate")}

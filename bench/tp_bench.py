@@ -22,6 +22,7 @@ from pathlib import Path
 from engine import Engine
 from engine.config import lineage_config
 from engine.loader import is_small
+from engine.scheduler import CHUNK_TOKENS, StepKind
 from engine.workload import MIXED, MIXED_CPU, RequestSpec
 
 
@@ -37,12 +38,12 @@ def pure_decode(eng: Engine, specs: list[RequestSpec], steps: int, tag: str) -> 
         eng.submit(s.prompt, s.budget, s.request_id)
     while True:    # until every row has read its prompt
         rec = eng.step()
-        if rec.kind == "pure-decode" and rec.decode_tokens == len(specs):
+        if rec.kind == StepKind.PURE_DECODE and rec.decode_tokens == len(specs):
             break
     out = []
     for _ in range(steps):
         rec = eng.step()
-        assert rec.kind == "pure-decode" and rec.decode_tokens == len(specs), rec
+        assert rec.kind == StepKind.PURE_DECODE and rec.decode_tokens == len(specs), rec
         out.append(rec.duration)
     for rid in [r.request_id for r in eng.scheduler.running]:
         eng.cancel(rid)
@@ -58,7 +59,7 @@ def closed(eng: Engine, specs: list[RequestSpec], tag: str) -> dict:
     mine = [r for rid, r in res.items() if rid.startswith(f"{tag}-")]
     took = max(r.finish_time for r in mine) - min(r.arrival_time for r in mine)
     trace = eng.trace[first:]
-    pure = [s.duration for s in trace if s.kind == "pure-decode"]
+    pure = [s.duration for s in trace if s.kind == StepKind.PURE_DECODE]
     return dict(time_to_last_s=took, requests_per_s=len(mine) / took, steps=len(trace),
                 pure_decode_median_ms=statistics.median(pure) * 1e3 if pure else None,
                 tokens={r.request_id.split("-", 1)[1]: r.tokens for r in mine})
@@ -99,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--closed", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--warmup-requests", type=int, default=32)
-    ap.add_argument("--chunk-tokens", type=int, default=512)
+    ap.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS)
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     a = ap.parse_args(argv)
     dtype = a.dtype or ("float16" if a.device.startswith("cuda") else "float32")

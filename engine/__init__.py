@@ -6,11 +6,11 @@ from .errors import (BadArrivalTimeError, BadBudgetError, BadPromptError, BadReq
                      PoisonedLogitsError, PoolInvariantError, RequestError, RequestNotDoneError,
                      TokenOutOfVocabError, UnknownRequestError)
 from .request import RequestResult
-from .scheduler import CancelResult
+from .scheduler import CancelResult, StepKind
 from .workload import RequestSpec, Workload, get_workload
 
 __all__ = ["Engine", "EngineConfig", "StepRecord", "LINEAGE", "PREDECESSOR", "lineage_config", "RequestResult",
-           "CancelResult", "RequestSpec", "Workload", "get_workload", "RequestError", "EmptyPromptError",
+           "CancelResult", "StepKind", "RequestSpec", "Workload", "get_workload", "RequestError", "EmptyPromptError",
            "TokenOutOfVocabError", "ExceedsMaxPositionsError", "BadBudgetError", "NeverFitsError",
            "DuplicateRequestIdError", "PoisonedLogitsError", "BadPromptError", "BadRequestIdError",
            "BadArrivalTimeError", "UnknownRequestError", "RequestNotDoneError", "ConfigError", "PoolInvariantError"]

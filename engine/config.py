@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .dtypes import canonical_dtype
 from .errors import ConfigError
+from .scheduler import CHUNK_TOKENS
 
 FORWARD_MODES = ("chunked", "fused")
 KV_CACHE_BYTES = {"cpu": 256 << 20, "cuda": 16 << 30}   # the KV budget by device type where none is given
@@ -71,7 +72,7 @@ class EngineConfig:
     backend: str = "torch"          # attention backend (kernels/)
     page_size: int = 64
     max_batch: int = 32
-    chunk_tokens: int = 512
+    chunk_tokens: int = CHUNK_TOKENS
     num_pages: int | None = None    # the pool's pages (null page included); None: from kv_cache_bytes
     kv_cache_bytes: int | None = None   # None: KV_CACHE_BYTES of the device type
     poison: bool = False            # NaN in every freed or never-written slot; finite-logit check each step

@@ -16,7 +16,7 @@ from .loader import load_model
 from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner
-from .scheduler import CancelResult, Chunk, Scheduler
+from .scheduler import CancelResult, Chunk, Scheduler, StepKind
 from .tp_layers import rank_shape
 from .workload import RequestSpec
 
@@ -58,7 +58,7 @@ SCORE_OWNER = ("score",)
 class StepRecord:
     """One line of the per-step trace."""
     index: int
-    kind: str                 # pure-decode / loaded / chunk-only / idle
+    kind: StepKind
     prompt_positions: int
     decode_tokens: int
     chunks: int
@@ -208,11 +208,7 @@ class Engine:
             raise errors.ExceedsMaxPositionsError(
                 f"{request_id}: prompt ({len(tokens)}) + budget ({budget}) = {len(tokens) + budget} exceeds the "
                 f"max positions served ({self.max_model_len}; the model's: {self.shape.max_positions})")
-        need = self.pool.pages_needed(len(tokens) + budget)
-        if need > self.pool.capacity:
-            raise errors.NeverFitsError(
-                f"{request_id}: needs {need} pages of {self.pool.page_size} slots (prompt {len(tokens)} + budget "
-                f"{budget}) but the whole pool holds {self.pool.capacity}: it could never be admitted")
+        self.pool.check_fits(request_id, len(tokens), budget)
         return tokens, budget
 
     def cancel(self, request_id) -> CancelResult:

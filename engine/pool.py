@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .errors import PoolInvariantError
+from .errors import NeverFitsError, PoolInvariantError
 from .prefix_cache import PrefixCache, short
 
 NULL_PAGE = 0
@@ -69,6 +69,15 @@ class PagePool:
 
     def pages_needed(self, slots: int) -> int:
         return pages_for(slots, self.page_size)
+
+    def check_fits(self, request_id: str, prompt_len: int, budget: int) -> None:
+        """Refuse (NeverFitsError) a request that needs more pages than the whole pool holds: it could never be
+        admitted, so it is refused at submit instead of waiting forever."""
+        need = self.pages_needed(prompt_len + budget)
+        if need > self.capacity:
+            raise NeverFitsError(
+                f"{request_id}: needs {need} pages of {self.page_size} slots (prompt {prompt_len} + budget "
+                f"{budget}) but the whole pool holds {self.capacity}: it could never be admitted")
 
     def can_reserve(self, slots: int, hits: list[int] = ()) -> bool:
         """`hits`: cached pages the request will hold (pinned, not taken) as its first pages."""

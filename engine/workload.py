@@ -5,7 +5,10 @@ from __future__ import annotations
 import random
 from dataclasses import asdict, dataclass, replace
 
+from .scheduler import CHUNK_TOKENS
+
 SEED = 1234
+CPU_CHUNK_TOKENS = CHUNK_TOKENS // 4     # the CPU workloads' chunk budget, scaled as their prompts
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,7 @@ class Workload:
     num_requests: int
     seed: int = SEED
     token_range: tuple[int, int] = (3, 4000)   # prompt token ids drawn from [lo, hi)
-    chunk_tokens: int = 512              # the chunk budget this workload is served with (scaled on CPU)
+    chunk_tokens: int = CHUNK_TOKENS     # the chunk budget this workload is served with (scaled on CPU)
     lengths_in_order: bool = False       # request i takes prompt_lengths[i % len] instead of a draw
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
@@ -61,8 +64,8 @@ UNIFORM = Workload("uniform", (256,), (64, 256), 256)
 
 # Scaled for the small model on CPU: prompts / 4 (so several prompt chunks at chunk_tokens 128), budgets / 4, and
 # more requests than rows (48 requests, 32 rows) so admission is continuous.
-MIXED_CPU = Workload("mixed-cpu", (4, 16, 64, 256, 1024), (16, 64), 48, chunk_tokens=128)
-UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48, chunk_tokens=128)
+MIXED_CPU = Workload("mixed-cpu", (4, 16, 64, 256, 1024), (16, 64), 48, chunk_tokens=CPU_CHUNK_TOKENS)
+UNIFORM_CPU = Workload("uniform-cpu", (64,), (16, 64), 48, chunk_tokens=CPU_CHUNK_TOKENS)
 
 # The gate workloads for a large model (the 1.5B shape on GPU): the seeds' prompt lengths, short budgets so that the
 # hf reference (one request at a time) stays quick, and more requests than rows.
@@ -100,11 +103,12 @@ class SharedPrefixWorkload(Workload):
 
 # A long system prompt shared by most requests (the 1.5B shape; CPU: lengths / 4, as the mixed draw's).
 SHARED = SharedPrefixWorkload("shared", (16, 64, 256), (64, 256), 200, system_len=1024)
-SHARED_CPU = SharedPrefixWorkload("shared-cpu", (4, 16, 64), (16, 64), 48, chunk_tokens=128, system_len=256)
+SHARED_CPU = SharedPrefixWorkload("shared-cpu", (4, 16, 64), (16, 64), 48, chunk_tokens=CPU_CHUNK_TOKENS,
+                                  system_len=256)
 
 # The smoke gate's requests: one per prompt length, each at a page boundary (64; 256 where flash decodes) or a chunk
 # boundary (128 on CPU, 512 otherwise), with short budgets, so that a bug that changes numbers fails in seconds.
-SMOKE_CPU = Workload("smoke-cpu", (63, 64, 65, 127, 128, 129, 255, 256, 257), (8, 12), 9, chunk_tokens=128,
+SMOKE_CPU = Workload("smoke-cpu", (63, 64, 65, 127, 128, 129, 255, 256, 257), (8, 12), 9, chunk_tokens=CPU_CHUNK_TOKENS,
                      lengths_in_order=True)
 SMOKE_GATE = Workload("smoke-gate", (63, 64, 65, 255, 256, 257, 511, 512, 513), (8, 12), 9, lengths_in_order=True)
 

@@ -27,6 +27,19 @@ def workload_for(opts: GateOptions, name: str) -> str:
     return name if opts.model_class == "small" else name.replace("-cpu", "-gate")
 
 
+# The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
+# largest requests. The CPU workloads are scaled by 4, so a small model (by class) gets 4,608 slots.
+TINY_POOL_SLOTS = {"small": 4608}
+TINY_POOL_BYTES = 1 << 29
+
+
+def tiny_pool_slots(opts: GateOptions, shape) -> int:
+    """KV slots of the tiny-pool gate's capped pool for the model under test (`shape`: its ModelShape)."""
+    from engine.runner import ModelRunner
+    return TINY_POOL_SLOTS.get(opts.model_class) or \
+        TINY_POOL_BYTES // ModelRunner.bytes_per_page(shape, 1, torch_dtype(opts.dtype))
+
+
 def skip_unless_runs(opts: GateOptions, engine: str, backend: str):
     """Skip (with the reason) a candidate that was not selected or, on CPU, cannot run here; on CUDA a selected
     candidate that cannot run fails (gates/options.py: GateOptions.requires)."""

@@ -17,6 +17,7 @@ import pytest
 
 from engine import Engine
 from engine.config import lineage_config
+from engine.scheduler import StepKind
 
 from .compare import compare
 from .conftest import CANDIDATES, skip_unless_runs, workload_for
@@ -38,10 +39,10 @@ def check_replays(eng) -> None:
     step too: otherwise the gate compared eager steps with eager steps."""
     g, sg = eng.runner.graphs, eng.runner.step_graphs
     assert g is not None and g.replays > 0, "the graphed run replayed no CUDA graph: this gate tested nothing"
-    pure = sum(s.kind == "pure-decode" for s in eng.trace)
+    pure = sum(s.kind == StepKind.PURE_DECODE for s in eng.trace)
     assert g.replays == pure, f"{g.replays} graph replays for {pure} pure decode steps"
     if eng.config.forward == "fused" and getattr(eng.runner.backend, "graph_safe_prefill", False):
-        mixed = sum(s.kind in ("loaded", "chunk-only") for s in eng.trace)
+        mixed = sum(s.kind in (StepKind.LOADED, StepKind.CHUNK_ONLY) for s in eng.trace)
         assert sg is not None and sg.replays == mixed > 0 and sg.fallbacks == 0, (
             f"{sg and sg.replays} step graph replays ({sg and sg.fallbacks} run eagerly) for {mixed} loaded and "
             f"chunk-only steps")

@@ -11,15 +11,10 @@ from engine.workload import Workload
 
 from . import summary, triage
 from .compare import compare, compare_request
-from .conftest import CANDIDATES, skip_unless_runs, workload_for
+from .conftest import CANDIDATES, skip_unless_runs, tiny_pool_slots, workload_for
 from .records import GenRecord
 from .reference import EngineReference
 from .schedule_check import check_engine
-
-# The seeds' capped-pool control gives the 1.5B model 0.5 GiB of KV: 18,724 slots, about 4.5 of the mixed draw's
-# largest requests. The CPU workloads are scaled by 4, so a small model (by class) gets 4,608 slots.
-TINY_POOL_SLOTS = {"small": 4608}
-TINY_POOL_BYTES = 1 << 29
 
 
 @pytest.mark.parametrize("page_size", [64, 256])
@@ -30,10 +25,7 @@ def test_tiny_pool(runs, opts, engine, backend, page_size):
         pytest.skip("flash decodes only 256-slot pages")
     workload = workload_for(opts, "mixed-cpu")
     full, _ = runs.candidate(engine, backend, workload)
-    from engine.dtypes import torch_dtype
-    from engine.runner import ModelRunner
-    slots = TINY_POOL_SLOTS.get(opts.model_class) or \
-        TINY_POOL_BYTES // ModelRunner.bytes_per_page(runs.loaded[0].shape, 1, torch_dtype(opts.dtype))
+    slots = tiny_pool_slots(opts, runs.loaded[0].shape)
     num_pages = slots // page_size + 1
     tiny, eng = runs.candidate(engine, backend, workload, page_size=page_size, num_pages=num_pages)
     blocked = sum(1 for s in eng.trace if s.admission_blocked)

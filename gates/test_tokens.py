@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.config import PREDECESSOR
+from engine.scheduler import StepKind
 from engine.workload import RequestSpec
 
 from . import summary, triage
@@ -78,7 +79,7 @@ def test_loaded_step(runs, opts, engine, backend):
     cand = cand_ref.generate(specs)
     runs.finish(cand_ref.last_engine)
     trace = cand_ref.last_engine.trace
-    loaded = [s for s in trace if s.kind == "loaded"]
+    loaded = [s for s in trace if s.kind == StepKind.LOADED]
     assert len(loaded) >= 10, f"the workload should make loaded steps; made {len(loaded)} of {len(trace)}"
     loaded_steps = {s.index for s in loaded}
     emitted_in_loaded = sum(st in loaded_steps for r in cand.values() for st in r.steps)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.scheduler import StepKind
 from engine.workload import get_workload
 
 from .conftest import skip_unless_runs, workload_for
@@ -45,6 +46,7 @@ def gate_tp_vs_tp1(runs, opts, engine, backend, tp):
                                    device=opts.device, dtype=opts.dtype, backend=backend,
                                    chunk_tokens=wl.chunk_tokens)
     kinds = {s.kind for s in eng.trace}
-    assert {"loaded", "pure-decode"} <= kinds, f"the subset should make loaded and pure decode steps; made {kinds}"
+    assert {StepKind.LOADED, StepKind.PURE_DECODE} <= kinds, \
+        f"the subset should make loaded and pure decode steps; made {sorted(map(str, kinds))}"
     assert not ranks, f"tp={tp}: " + "\n  ".join(ranks)
     assert_gate(report)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import kernels
 
+from engine.scheduler import StepKind
 from engine.workload import RequestSpec
 
 from .compare import Failure, GateReport, compare_request
@@ -73,7 +74,7 @@ def provenance(engine, rid: str, pos: int) -> str:
     ps = engine.pool.page_size
     page = r.pages[at // ps] if at // ps < len(r.pages) else None
     where = f"position {at} in page {page}, slot {page * ps + at % ps}" if page is not None else "no page"
-    graphed = " (a replayed CUDA graph)" if engine.runner.graphs is not None and kind == "pure-decode" else ""
+    graphed = " (a replayed CUDA graph)" if engine.runner.graphs is not None and kind == StepKind.PURE_DECODE else ""
     others = [f"{o} ({what})" for o, what in step_rows(engine, step).items() if o != rid]
     return (f"provenance: {rid} position {pos} was computed at step {step}, a {kind} step{graphed}, from {src}; "
             f"that step wrote {wrote} for {rid}: {where} (its pages {r.pages}); {describe_config(engine)}; "

@@ -29,6 +29,13 @@ class FlooringPool(PagePool):
         return slots // self.page_size
 
 
+class AcceptingPool(PagePool):
+    """The never-fits rule lost: a request larger than the whole pool is accepted and would wait forever."""
+
+    def check_fits(self, request_id: str, prompt_len: int, budget: int) -> None:
+        pass
+
+
 class QueueJumpingScheduler(Scheduler):
     """Admission lets a later short request jump the queue: any waiting request that fits, not only the head."""
 
@@ -194,7 +201,7 @@ def eager_free(mp: pytest.MonkeyPatch) -> None:
 
 
 def slow_step(mp: pytest.MonkeyPatch) -> None:
-    from gates.test_step_timings import PLANT_ENV
+    from gates.step_states import PLANT_ENV
     mp.setenv(PLANT_ENV, "200")
 
 

@@ -65,7 +65,7 @@ def test_dynamic_lengths_share_one_graph_per_kind(monkeypatch):
     graph per kind, breaks none, and stays exact under the kernel gate."""
     needs_flex()
     import kernels.flex_backend as fb
-    from gates.test_kernels import check_kernel
+    from gates.kernel_check import check_kernel
     monkeypatch.setenv(DYNAMIC_ENV, "1")
     monkeypatch.setattr(fb, "COMPILER", "aot_eager")
     torch._dynamo.reset()
@@ -134,7 +134,7 @@ def test_planted_missing_warmup_is_seen():
 CHILD = """
 import json, torch
 from torch._dynamo.utils import counters
-from gates.test_kernels import check_kernel
+from gates.kernel_check import check_kernel
 check_kernel("flex", "decode", num_heads=4, kv_heads=2, head_dim=64, page_size=64, kv_lens=[1, 65, 300])
 print(json.dumps(dict(counters["inductor"])))
 """

@@ -105,9 +105,8 @@ def test_ci_loads_the_seeded_hypothesis_profile():
 
 # -- a model's class comes from its config -------------------------------------------------------------------------
 def test_the_embedded_model_given_as_a_directory_is_small_and_gets_the_cpu_workloads():
-    from gates.conftest import workload_for
-    from gates.test_page_safety import TINY_POOL_SLOTS
-    from gates.test_step_timings import model_cases
+    from gates.conftest import TINY_POOL_SLOTS, workload_for
+    from gates.step_states import model_cases
     from engine.workload import MIXED_CPU
     as_dir = os.path.relpath(SMALL_MODEL_DIR, REPO)        # golden/models/qwen2-small, the README's DIR form
     o = opts_of(model=as_dir)

@@ -12,8 +12,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from engine.pool import PagePool
 from engine.scheduler import Scheduler
-from gates.test_admission import PAGE_SIZES, make_machine
-from tests.plants import EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler
+from gates.admission_machine import PAGE_SIZES, make_machine
+from tests.plants import AcceptingPool, EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler
 
 # Generation only: hypothesis stops at the first failing example and reports its message. (Shrinking is left to the
 # gate itself; here it would only cost time.) Derandomized, so the search is the same on every run; each bug is found
@@ -28,6 +28,10 @@ FIND = settings(max_examples=500, stateful_step_count=30, derandomize=True, data
 PLANTED = {
     "reservation-rounded-down": (FlooringPool, Scheduler,
                                  r"^(reserve on admit|never fits) violated: .*ceil\(\(\d+ \+ \d+\) / \d+\) = \d+"),
+    # the rule Engine.validate applies (PagePool.check_fits): the gate runs the engine's own rule, not a copy
+    "never-fits-accepted": (AcceptingPool, Scheduler,
+                            r"^never fits violated: r\d+ needs ceil\(\(\d+ \+ \d+\) / \d+\) = \d+ pages "
+                            r".*accepted at submit"),
     "queue-jump": (PagePool, QueueJumpingScheduler, r"^strict FCFS admission violated: step \d+ admitted r\d+ .*while"),
     "free-during-step": (EagerFreePool, Scheduler,
                          r"^eviction at the end of the step violated: release\('r\d+'\) put pages straight back"),

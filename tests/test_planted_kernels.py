@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from gates.test_kernels import check_kernel, compare_decode_kernels, make_case
+from gates.kernel_check import check_kernel, compare_decode_kernels, make_case
 from kernels.base import AttnBatch
 from kernels.torch_backend import TorchBackend
 

@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from engine.loader import load_model
 from engine.request import State
-from engine.scheduler import Chunk, DEBT_CAP_SECONDS, DEBT_CAP_STEPS, StepPlan, Scheduler
+from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS
+from engine.scheduler import Chunk, StepPlan, Scheduler
 from engine.workload import MIXED_CPU
-from gates.test_prefill_share import DEBT_CASE, check_debt_rule, check_identical, piece_problems, serve
+from gates.prefill_share_check import DEBT_CASE, check_debt_rule, check_identical, chunk_problems, serve
 
 SUBSET = MIXED_CPU.scaled(16)      # shorts that decode while 1024-position prompts fill
 FIND = settings(max_examples=300, derandomize=True, database=None, deadline=None, report_multiple_bugs=False,
@@ -35,7 +36,7 @@ class CutsShortWhenOwed(Scheduler):
     def pick_chunks(self, withhold_long=False):
         chunks, withheld = super().pick_chunks(withhold_long)
         if withheld:
-            piece = self.next_piece(withheld[0])
+            piece = self.next_chunk(withheld[0])
             chunks.append(Chunk(piece.request, piece.start, max(1, piece.length // 2), long=piece.long))
         return chunks, []
 
@@ -90,7 +91,7 @@ def boundary_gate(loaded, scheduler_cls) -> list[str]:
     base, _ = serve(loaded, specs, 1.0, scheduler_cls=scheduler_cls)
     other, e = serve(loaded, specs, 0.5, scheduler_cls=scheduler_cls)
     assert e.scheduler.withheld_steps > 0 or scheduler_cls is CutsShortWhenOwed, "no debt was ever owed"
-    return piece_problems(other, SUBSET.chunk_tokens, "p=0.5") + check_identical(base, other, "p=1", "p=0.5")
+    return chunk_problems(other, SUBSET.chunk_tokens, "p=0.5") + check_identical(base, other, "p=1", "p=0.5")
 
 
 def test_unplanted_scheduler_passes_the_boundary_gate(loaded):
@@ -103,7 +104,7 @@ def test_chunk_cut_short_when_debt_is_owed_is_caught(loaded):
     msg = "\n".join(problems)
     assert "chunk boundaries differ between p=1 and p=0.5: chunk " in msg, msg
     assert "only the order of whole steps may change" in msg, msg
-    assert "expected the whole piece" in msg, msg
+    assert "expected the whole chunk" in msg, msg
 
 
 
@@ -142,5 +143,5 @@ def test_debt_that_counts_no_decoders_is_caught():
 
 
 def test_last_long_piece_paid_after_is_caught():
-    with pytest.raises(AssertionError, match=r"plus the last long piece's own debt ahead"):
+    with pytest.raises(AssertionError, match=r"plus the last long chunk's own debt ahead"):
         run_property(PaysLastPieceAfter)

@@ -216,7 +216,7 @@ def test_planted_sleep_in_the_timed_step_fails_benchmark_compare(tmp_path):
 def ratio_state():
     """The CPU ratio gate's state: the small model, 32 rows at the uniform control's histories and a 128 chunk."""
     from engine.workload import MIXED_CPU
-    from gates.test_step_timings import ModelCase, States, ratio_case_for
+    from gates.step_states import ModelCase, States, ratio_case_for
     states = States("cpu", "float32")
     st = states.get(ratio_case_for(ModelCase("small", MIXED_CPU), "cpu"), "fused")
     st.decodes, st.chunk                                     # build it now, not inside a timing
@@ -225,7 +225,7 @@ def ratio_state():
 
 
 def test_ratio_gate_fails_when_the_fused_step_is_planted_slower(ratio_state):
-    from gates.test_step_timings import fused_vs_chunked
+    from gates.ratio import fused_vs_chunked
 
     def run_twice(step):            # the plant: the fused step's forward runs twice
         def planted():
@@ -241,7 +241,7 @@ def test_ratio_gate_fails_when_the_fused_step_is_planted_slower(ratio_state):
 
 def test_ratio_check_passes_and_fails_by_the_medians():
     """The checking function itself, on callables with known costs: it passes the cheap one, fails the dear one."""
-    from gates.test_step_timings import check_faster
+    from gates.ratio import check_faster
 
     def cost(ms):
         return lambda: time.sleep(ms / 1000)

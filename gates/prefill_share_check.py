@@ -1,0 +1,176 @@
+"""The prefill-share checks: chunk boundaries in whole chunks, identical results across runs, a poison-mode serve
+with any scheduler class, and the debt rule driven over the scheduler alone with synthetic step durations
+(gates/test_prefill_share.py runs them; tests/test_planted_prefill_share.py runs them against planted bugs).
+"""
+from __future__ import annotations
+
+import math
+
+from hypothesis import strategies as st
+
+from engine.pool import PagePool
+from engine.request import Request, RequestResult, State
+from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS
+from engine.scheduler import Scheduler
+from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
+
+from .reference import EngineReference
+
+
+def chunk_problems(results: dict[str, RequestResult], chunk_tokens: int, label: str) -> list[str]:
+    """Every request's chunks tile its prompt in whole chunks [k*C, min((k+1)*C, L)) (those it got to)."""
+    out = []
+    for rid, r in results.items():
+        pos = 0
+        for k, (start, length) in enumerate(r.chunks):
+            want = (pos, min(chunk_tokens, len(r.prompt) - pos))
+            if pos % chunk_tokens or (start, length) != want:
+                out.append(f"{label}: {rid} (prompt {len(r.prompt)}) chunk {k} is [{start}, {start + length}), "
+                           f"expected the whole chunk [{want[0]}, {want[0] + want[1]}) (chunk_tokens {chunk_tokens})")
+                break
+            pos += length
+        else:
+            if r.state == "finished" and pos != len(r.prompt):
+                out.append(f"{label}: {rid} finished after reading {pos} of its {len(r.prompt)} prompt positions")
+    return out
+
+
+def check_identical(base: dict[str, RequestResult], other: dict[str, RequestResult], base_label: str,
+                    label: str) -> list[str]:
+    """Problems (empty: none) where `other` differs from `base` in chunk boundaries or tokens, request by request."""
+    out = []
+    for rid in sorted(base.keys() | other.keys()):
+        a, b = base.get(rid), other.get(rid)
+        if a is None or b is None:
+            out.append(f"{rid}: served at {base_label if a else label} only")
+            continue
+        if a.chunks != b.chunks:
+            k = next((i for i, (x, y) in enumerate(zip(a.chunks, b.chunks)) if x != y),
+                     min(len(a.chunks), len(b.chunks)))
+            fmt = lambda cs: f"[{cs[k][0]}, {cs[k][0] + cs[k][1]})" if k < len(cs) else "none"  # noqa: E731
+            out.append(f"{rid}: chunk boundaries differ between {base_label} and {label}: chunk {k} is "
+                       f"{fmt(a.chunks)} at {base_label}, {fmt(b.chunks)} at {label} (prompt {len(a.prompt)}; "
+                       f"{len(a.chunks)} vs {len(b.chunks)} chunks): only the order of whole steps may change")
+        if a.tokens != b.tokens:
+            i = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+                     min(len(a.tokens), len(b.tokens)))
+            out.append(f"{rid}: tokens differ between {base_label} and {label} at position {i}: "
+                       f"{a.tokens[i:i + 3]} vs {b.tokens[i:i + 3]} ({len(a.tokens)} vs {len(b.tokens)} tokens)")
+    return out
+
+
+def serve(loaded, specs: list[RequestSpec], prefill_share: float, *, engine="fused", backend="torch", device="cpu",
+          dtype="float32", chunk_tokens=CPU_CHUNK_TOKENS, scheduler_cls=Scheduler, **overrides):
+    """Serve `specs` (all at time zero) in poison mode with `scheduler_cls`; returns (results, engine)."""
+    ref = EngineReference(engine, device=device, dtype=dtype, loaded=loaded, backend=backend, poison=True,
+                          chunk_tokens=chunk_tokens, prefill_share=prefill_share, **overrides)
+    e = ref.engine()
+    if scheduler_cls is not Scheduler:
+        e.scheduler = scheduler_cls.from_config(e.pool, e.config)
+    return e.run(specs), e
+
+
+def assert_no_problems(problems: list[str], what: str) -> None:
+    assert not problems, f"{what}: {len(problems)} problems:\n  " + "\n  ".join(problems[:12]) + \
+        (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else "")
+
+
+def apply(plan) -> None:
+    """A plan's work, exactly as Engine.step applies it (tokens are 0)."""
+    plan.apply([0] * len(plan.sampled), 0.0)
+
+
+def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float, budgets: list[int],
+                    long_pieces: int, chunk_tokens: int, warmup: int = 3, short: int = 512) -> dict:
+    """Drive `scheduler_cls` with synthetic step durations: a step costs t_decode if it carries decode tokens, plus
+    extra_ratio * t_decode per chunk_tokens prompt positions. Decoders (one per budget) start first and decode
+    `warmup` steps alone; then a long prompt of `long_pieces` long chunks (+ a short tail) arrives. Checks:
+    - nothing is withheld (no long chunk waits, no step idles) while nobody decodes;
+    - per cycle (a step with long work, then pure decode steps up to the next long chunk, decoders runnable
+      throughout) the pure decode steps cover the debt (t - t_d) (1 - p) / p, saturated at
+      max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t), by whole steps: debt <= n t_d < debt + t_d; before the prompt's
+      last long chunk, that chunk's own debt too (paid ahead, estimated from the chunk before it);
+    - over all cycles and the last long chunk, the decoders' share of (pure decode time + prompt work's extra time)
+      is 1 - p (unsaturated) within one pure decode step per cycle.
+    Returns what it measured."""
+    C = chunk_tokens
+    pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
+    sched = scheduler_cls(pool, max_batch=64, chunk_tokens=C, prefill_share=p, short_prompt_positions=short)
+    p_used = sched.prefill_share
+    decoders = [Request(f"d{i}", [1] * 4, b) for i, b in enumerate(budgets)]
+    for r in decoders:
+        sched.add(r)
+    longp = Request("long", [1] * (short + C * long_pieces + 37), 1)
+    steps = []          # (index, has_decodes, long_work, duration, extra)
+    for i in range(200000):
+        if i == 1 + warmup:
+            sched.add(longp)
+        if longp.state not in (State.WAITING, State.PREFILL) and i > 1 + warmup:
+            break
+        plan = sched.schedule()
+        long_left = longp.state is State.PREFILL and longp.prompt_left > short
+        long_work = any(c.request is longp for c in plan.chunks) and long_left
+        if not plan.decodes and longp.state is State.PREFILL:
+            assert any(c.request is longp for c in plan.chunks), (
+                f"step {plan.index}: the long prompt's chunk was withheld while nobody decodes (debt "
+                f"{sched.debt:.4g} s): debt must count only runnable decoders")
+        extra = extra_ratio * t_decode * plan.prompt_positions / C
+        duration = (t_decode if plan.decodes else 0.0) + extra
+        apply(plan)
+        sched.finish_step(duration=duration)
+        if i > warmup:
+            steps.append((plan.index, bool(plan.decodes), long_work, duration, extra))
+    else:
+        raise AssertionError("the long prompt never finished filling (a hang)")
+    # cycles: from a step with long work up to the next one, decoders runnable throughout
+    long_at = [k for k, s in enumerate(steps) if s[2]]
+    cycles = []
+    for a, b in zip(long_at, long_at[1:]):
+        seg = steps[a:b]
+        if all(s[1] for s in steps[a:b + 1]):     # (decoders gone at b: the debt was rightly dropped early)
+            cycles.append((b, seg))
+    decode_time = prompt_time = lo = hi = 0.0
+    last_long = steps[long_at[-1]] if long_at else None
+    for b, seg in cycles:
+        t_loaded, e = seg[0][3], seg[0][4]
+        n = sum(1 for s in seg[1:] if s[4] == 0.0)          # pure decode steps
+        owed = e * (1 - p_used) / p_used
+        cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t_loaded)
+        due = min(owed, cap)
+        ahead = ""
+        before_last = b == long_at[-1]
+        if before_last:
+            # the next chunk is the prompt's last long one: it pays its own debt ahead, estimated from this chunk
+            # (same size, so the estimate is exact here), saturated at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS t)
+            due = max(due, min(due + owed, max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * (e + t_decode))))
+            ahead = f", plus the last long chunk's own debt ahead, estimated as this one's ({owed:.4g} s)"
+        tol = 1e-6 * max(1.0, due)
+        assert due - tol <= n * t_decode < due + t_decode + tol, (
+            f"p={p_used}: after the loaded step {seg[0][0]} ({t_loaded:.4g} s, {e:.4g} s beyond a pure decode step of "
+            f"{t_decode:.4g} s) the decoders got {n} pure decode steps = {n * t_decode:.4g} s; the debt rule gives "
+            f"(t - t_d)(1 - p)/p = {owed:.4g} s, saturated at max({DEBT_CAP_SECONDS}, {DEBT_CAP_STEPS} t) = "
+            f"{cap:.4g} s{ahead}: {due:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
+            + (" (the debt did not saturate)" if n * t_decode > cap + t_decode and not before_last else ""))
+        decode_time += n * t_decode
+        prompt_time += e + (last_long[4] if before_last else 0.0)
+        lo += due
+        hi += due + t_decode
+    share = target = None
+    if cycles and decode_time + prompt_time > 0:
+        share = decode_time / (decode_time + prompt_time)
+        target_lo, target_hi = lo / (lo + prompt_time), hi / (hi + prompt_time) if hi + prompt_time else 1.0
+        target = 1 - p_used
+        assert target_lo - 1e-9 <= share <= target_hi + 1e-9, (
+            f"p={p_used}: decoders' share of the time while the long prompt fills is {share:.4f}, expected "
+            f"[{target_lo:.4f}, {target_hi:.4f}] (1 - p = {target:.4f} unsaturated, within one decode step a cycle)")
+    return {"cycles": len(cycles), "share": share, "target": target, "steps": len(steps),
+            "withheld": sched.withheld_steps}
+
+
+# p: mostly in range (small ones too, where the debt saturates), sometimes out of range (falls back to 1)
+SHARE_VALUES = st.one_of(st.sampled_from([0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 0.0, 2.0, float("nan")]),
+                         st.floats(0.01, 1.0), st.floats(0.01, 0.2))
+DEBT_CASE = dict(p=SHARE_VALUES, t_decode=st.floats(0.002, 0.05),
+                 extra_ratio=st.one_of(st.floats(0.5, 50.0), st.sampled_from([0.0, 1.0, 200.0])),
+                 budgets=st.lists(st.one_of(st.integers(1, 60), st.integers(500, 6000)), min_size=0, max_size=5),
+                 long_pieces=st.integers(2, 10), chunk_tokens=st.sampled_from([64, 128, 256, 512]))

@@ -8,7 +8,8 @@
 # Parts:
 #   smoke_golden  the smoke workload's hf golden for the trained small model on CUDA (fp16), for the smoke gate
 #   gates         the whole GPU gate suite, serial (small-trained, every backend); repeatable: gates gates gates
-#   gates_n4      the same with pytest-xdist, 4 workers on this GPU (step timings run serially after it)
+#   gates_n4      the same with pytest-xdist, 4 workers on this GPU (the serial gates deselected: gates_serial)
+#   gates_serial  the serial gates alone (step timings: `-m serial`), as the README's parallel recipe runs them
 #   loaded        scripts/h200_loaded.sh (captured loaded steps, the serving bench, nano-vllm beside it)
 #   prefix        scripts/h200_prefix.sh (prefix cache on/off, repeated mixed 200, shared prefixes)
 #   tp            scripts/h200_tp.sh (both GPUs: tp 2 gates, tp 1 vs tp 2 decode step and closed 200)
@@ -35,6 +36,8 @@ run_list() {   # run_list GPU PARTS...: each part under what is left of the dead
                   --durations=25 --gate-summary "$dir/$n-summary.json") ;;
       gates_n4) cmd=(python3 -m pytest gates/ --device cuda --model small-trained -p no:cacheprovider -q -rfEs
                      -n 4 --gate-summary "$dir/$n-summary.json") ;;
+      gates_serial) cmd=(python3 -m pytest gates/ --device cuda --model small-trained -p no:cacheprovider -q -rfEs
+                         -m "serial and not slow" --gate-summary "$dir/$n-summary.json") ;;
       loaded) cmd=(env OUT="$dir/loaded" BUDGET_S=$(( left - 10 )) bash scripts/h200_loaded.sh) ;;
       prefix) cmd=(env OUT="$dir/prefix" BUDGET_S=$(( left - 10 )) bash scripts/h200_prefix.sh) ;;
       tp) cmd=(env OUT="$dir/tp" BUDGET_S=$(( left - 10 )) bash scripts/h200_tp.sh) ;;

@@ -97,8 +97,7 @@ class Engine:
                 f"smaller max_model_len")
         self.scheduler = Scheduler.from_config(self.pool, config)
         if torch.device(config.device).type == "cuda":
-            # an engine dropped earlier may still hold its KV cache in a reference cycle until the collector runs:
-            # free it before this one takes its own (the benchmarks build engine after engine in one process)
+            # a dropped engine's KV cache may sit in a reference cycle: free it before this one takes its own
             gc.collect()
         max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
         width = self.pool.pages_needed(self.max_model_len)

@@ -137,7 +137,6 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
             need = -(-(len(m.prompt) + m.budget) // ps) - len(hits)
             return need <= self.free + len(self.lru) - sum(p in self.lru for p in hits)
 
-        # -- rules -------------------------------------------------------------------------------------------------
         @rule(kind=st.sampled_from(["fresh", "repeat", "extend"]),
               blocks=st.lists(st.integers(0, BLOCKS - 1), max_size=3),
               tail_len=st.one_of(st.sampled_from([0, 1, ps - 1, ps, ps + 1]), st.integers(0, 2 * ps)),
@@ -184,7 +183,6 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                     m.phase = "cancelled"
             self.busy = False
 
-        # -- the step ----------------------------------------------------------------------------------------------
         def begin_step(self):
             i = self.step_index
             plan = self.sched.schedule()
@@ -351,7 +349,6 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
                   lambda: f"every request is done, but pages are still held: owned {self.pool.owned}, counts "
                           f"{self.pool.refs}")
 
-        # -- invariants --------------------------------------------------------------------------------------------
         def check_counts(self):
             for p in range(1, self.cap + 1):
                 who = self.holders(p)

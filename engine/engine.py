@@ -1,7 +1,6 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace."""
 from __future__ import annotations
 
-import gc
 import threading
 import time
 import warnings
@@ -96,9 +95,6 @@ class Engine:
                 f"{self.pool.capacity} (num_pages={num_pages}, one of them the null page): give more pages or a "
                 f"smaller max_model_len")
         self.scheduler = Scheduler.from_config(self.pool, config)
-        if torch.device(config.device).type == "cuda":
-            # a dropped engine's KV cache may sit in a reference cycle: free it before this one takes its own
-            gc.collect()
         max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
         width = self.pool.pages_needed(self.max_model_len)
         if config.tp == 1:

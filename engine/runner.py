@@ -5,6 +5,7 @@ Pure decode steps can replay CUDA graphs (`DecodeGraphs`), and loaded and chunk-
 eager step of a 28-layer model is launch-bound on a large GPU, a captured one is not."""
 from __future__ import annotations
 
+import gc
 import sys
 from dataclasses import dataclass, field
 
@@ -53,6 +54,14 @@ class ModelRunner:
         self.graph_pool = None          # one CUDA graph memory pool for every captured step
         self.graph_logits: torch.Tensor | None = None   # the static logits every captured step writes
         self.kv_caches = []
+        if self.device.type == "cuda":
+            need = (num_pages + bool(pad_page)) * self.bytes_per_page(s, page_size, dtype) + (1 << 30)
+            room = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device) - \
+                torch.cuda.memory_allocated(self.device)     # the device's free bytes and the allocator's
+            if room < need:
+                # a dropped engine's KV cache may sit in a reference cycle: free it before this one takes its
+                # own (only then: a full collection costs about 0.2 s in a process that holds torch and dynamo)
+                gc.collect()
         for _ in range(s.num_layers):
             k = torch.full((num_pages + bool(pad_page), page_size, s.num_kv_heads, s.head_dim), fill, dtype=dtype, device=self.device)
             v = torch.full_like(k, fill)

@@ -87,6 +87,11 @@ def xdist_workers(config) -> int:
         return 0
 
 
+def dist_asked(config) -> bool:
+    """Whether the command line names xdist's distribution mode itself (then it is kept as given)."""
+    return any(a == "-d" or a.startswith("--dist") for a in config.invocation_params.args)
+
+
 def serial_command(config) -> str:
     """The command that runs the gates marked serial, under this run's own -m expression."""
     expr = config.getoption("markexpr", "") or ""
@@ -125,6 +130,40 @@ def see_only(gpu: str) -> None:
         raise pytest.UsageError(f"CUDA_VISIBLE_DEVICES={gpu} set too late in this xdist worker: it sees "
                                 f"{cuda_devices()} GPUs (something called CUDA while pytest loaded its plugins); "
                                 f"run without -n, or name one device (--device cuda:0) to share it")
+
+
+def worker_group(nodeid: str) -> str:
+    """The work unit a gate belongs to under `-n` alone: one engine configuration's gates (its id in the test's
+    parameters, as in `test_tiny_pool[chunked-torch-64]`), so that its memoised runs and warm-ups are made once
+    per run rather than once per worker that draws one of its gates; the kernel gates by backend and kind; the rest
+    by file. From the node id alone: the controller sees nothing else of a test."""
+    from .options import CANDIDATES
+    path, _, name = nodeid.partition("::")
+    param = name.partition("[")[2].removesuffix("]")
+    stem = path.rsplit("/", 1)[-1].removesuffix(".py")
+    if stem == "test_kernels":
+        return "-".join(["kernels", *param.split("-")[:2]])
+    for engine, backend in CANDIDATES:
+        if re.search(rf"(^|-){engine}-{backend}(-|$)", param):
+            return f"{engine}-{backend}"
+    return stem
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n` without `--dist`: work units by `worker_group`, in the gates' own order (the cheap decisive ones first).
+    A `--dist` on the command line is kept as given. (xdist's `--dist loadgroup` cannot do this with pytest 9.2:
+    it renames node ids through an attribute pytest no longer reads.)"""
+    if dist_asked(config) or config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByConfiguration(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByConfiguration(config, log)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -4,8 +4,11 @@ It gathers exactly the slots each sequence owns up to its length; padding points
 zero, never owned), so it never touches a freed slot, another request's page or a page tail beyond the length."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import AttentionBackend, AttnBatch
 
@@ -16,6 +19,12 @@ def gather_slots(block_tables: torch.Tensor, kv_lens: torch.Tensor, max_kv: int,
     pages = block_tables.long().gather(1, (j // page_size).expand(block_tables.shape[0], -1))
     slots = pages * page_size + j % page_size
     return torch.where(j < kv_lens.long()[:, None], slots, torch.zeros_like(slots))
+
+
+# On CUDA the reference runs SDPA's math kernel. Left to choose, SDPA spent 57 to 71 ms per call on the H200 (torch
+# 2.11) when every call had a new shape, as a step's do (its histories grow by one token a step); the math kernel
+# took 0.27 ms, the memory-efficient one 0.85 to 1.6 ms (docs/performance.md: the probe and its figures).
+CUDA_SDPA = [SDPBackend.MATH]
 
 
 class TorchBackend(AttentionBackend):
@@ -51,8 +60,9 @@ class TorchBackend(AttentionBackend):
         v = v_cache.view(-1, kvh, d)[slots].transpose(1, 2)
         qp = q.new_zeros(B, max_q, H, d)
         qp[seq_of_row, idx_in_seq] = q
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
-                                           enable_gqa=True)           # [B, H, max_q, d]
+        with sdpa_kernel(CUDA_SDPA) if q.is_cuda else contextlib.nullcontext():
+            o = F.scaled_dot_product_attention(qp.transpose(1, 2), k, v, attn_mask=mask[:, None], scale=scale,
+                                               enable_gqa=True)           # [B, H, max_q, d]
         return o.transpose(1, 2)[seq_of_row, idx_in_seq]
 
     def prefill(self, q, k_cache, v_cache, batch, scale):

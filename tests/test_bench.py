@@ -19,7 +19,7 @@ from engine.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["serving", "disturbance", "chunk_sweep", "kernel_bench", "profile_decode", "flash_splits", "host_step_time",
-        "compile_cost", "tp_bench", "loaded_table"]
+        "compile_cost", "tp_bench", "loaded_table", "sdpa_probe"]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +103,12 @@ def test_engine_run_until_stops_and_resumes(small):
     done = e.run()                                                    # nothing new: drains what is queued
     assert all(len(r.tokens) == 6 for r in done.values())
     assert e.pool.num_free == e.pool.capacity
+
+
+def test_sdpa_probe_times_every_choice_or_says_why_not():
+    from bench.sdpa_probe import CHOICES, probe
+    rows = probe("cpu", calls=1, rows=2)
+    assert [(r["choice"], r["max_q"]) for r in rows] == [(c, q) for c in CHOICES for q in (1, 64)]
+    math = [r for r in rows if r["choice"] == "math"]
+    assert all(r["ms"] > 0 for r in math)
+    assert all(("ms" in r) != ("error" in r) for r in rows)

@@ -168,6 +168,46 @@ def where_workers_ran(pytester, *args) -> dict:
     return seen
 
 
+@pytest.mark.parametrize("nodeid,group", [
+    ("gates/test_smoke.py::test_smoke[chunked-torch]", "chunked-torch"),
+    ("gates/test_page_safety.py::test_tiny_pool[fused-flex-256]", "fused-flex"),
+    ("gates/test_tokens.py::test_against_hf[fused-torch-mixed-cpu]", "fused-torch"),    # not fused-flex's
+    ("gates/test_step_timings.py::test_step_time[cuda-small-trained-flash-flash-pure-decode]", "flash-flash"),
+    ("gates/test_kernels.py::test_kernel_gate[flex-prefill-h4kv2d64-p64-bf16-edges]", "kernels-flex-prefill"),
+    ("gates/test_kernels.py::test_decode_kernels_agree[torch]", "kernels-torch"),
+    ("gates/test_admission.py::TestAdmissionPage64::runTest", "test_admission"),
+    ("gates/test_prefill_share.py::test_cancellation_leaves_the_others_identical[0.5]", "test_prefill_share"),
+])
+def test_a_gate_joins_the_work_unit_of_its_engine_configuration(nodeid, group):
+    assert workers.worker_group(nodeid) == group
+
+
+GROUPED = """
+import os
+import pytest
+
+@pytest.mark.parametrize("cfg", ["chunked-torch-64", "fused-torch-64", "fused-flex-64", "flash-flash-256"])
+@pytest.mark.parametrize("gate", ["smoke", "tokens", "tiny_pool"])
+def test_gate(gate, cfg):
+    with open(f"ran-{os.environ['PYTEST_XDIST_WORKER']}.txt", "a") as f:
+        f.write(cfg.rsplit("-", 1)[0] + "\\n")
+"""
+
+
+def test_minus_n_alone_keeps_an_engine_configurations_gates_on_one_worker(gate_dir):
+    """So its memoised runs are made once per run: with xdist's default (load) they were made on every worker that
+    drew one of its gates (seen on the H200: 75 s with -n 4 before, docs/RESULTS.md for after)."""
+    (gate_dir.path / "gates" / "test_grouped.py").write_text(GROUPED)
+    r = run(gate_dir, "gates/test_grouped.py", "-n", "3", subprocess=True)
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()[-3000:]
+    where = {}
+    for path in gate_dir.path.glob("ran-gw*.txt"):
+        for cfg in path.read_text().split():
+            where.setdefault(cfg, set()).add(path.stem)
+    assert sorted(where) == ["chunked-torch", "flash-flash", "fused-flex", "fused-torch"]
+    assert all(len(w) == 1 for w in where.values()), where
+
+
 def test_three_workers_on_two_gpus_see_one_each_and_the_pair_on_one_gpu_split_its_kv_budget(gate_dir, monkeypatch):
     """The controller's own mask names the GPUs (7 and 5 here): each worker sees only its own."""
     monkeypatch.delenv(KV_ENV, raising=False)

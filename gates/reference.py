@@ -66,9 +66,39 @@ class HFReference(Reference):
         logits = self.model(seq).logits[0].float()
         return logits[len(prompt) - 1:].cpu()
 
+    @torch.inference_mode()
+    def probe(self, prefix: list[int], decode_from: int, shift: int = 0, blind_to_self: bool = False) -> torch.Tensor:
+        """The logits after `prefix` (fp32, on the host) with its tokens from index `decode_from` on (those a decode
+        row fed) changed as a decode-row bug would change them: placed `shift` positions off, or each blind to its
+        own key (a cache length one short). For triage: which change reproduces a failing candidate's logits."""
+        n = len(prefix)
+        pos = torch.arange(n, device=self.device)
+        pos[decode_from:] += shift
+        sees = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        if blind_to_self:
+            rows = torch.arange(decode_from, n, device=self.device)
+            sees[rows, rows] = False
+        # an additive 4-D mask is used as given (transformers' eager attention); 0 where a query sees a key
+        mask = torch.zeros(n, n, device=self.device, dtype=self.dtype).masked_fill(~sees, torch.finfo(self.dtype).min)
+        ids = torch.tensor([list(prefix)], device=self.device)
+        return self.model(ids, attention_mask=mask[None, None], position_ids=pos[None]).logits[0, -1].float().cpu()
+
     def describe(self):
         return {"name": self.name, "implementation": "transformers Qwen2ForCausalLM, eager attention, generate()",
                 "dtype": str(self.dtype), "device": str(self.device)}
+
+
+class LazyReference:
+    """A reference's score and probe that make it at their first call: a gate that passes never loads its model."""
+
+    def __init__(self, make):
+        self.make = make
+
+    def score(self, prompt, tokens):
+        return self.make().score(prompt, tokens)
+
+    def probe(self, *args, **kwargs):
+        return self.make().probe(*args, **kwargs)
 
 
 class EngineReference(Reference):

@@ -27,6 +27,7 @@ from .reference import TOPK, EngineReference
 CPU_SLOW_BACKENDS = {"flex": "it compiles a FlexAttention kernel per shape on a CPU (minutes)"}
 MAX_NAMED = 6           # batch-mates named in a line before "and N more"
 ALWAYS = "always: model, rotary or token choice"
+MATCH = 0.2     # a change "reproduces" the candidate's logits when it leaves under this share of the plain error
 
 
 def named(ids: list[str]) -> str:
@@ -102,8 +103,38 @@ class Triage:
         return out + [f"verdict: {self.verdict}"]
 
 
-def verdict(variants: list[Variant], backend: str, mates: list[str], step: int | None) -> str:
-    """The one-line cause from the variants' outcomes (names as `triage` gives them)."""
+def probe_of(score):
+    """The reference's probe (HFReference.probe) behind a gate's score callable, if it has one."""
+    return getattr(score, "probe", None) or getattr(getattr(score, "__self__", None), "probe", None)
+
+
+def diagnose(probe, prefix: list[int], decode_from: int, cand: tuple[list[int], list[float]]) -> str | None:
+    """Which one change of the reference reproduces the candidate's top-k logits at a failing decode row: its
+    decode positions shifted by one either way (rotary), each decode row blind to its own newest slot (a cache
+    length one short), or none but the emitted token's logit (token choice). None when no change does."""
+    import torch
+    ids, vals = torch.tensor(cand[0]), torch.tensor(cand[1], dtype=torch.float32)
+
+    def err(logits, skip_emitted=False):
+        d = (logits[ids] - vals).abs()
+        return float((d[1:] if skip_emitted else d).max())
+
+    plain = probe(prefix, decode_from)
+    e0 = err(plain)
+    changes = [(f"a decode row's rotary position (the reference with its decode rows {s:+d} position gives these "
+                f"logits)", err(probe(prefix, decode_from, shift=s))) for s in (-1, 1)]
+    changes.append(("a decode row's cache length (the reference with each decode row blind to its own newest slot, "
+                    "one short, gives these logits)", err(probe(prefix, decode_from, blind_to_self=True))))
+    changes.append((f"token choice (every top-k logit but the emitted token {cand[0][0]}'s is the reference's)",
+                    err(plain, skip_emitted=True)))
+    what, e = min(changes, key=lambda c: c[1])
+    return f"{what}: logit error {e:.2g} against {e0:.2g} unchanged" if e < MATCH * e0 else None
+
+
+def verdict(variants: list[Variant], backend: str, mates: list[str], step: int | None,
+            diagnosis: str | None = None) -> str:
+    """The one-line cause from the variants' outcomes (names as `triage` gives them) and, for a decode-row failure
+    with no other cause, what `diagnose` found."""
     ok = {v.name: v.passed for v in variants}
     if ok.get("alone"):
         if mates:
@@ -122,6 +153,8 @@ def verdict(variants: list[Variant], backend: str, mates: list[str], step: int |
     as_prompt = ok.get("prefix as a prompt")
     if as_prompt is None:
         return ALWAYS
+    if as_prompt and diagnosis:
+        return f"always: {diagnosis} (in decode rows only: the same prefix read as a prompt passes)"
     return ALWAYS + (" (in decode rows only: the same prefix read as a prompt passes)" if as_prompt else
                      " (also when the same prefix is read as a prompt)")
 
@@ -184,16 +217,20 @@ def triage(engine, failure: Failure, reference: GenRecord, score, threshold: flo
         run("unchunked", r.prompt, n, ref, chunk_tokens=max(c.chunk_tokens, r.prompt_len))
     else:
         t.variants.append(Variant("unchunked", None, "not applicable: its prompt was read in one chunk"))
+    diagnosis = None
     if failure.ref_token is not None and pos >= 1:
         prefix = list(r.prompt) + list(r.output[:pos])
         vals, ids = score(prefix, [0])[0].float().topk(TOPK)
         as_ref = GenRecord(rid, prefix, [int(ids[0])], [ids.tolist()], [vals.tolist()])
         run("prefix as a prompt", prefix, 1, as_ref)
+        cand = engine.topk.get(rid, [])
+        if probe_of(score) is not None and pos < len(cand):
+            diagnosis = diagnose(probe_of(score), prefix, len(r.prompt), cand[pos])
     else:
         t.variants.append(Variant("prefix as a prompt", None, "not applicable: the token came from a prompt chunk"))
     step = r.token_steps[pos] if pos < len(r.token_steps) else None
     mates = [] if step is None else [o for o in step_rows(engine, step) if o != rid]
-    t.verdict = verdict(t.variants, c.backend, mates, step)
+    t.verdict = verdict(t.variants, c.backend, mates, step, diagnosis)
     return t
 
 

@@ -18,7 +18,6 @@ import pytest
 
 from engine.pool import PagePool
 from engine.scheduler import Scheduler
-from gates.triage import ALWAYS
 
 
 # -- pool and scheduler plants (subclasses: the hypothesis gate runs its machine over them) -------------------------
@@ -249,7 +248,9 @@ def poison_cause(owner: str) -> str:
             r"owned by " + owner + r" \(position \d+\)(?=[\s\S]*in \S+ on \S+: backend \w+)")
 
 
-IN_DECODE_ROWS = re.escape(ALWAYS) + r" \(in decode rows only"
+def in_decode_rows(cause: str) -> str:
+    """The verdict of a decode-row bug that triage's probe names (gates/triage.py: diagnose)."""
+    return r"always: " + re.escape(cause) + r" \([^\n]*logit error [^\n]*\(in decode rows only"
 
 
 @dataclass(frozen=True)
@@ -265,11 +266,13 @@ class Plant:
 
 
 PLANTS = {
-    "rotary": Plant("a decode row's rotary position +1", token_cause("a decode row", IN_DECODE_ROWS), rotary,
+    "rotary": Plant("a decode row's rotary position +1", token_cause("a decode row", in_decode_rows("a decode row's rotary position")), rotary,
                     number_changing=True),
-    "cache-len": Plant("a decode row's cache length one short", token_cause("a decode row", IN_DECODE_ROWS),
+    "cache-len": Plant("a decode row's cache length one short",
+                       token_cause("a decode row", in_decode_rows("a decode row's cache length")),
                        cache_len, number_changing=True),
-    "token-choice": Plant("every decode row takes its runner-up", token_cause("a decode row", IN_DECODE_ROWS),
+    "token-choice": Plant("every decode row takes its runner-up",
+                          token_cause("a decode row", in_decode_rows("token choice")),
                           token_choice, number_changing=True),
     "chunk-position": Plant("every prompt chunk but a prompt's first one position late",
                             token_cause("its last prompt chunk", "only when its prompt is chunked"), chunk_position,

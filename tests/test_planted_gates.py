@@ -73,12 +73,13 @@ def assert_caught(report):
     return msg
 
 
-def assert_caught_in_decode_rows(golden, hf) -> str:
+def assert_caught_in_decode_rows(golden, hf, cause: str) -> str:
     """A bug in decode rows that needs no batch: caught, traced to a decode row, and triaged "always" (the prefix
-    read as a prompt passes). Returns the first problem."""
+    read as a prompt passes) with `cause`: the one change of the reference that reproduces the candidate's logits.
+    Returns the first problem."""
     report, message = run_gate(golden, hf, SUBSET.requests(), chunk_tokens=SUBSET.chunk_tokens)
     first = assert_caught(report)
-    msg = assert_triaged(message, ALWAYS, "from a decode row")
+    msg = assert_triaged(message, f"always: {cause}", "from a decode row")
     assert "in decode rows only" in verdict_of(msg), msg
     return first
 
@@ -90,18 +91,18 @@ def test_unplanted_subset_passes(golden, hf):
 
 def test_decode_row_with_wrong_rotary_position_is_caught(golden, hf, monkeypatch):
     plants.rotary(monkeypatch)
-    assert_caught_in_decode_rows(golden, hf)
+    assert_caught_in_decode_rows(golden, hf, "a decode row's rotary position (the reference with its decode rows +1")
 
 
 def test_cache_length_off_by_one_is_caught(golden, hf, monkeypatch):
     plants.cache_len(monkeypatch)
-    # batch-free, prompt-chunk-free: it reads as a decode row's numbers gone wrong, as a rotary bug does
-    assert_caught_in_decode_rows(golden, hf)
+    # batch-free, prompt-chunk-free like a rotary bug: only the probe's changes of the reference tell them apart
+    assert_caught_in_decode_rows(golden, hf, "a decode row's cache length (the reference with each decode row blind")
 
 
 def test_decode_rows_choosing_their_runner_up_are_caught(golden, hf, monkeypatch):
     plants.token_choice(monkeypatch)
-    assert "not a near tie under 0.02" in assert_caught_in_decode_rows(golden, hf)
+    assert "not a near tie under 0.02" in assert_caught_in_decode_rows(golden, hf, "token choice (every top-k logit")
 
 
 def test_prompt_chunks_after_the_first_at_shifted_positions_are_caught(golden, hf, monkeypatch):
@@ -249,3 +250,25 @@ def test_golden_of_another_model_is_stale():
 def test_missing_golden_names_the_file_and_how_to_regenerate(tmp_path):
     with pytest.raises(GoldenError, match=r"missing .*regenerate it with: python -m gates.golden regen"):
         read_golden(tmp_path / "nope", "python -m gates.golden regen --workload x")
+
+
+def test_the_probe_names_a_change_only_when_it_reproduces_the_candidates_logits():
+    """diagnose() picks the change of the reference that leaves the smallest error on the candidate's top-k, and
+    only when that is a small share of the unchanged error; otherwise the verdict stays the open "always"."""
+    import torch
+    from gates.triage import Variant, diagnose, verdict
+
+    def probe(prefix, decode_from, shift=0, blind_to_self=False):      # logits of a toy reference
+        return torch.arange(8.0) * (1 + shift) + 3.0 * blind_to_self
+
+    shifted = probe([1, 2], 1, shift=1)
+    assert diagnose(probe, [1, 2], 1, ([7, 6], shifted[[7, 6]].tolist())).startswith(
+        "a decode row's rotary position (the reference with its decode rows +1")
+    blind = probe([1, 2], 1, blind_to_self=True)
+    assert diagnose(probe, [1, 2], 1, ([7, 6], blind[[7, 6]].tolist())).startswith("a decode row's cache length")
+    assert diagnose(probe, [1, 2], 1, ([5, 7], [9.0, 7.0])).startswith("token choice (every top-k logit but the "
+                                                                      "emitted token 5's")
+    assert diagnose(probe, [1, 2], 1, ([7, 6], [-40.0, 50.0])) is None
+    variants = [Variant("alone", False, "fails"), Variant("prefix as a prompt", True, "passes")]
+    assert verdict(variants, "torch", [], 3, None) == ALWAYS + " (in decode rows only: the same prefix read as a " \
+                                                             "prompt passes)"

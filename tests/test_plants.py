@@ -56,7 +56,7 @@ def test_the_smoke_gate_catches_a_planted_rotary_bug_and_the_table_says_so(tmp_p
     assert "not a near tie under 0.02" in log
     # the excerpt runs from where the token was computed to the triage's verdict
     assert re.match(r"provenance: smoke-cpu-\d+ position \d+ was computed at step \d+, a [\w-]+ step, from a "
-                    r"decode row .* … verdict: always: model, rotary or token choice \(in decode rows only",
+                    r"decode row .* … verdict: always: a decode row's rotary position \(.*\(in decode rows only",
                     r.excerpt), r.excerpt
     row = plant_table.markdown([r], "header").splitlines()[-1]
     assert row.startswith("| `rotary` | rotary, smoke gate only | yes | `gates/test_smoke.py::test_smoke[fused-torch]` "
@@ -77,11 +77,13 @@ def test_cause_patterns_tell_a_read_of_another_requests_slot_from_a_read_of_ones
         "(page 1): owned by a (position 6), never written"
 
 
-def test_the_table_says_which_plants_share_one_cause_pattern():
-    note = plant_table.shared_causes(["rotary", "cache-len", "token-choice", "chunk-position", "typo"])
-    assert note.strip() == "`rotary`, `cache-len`, `token-choice`: one cause pattern, so their messages name the " \
-        "same cause; the table does not claim they are told apart from each other."
-    assert plant_table.shared_causes(["rotary", "typo"]) == ""
+def test_the_table_says_which_plants_share_one_cause_pattern(monkeypatch):
+    # rotary, cache length and token choice shared one pattern until triage's probe told them apart
+    assert plant_table.shared_causes(["rotary", "cache-len", "token-choice", "chunk-position", "typo"]) == ""
+    monkeypatch.setitem(plants.PLANTS, "rotary-again", plants.PLANTS["rotary"])
+    note = plant_table.shared_causes(["rotary", "rotary-again", "typo"])
+    assert note.strip() == "`rotary`, `rotary-again`: one cause pattern, so their messages name the same cause; " \
+        "the table does not claim they are told apart from each other."
 
 
 def test_a_poisoned_read_in_a_gate_run_names_the_configuration_it_ran_under(request, monkeypatch):

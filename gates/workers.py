@@ -162,6 +162,22 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return worker_group(nodeid)
 
+        def remove_node(self, node) -> str | None:
+            """A worker ended: its unfinished gates go back to the queue, as xdist's own remove_node does, except
+            the gate it crashed on (xdist's would queue that one again too: a hung gate would hang every worker
+            that replaced the first, and the run would never end)."""
+            workload = self.assigned_work.pop(node)
+            pending = [(scope, nodeid) for scope, unit in workload.items() for nodeid, done in unit.items()
+                       if not done]
+            if not pending:
+                return None
+            scope, crashed = pending[0]
+            workload[scope][crashed] = True
+            self.workqueue.update({s: unit for s, unit in workload.items() if not all(unit.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
     config.option.loadscopereorder = False
     return ByConfiguration(config, log)
 

@@ -367,3 +367,15 @@ def assert_hung(stderr: str, md: str, passed: int) -> None:
     assert "#### `gates/test_hang.py::test_hangs` (timeout)" in md, md
     assert "time.sleep(300)   # a kernel that never returns" in md, md
     assert f"1 failed, {passed} passed" in md if passed else "(1 failed)" in md, md
+
+
+def test_a_gate_that_crashed_its_worker_is_not_run_again_and_its_work_unit_goes_on(gate_dir, monkeypatch):
+    """The hung gate and the gate after it share a work unit (one file): the replacement worker runs the rest of the
+    unit, not the hung gate again (xdist's LoadScope would queue it again, and every replacement would hang)."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    (gate_dir.path / "gates" / "test_hang.py").write_text(HANG + "\n\ndef test_after():\n    pass\n")
+    r = run(gate_dir, "gates/test_hang.py", "-n", "1", "--timeout", "3", name="hung", subprocess=True)
+    assert r.ret == pytest.ExitCode.TESTS_FAILED, r.stdout.str()[-3000:]
+    out = r.stdout.str()
+    assert out.count("crashed while running 'gates/test_hang.py::test_hangs'") == 1, out[-3000:]
+    assert "1 failed, 1 passed" in out, out[-3000:]

@@ -377,5 +377,7 @@ def test_a_gate_that_crashed_its_worker_is_not_run_again_and_its_work_unit_goes_
     r = run(gate_dir, "gates/test_hang.py", "-n", "1", "--timeout", "3", name="hung", subprocess=True)
     assert r.ret == pytest.ExitCode.TESTS_FAILED, r.stdout.str()[-3000:]
     out = r.stdout.str()
-    assert out.count("crashed while running 'gates/test_hang.py::test_hangs'") == 1, out[-3000:]
+    # one crash, one replacement (xdist's own LoadScope: five of each, then the run gives up), and the unit's other
+    # gate ran on the replacement
+    assert out.count("node down:") == 1 and out.count("replacing crashed worker") <= 1, out[-3000:]
     assert "1 failed, 1 passed" in out, out[-3000:]

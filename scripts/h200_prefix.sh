@@ -2,7 +2,9 @@
 # One device call on one H200 (under 6 minutes): the prefix cache (issue 19) against nano-vllm's warm pass.
 #   carry: .device (nano-vllm/: the peer's archive, its xxhash wheel and run_peer.py, as in ../shared/peers/nano-vllm;
 #          and the flash-attn build that STEPGATE_FLASH_ATTN_PATH names, "<src>:<ext>")
-#   env: CHUNK (8192) our chunk budget; BUDGET_S (340) the whole call's deadline; OUT ($OUT or /tmp/out)
+#   env: CHUNK (8192) our chunk budget; CHUNK512 ($CHUNK) ours512's (16384 is the peer's max_num_batched_tokens);
+#        REPS (1) our measured runs per mode (the table shows their median); PARTS (all four) which of the parts below
+#        run; BUDGET_S (340) the whole call's deadline; OUT ($OUT or /tmp/out)
 # Parts, in this order, each under `timeout` and the deadline:
 #   nv32, nv512  nano-vllm: 200 mixed prompts, 128 new tokens, twice on one engine at 32 / 512 sequences; its pass 2
 #                hits its prefix cache (the "warm pass")
@@ -20,8 +22,10 @@ DEADLINE=$(( $(date +%s) + ${BUDGET_S:-340} ))
 M15=qwen2.5-1.5b-random
 CHUNK=${CHUNK:-8192}
 declare -a SUMMARY
+PARTS=${PARTS:-nv32 nv512 ours32 ours512}
 part() {   # part NAME MAX_SECONDS CMD...: output to $OUT/NAME.log
   local name=$1 max=$2; shift 2
+  [[ " $PARTS " == *" $name "* ]] || return 0
   local left=$(( DEADLINE - $(date +%s) - 15 ))
   (( left < max )) && max=$left
   if (( max < 10 )); then SUMMARY+=("$name: not run (deadline)"); return; fi
@@ -44,9 +48,11 @@ export FLASH_ATTN_PATH=${FLASH_ATTN_PATH:-${STEPGATE_FLASH_ATTN_PATH:-}}
 part nv32 100 python3 $NV/run_peer.py --max-num-seqs 32 --requests 200 --new-tokens 128
 part nv512 80 python3 $NV/run_peer.py --max-num-seqs 512 --requests 200 --new-tokens 128
 BENCH=(python3 -m bench.serving --model $M15 --device cuda --engine flash --no-progress --closed --uniform ""
-       --new-tokens 128 --chunk-tokens $CHUNK --prefix-cache on,off --passes 2 --warmups 0 --reps 1)
-part ours32 150 "${BENCH[@]}" --out results/prefix32 --max-batch 32 --batches 200 --shared 200
-part ours512 110 "${BENCH[@]}" --out results/prefix512 --max-batch 512 --max-model-len 8192 --batches 200
+       --new-tokens 128 --prefix-cache on,off --passes 2 --warmups 0 --reps ${REPS:-1})
+part ours32 $(( 150 * ${REPS:-1} )) "${BENCH[@]}" --chunk-tokens $CHUNK --out results/prefix32 --max-batch 32 \
+  --batches 200 --shared 200
+part ours512 $(( 110 * ${REPS:-1} )) "${BENCH[@]}" --chunk-tokens ${CHUNK512:-$CHUNK} --out results/prefix512 \
+  --max-batch 512 --max-model-len 8192 --batches 200
 [ "${GATES:-0}" = 1 ] && part gates 120 python3 -m pytest gates/test_prefix_cache.py --device cuda --model small-trained \
   -q -p no:cacheprovider -rs --gate-summary /tmp/gate_summary_prefix.json
 cp results/prefix32/flash/runs.jsonl "$OUT/runs32.jsonl" 2>/dev/null
@@ -64,11 +70,14 @@ for rows in (32, 512):
         if l.startswith("{") and '"nano-vllm"' in l:
             r = json.loads(l)
             peer[(rows, r["prefix_cache"])] = r["wall_s"]
-ours = {}
+ours, reps = {}, {}
 for rows in (32, 512):
     for l in lines(f"runs{rows}.jsonl"):
         r = json.loads(l)
-        ours[(rows, r["workload"].split("@")[0].split("-new")[0], r["prefix_cache"], r["pass_no"])] = r
+        key = (rows, r["workload"].split("@")[0].split("-new")[0], r["prefix_cache"], r["pass_no"])
+        reps.setdefault(key, []).append(r)
+for key, rs in reps.items():   # the run whose time to last is the median (the lower middle one of an even count)
+    ours[key] = sorted(rs, key=lambda r: r["time_to_last_s"])[(len(rs) - 1) // 2]
 f = lambda x, nd=3: "-" if x is None else f"{x:.{nd}f}"
 print("parts: " + "; ".join(parts))
 print("\nRepeated mixed 200 (128 new tokens), second pass on one engine: time to last request, s")

@@ -101,7 +101,8 @@ class CapturedSteps:
         shared = runner.graph_logits
         self.owns_logits = shared is None or shared.shape[0] < logit_rows
         if self.owns_logits:
-            runner.graph_logits = torch.empty(logit_rows, runner.shape.vocab_size, dtype=torch.float32,
+            # the model's output width: the vocabulary, or a tensor-parallel rank's packed choice (ChoiceModel)
+            runner.graph_logits = torch.empty(logit_rows, runner.model.out_width, dtype=torch.float32,
                                               device=runner.device)
         self.logits = runner.graph_logits
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}

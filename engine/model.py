@@ -240,6 +240,11 @@ class Qwen2(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(s.head_dim, s.rope_theta)
 
+    @property
+    def out_width(self) -> int:
+        """Columns of the output: the vocabulary's logits (a captured step's static logits buffer is this wide)."""
+        return self.shape.vocab_size
+
     def fuse(self) -> "Qwen2":
         """Fuse the q/k/v and gate/up projections (after loading and after the last .to())."""
         for layer in self.model.layers:

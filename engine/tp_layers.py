@@ -185,8 +185,15 @@ class ChoiceModel(nn.Module):
         self.shard, self.group, self.first, self.k = shard, group, first, k
         self.shape = shard.shape
 
-    def forward(self, *args):
+    @property
+    def out_width(self) -> int:
+        """Columns of the packed output (a captured step's static output buffer is this wide)."""
+        return 2 + 2 * self.k
+
+    def forward(self, *args, out: torch.Tensor | None = None):
+        """As Qwen2.forward, `out` included: a captured step writes its packed choice into the static buffer."""
         logits = self.shard(*args)
         gathered = self.group.all_gather(shard_summary(logits, self.first, self.k))
         tokens, nonfinite, top_v, top_i = combine(gathered, self.k)
-        return torch.cat([tokens[:, None], nonfinite[:, None]] + ([top_v, top_i] if self.k else []), dim=1)
+        packed = torch.cat([tokens[:, None], nonfinite[:, None]] + ([top_v, top_i] if self.k else []), dim=1)
+        return packed if out is None else out.copy_(packed)

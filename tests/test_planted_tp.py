@@ -196,3 +196,25 @@ def test_bad_tp_is_a_clear_error(loaded):
         EngineConfig(tp=0)
     with pytest.raises(ValueError, match="4 attention heads do not split over 3 ranks"):
         Engine(EngineConfig(tp=3), loaded=loaded)
+
+
+# -- captured decode steps at tp 2 -----------------------------------------------------------------------------
+def emulate_everywhere(rank, setattr=setattr):
+    """The graph path off CUDA (tests/conftest.py emulate_graphs), in rank 0 and in every worker."""
+    from kernels.torch_backend import TorchBackend
+    setattr(TorchBackend, "graph_safe_decode", True)
+    setattr(Engine, "use_cuda_graphs", staticmethod(lambda config: bool(config.cuda_graphs)))
+
+
+def test_captured_decode_steps_at_tp2_match_uncaptured(loaded, monkeypatch):
+    """Every rank replays its decode steps through the static buffers (emulated off CUDA: the same forward over the
+    same buffers), its model ending in the gathered choice: the tokens are those of the uncaptured tp 2 engine. On
+    two GPUs the gates run the real captures (scripts/h200_tp.sh)."""
+    with Engine(config(), loaded=loaded) as eng:
+        want = {r: res.tokens for r, res in eng.run(specs()).items()}
+    plant_everywhere(monkeypatch, emulate_everywhere)
+    with Engine(config(cuda_graphs=True), loaded=loaded) as eng:
+        got = {r: res.tokens for r, res in eng.run(specs()).items()}
+        assert eng.runner.local.graphs is not None and eng.runner.local.graphs.replays > 0
+        assert not rank_problems(eng)
+    assert got == want

@@ -134,6 +134,11 @@ class Engine:
         reason = None
         if torch.device(config.device).type != "cuda":
             reason = "CUDA graphs need a CUDA device"
+        elif config.tp > 1:
+            # the one two-GPU run of captured steps at tp 2 (2026-12-01, docs/RESULTS.md) built its graphs, then
+            # stopped answering mid-benchmark: eager until a two-GPU run shows them safe (the CPU emulation passes)
+            reason = ("captured steps at tp > 1 are off: on two H200s a tp 2 engine with them built and then hung "
+                      "(docs/RESULTS.md); tp > 1 runs eagerly")
         elif not backend_class(config.backend).graph_safe_decode:
             reason = (f"the {config.backend!r} backend's decode is not graph-safe (its per-step tensors change "
                       f"shape); the 'flash' backend's is")

@@ -28,7 +28,8 @@ from .test_tokens import assert_gate
 def skip_unless_graphs(opts, engine, backend):
     skip_unless_runs(opts, engine, backend)
     try:
-        ok = Engine.use_cuda_graphs(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True))
+        ok = Engine.use_cuda_graphs(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True,
+                                                    tp=opts.tp))
     except ValueError as e:
         pytest.skip(str(e))
     assert ok

@@ -218,3 +218,18 @@ def test_captured_decode_steps_at_tp2_match_uncaptured(loaded, monkeypatch):
         assert eng.runner.local.graphs is not None and eng.runner.local.graphs.replays > 0
         assert not rank_problems(eng)
     assert got == want
+
+
+def test_captured_steps_stay_off_at_tp2_on_cuda():
+    """Until a two-GPU run shows captured tp 2 steps safe (one hung, docs/RESULTS.md): off by default, and asking
+    for them is a clear error, not a hang. No GPU needed: the decision reads only the configuration's fields (a
+    stand-in, since an EngineConfig for CUDA cannot be made on a CPU-only machine)."""
+    from types import SimpleNamespace
+    from engine.errors import ConfigError
+
+    def cfg(**kw):
+        return SimpleNamespace(**{**dict(device="cuda", tp=2, backend="flash", cuda_graphs=None), **kw})
+    assert Engine.use_cuda_graphs(cfg()) is False
+    with pytest.raises(ConfigError, match=r"captured steps at tp > 1 are off"):
+        Engine.use_cuda_graphs(cfg(cuda_graphs=True))
+    assert Engine.use_cuda_graphs(cfg(tp=1)) is True

@@ -275,10 +275,12 @@ class Engine:
                     self.scheduler.finish_step()   # keep the pool consistent before raising
                     raise err
                 # a request cancelled during the forward emits nothing
-                emitted = {id(r) for r in plan.apply(out.tokens, end)}
-                for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
-                    if id(r) in emitted:
-                        self.topk.setdefault(r.request_id, []).append((ids, vals))
+                emitted = plan.apply(out.tokens, end)
+                if out.topk_ids:                    # record mode
+                    emitted = {id(r) for r in emitted}
+                    for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
+                        if id(r) in emitted:
+                            self.topk.setdefault(r.request_id, []).append((ids, vals))
             freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
             rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
                              len(plan.admitted), start, end - start, blocked, plan.withheld)

@@ -234,6 +234,7 @@ class DecodeGraphs(CapturedSteps):
         self.cu_q = torch.arange(B + 1, dtype=torch.int32, device=runner.device)   # one query row per request
         self.pad_slot = runner.pad_page * runner.page_size
         self._rows = np.empty(B, dtype=np.int64)
+        self._filled: tuple[list, np.ndarray] = ([], np.empty(0, dtype=np.int64))   # the table rows' (pages, used)
         self._pad(0)
         self.upload()
         self.capture([(b, w) for b in sorted(self.sizes, reverse=True) for w in sorted(self.widths, reverse=True)],
@@ -256,10 +257,26 @@ class DecodeGraphs(CapturedSteps):
         pack([], decodes, pages_of, ps, v["tokens"], v["positions"], v["slots"], self._rows)
         np.add(v["positions"][:n], 1, out=v["kv_lens"][:n])
         used = [r.num_cached // ps + 1 for r in decodes]   # pages its cache length reaches (it owns all it reserved)
-        page_rows([pages_of[r.request_id] for r in decodes], used, self.table[:n], self.runner.pad_page)
+        self._table_rows([pages_of[r.request_id] for r in decodes], np.array(used, dtype=np.int64))
         self._pad(n)
         self.upload()
         return max(used, default=1)
+
+    def _table_rows(self, pages: list[list[int]], used: np.ndarray) -> None:
+        """Block-table rows: row i lists pages[i][:used[i]], then the pad page. Most pure decode steps have the rows
+        of the step before with the same pages (a row's pages are fixed from its admission on), and only a row whose
+        length just entered a new page changes: then only those rows are rewritten. (This is the table's only
+        writer.)"""
+        n, pad = len(pages), self.runner.pad_page
+        last_pages, last_used = self._filled
+        if pages == last_pages:         # compares lists of ints: the same list objects, as a rule
+            for i in np.flatnonzero(used != last_used).tolist():
+                k = int(used[i])
+                self.table[i, :k] = pages[i][:k]
+                self.table[i, k:] = pad
+        else:
+            page_rows(pages, used.tolist(), self.table[:n], pad)
+        self._filled = (pages, used)
 
     def _device_views(self, b: int, w: int):
         sec = {name: self.dev_view[name][:b] for name in SECTIONS}

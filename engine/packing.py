@@ -62,7 +62,8 @@ def page_rows(lists, lengths: list[int] | None, out: np.ndarray, fill: int) -> N
     else:
         flat = chain.from_iterable(p[:n] for p, n in zip(lists, lengths))
     lens = np.array(lengths)
-    out[_columns(out.shape[1]) < lens[:, None]] = np.fromiter(flat, np.int64, int(lens.sum()))
+    w = int(lens.max())     # the mask spans the longest row, not the table's width (128 pages on the 1.5B shape)
+    out[:, :w][_columns(w) < lens[:, None]] = np.fromiter(flat, np.int64, int(lens.sum()))
 
 
 _COLUMNS: dict[int, np.ndarray] = {}

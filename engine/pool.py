@@ -123,9 +123,10 @@ class PagePool:
     def register(self, owner: str, index: int, key: bytes, hashed: tuple) -> bool:
         """Cache page `index` of `owner` (full, just computed) under `key`; False if another page has that key."""
         page = self.owned[owner][index]
-        require(self.refs[page] == 1 and page not in self.cache.by_page,
-                f"{owner}'s page {page} (#{index}) is shared or cached already (count {self.refs[page]}, hash "
-                f"{short(self.cache.key_of(page))}): it cannot have been computed by {owner}")
+        if self.refs[page] != 1 or page in self.cache.by_page:     # the message only when it fails: once a page
+            require(False, f"{owner}'s page {page} (#{index}) is shared or cached already (count "
+                    f"{self.refs[page]}, hash {short(self.cache.key_of(page))}): it cannot have been computed by "
+                    f"{owner}")
         return self.cache.register(page, key, hashed)
 
     def begin_step(self) -> None:

@@ -4,6 +4,7 @@ Bookkeeping only: a few integers per event, no tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class StepEnd:
     kept: tuple[int, ...] = ()   # pages released in the step that stay held by another request or cached
 
 
+ARRIVAL = attrgetter("arrival_index")
+
+
 class ScheduleLog:
     def __init__(self):
         self.admissions: list[Admission] = []
@@ -67,7 +71,7 @@ class ScheduleLog:
                                              hits, free, rows))
             free -= len(pages) - hits
         if waiting:
-            head = min(waiting, key=lambda r: r.arrival_index)
+            head = min(waiting, key=ARRIVAL)     # the whole queue, as found: a planted bug may disorder it
             self.waits.append(HeadWait(step, head.request_id, head.arrival_index, head.slots_needed, pool.num_free,
                                        rows))
 

@@ -195,13 +195,17 @@ class Scheduler(DebtLedger):
         never rewritten), in admission order, so that of two equal pages computed in one step the earlier
         request's is kept."""
         cache, ps = self.pool.cache, self.pool.page_size
-        stepped = {id(c.request) for c in plan.chunks} | {id(r) for r in plan.decodes}
-        for r in self.running:
+        # only a chunk's request, or a decode row that just filled its page (its one new position is a page's last),
+        # can have completed a page: look at those, not at every row
+        filled = {id(c.request) for c in plan.chunks}
+        filled.update(id(r) for r in plan.decodes if r.num_cached % ps == 0)
+        for r in [r for r in self.running if id(r) in filled] if filled else ():
             chain = self.chains.get(r.request_id)
             full = r.num_cached // ps
-            if id(r) not in stepped or chain is None or full <= chain.registered:
+            if chain is None or full <= chain.registered:
                 continue
-            tokens = r.prompt + r.output          # position p holds tokens[p]
+            # position p holds tokens[p]; a page within the prompt needs no copy of the prompt and output
+            tokens = r.prompt if full * ps <= r.prompt_len else r.prompt + r.output
             cache.extend(chain, tokens, ps, full)
             for k in range(chain.registered, full):
                 self.pool.register(r.request_id, k, chain.keys[k], cache.hashed_of(chain, tokens, ps, k))
@@ -212,25 +216,29 @@ class Scheduler(DebtLedger):
         """A prompt with at most short_prompt_positions positions left: it never waits, and goes first."""
         return r.prompt_left <= self.short_prompt_positions
 
-    def next_chunk(self, r: Request) -> Chunk:
-        """The request's next chunk: from num_cached to the next multiple of chunk_tokens (or the prompt's end)."""
+    def chunk_length(self, r: Request) -> int:
+        """Positions in the request's next chunk: from num_cached to the next multiple of chunk_tokens (or the
+        prompt's end)."""
         start = r.num_cached
-        end = min((start // self.chunk_tokens + 1) * self.chunk_tokens, r.prompt_len)
-        return Chunk(r, start, end - start, long=not self.is_short(r))
+        return min((start // self.chunk_tokens + 1) * self.chunk_tokens, r.prompt_len) - start
+
+    def next_chunk(self, r: Request) -> Chunk:
+        """The request's next chunk."""
+        return Chunk(r, r.num_cached, self.chunk_length(r), long=not self.is_short(r))
 
     def pick_chunks(self, withhold_long: bool = False) -> tuple[list[Chunk], list[Request]]:
         """Whole chunks while they fit in chunk_tokens: short prompts first (FCFS), then long ones (FCFS), unless
         `withhold_long`. Returns (chunks, long prompts withheld)."""
-        prefilling = [r for r in self.running if r.state is State.PREFILL]
-        short = [r for r in prefilling if self.is_short(r)]
-        long = [r for r in prefilling if not self.is_short(r)]
+        short, long = [], []
+        for r in [r for r in self.running if r.state is State.PREFILL]:
+            (short if self.is_short(r) else long).append(r)
         room = self.chunk_tokens             # what is left of the chunk budget
         chunks = []
         for r in short + ([] if withhold_long else long):
-            c = self.next_chunk(r)
-            if c.length <= room:
-                chunks.append(c)
-                room -= c.length
+            n = self.chunk_length(r)
+            if n <= room:                    # a Chunk only for what is taken: most prompts wait at many rows
+                chunks.append(self.next_chunk(r))
+                room -= n
         return chunks, (long if withhold_long else [])
 
     def schedule(self) -> StepPlan:
@@ -261,8 +269,10 @@ class Scheduler(DebtLedger):
         self.settle(plan, duration)
         if plan is not None and self.pool.cache is not None:
             self.register_pages(plan)        # before the releases below: a finishing request's pages stay cached
-        for r in [r for r in self.running if r.done]:
-            self.running.remove(r)
+        retired = [r for r in self.running if r.done]
+        if retired:     # one pass, not list.remove: a Request compares by value, field by field
+            self.running[:] = [r for r in self.running if not r.done]
+        for r in retired:
             self.chains.pop(r.request_id, None)
             self.forget(r.request_id)
             self.log.release(self.step_index, self.pool, r.request_id)

@@ -112,3 +112,19 @@ def test_sdpa_probe_times_every_choice_or_says_why_not():
     math = [r for r in rows if r["choice"] == "math"]
     assert all(r["ms"] > 0 for r in math)
     assert all(("ms" in r) != ("error" in r) for r in rows)
+
+
+def test_host_step_time_engine_mode_times_every_kind_and_profiles(capsys):
+    """--engine serves a closed mixed draw to its end with the instant forward and the captured steps emulated: every
+    request gets its whole budget from the replays (no eager fallback), and the report names each step kind and the
+    profile's top functions."""
+    from bench import host_step_time as h
+    steps, eng = h.serve_pass(rows=4, chunk=256, requests=6, new_tokens=3)
+    assert all(len(r.output) == 3 and r.done for r in eng.requests.values()) and len(eng.requests) == 6
+    assert {k for k, _, _ in steps} == {"pure-decode", "loaded", "chunk-only"}
+    assert eng.runner.step_graphs.fallbacks == 0 and eng.runner.graphs.replays > 0
+    assert eng.pool.num_free == eng.pool.capacity
+    assert h.main(["--engine", "--rows", "4", "--chunk", "256", "--requests", "6", "--new-tokens", "3",
+                   "--passes", "1", "--profile", "5"]) == 0
+    out = capsys.readouterr().out
+    assert all(k in out for k in ("pure-decode", "loaded", "chunk-only", "cProfile", "tottime"))

@@ -269,14 +269,14 @@ class DecodeGraphs(CapturedSteps):
         writer.)"""
         n, pad = len(pages), self.runner.pad_page
         last_pages, last_used = self._filled
-        if pages == last_pages:         # compares lists of ints: the same list objects, as a rule
+        if pages == last_pages:         # by value: the last fill kept copies, so a list changed in place differs
             for i in np.flatnonzero(used != last_used).tolist():
                 k = int(used[i])
                 self.table[i, :k] = pages[i][:k]
                 self.table[i, k:] = pad
         else:
             page_rows(pages, used.tolist(), self.table[:n], pad)
-        self._filled = (pages, used)
+        self._filled = ([list(p) for p in pages], used)
 
     def _device_views(self, b: int, w: int):
         sec = {name: self.dev_view[name][:b] for name in SECTIONS}

@@ -8,6 +8,7 @@ whole width, masked by the device lengths: correct, but on the 1.5B shape that w
 is why it is not marked graph-safe for real use)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from engine import Engine, PoisonedLogitsError
@@ -103,6 +104,24 @@ def test_replay_uses_the_narrowest_table_that_holds_its_rows(mode, monkeypatch):
     # whole table (5 pages) the narrowest width, so one graph width serves every step there
     if len(g.widths) > 1:
         assert len({w for _, w in keys}) > 1, "the subset should reach more than one captured width"
+
+
+def test_incremental_table_refresh_sees_a_page_list_changed_in_place(mode):
+    """DecodeGraphs rewrites only the rows whose length entered a new page when a step's page lists equal the last
+    fill's. Equal by value: a list changed in place (the pool never does; a bug or a plant might) is rewritten."""
+    if mode["device"] != "cpu":
+        pytest.skip("the table bookkeeping is the same on every device")
+    ref, _ = run(mode, True)
+    g = ref.last_engine.runner.graphs
+    pad = ref.last_engine.runner.pad_page
+    pages = [[3, 4, 5], [6, 7]]
+    g._table_rows(pages, np.array([2, 1]))
+    assert g.table[0, :3].tolist() == [3, 4, pad] and g.table[1, :2].tolist() == [6, pad]
+    g._table_rows(pages, np.array([3, 1]))          # row 0 entered its third page: only it changes
+    assert g.table[0, :3].tolist() == [3, 4, 5]
+    pages[1][0] = 9                                  # the same list object, another page
+    g._table_rows(pages, np.array([3, 1]))
+    assert g.table[1, :2].tolist() == [9, pad], "a page list changed in place kept its stale table row"
 
 
 def test_graph_path_matches_eager(mode):

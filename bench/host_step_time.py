@@ -96,6 +96,7 @@ class InstantModel:
 
     def __init__(self, shape: ModelShape):
         self.shape = shape
+        self.out_width = shape.vocab_size     # as Qwen2's: the captured steps' static logits are this wide
         self.zeros = torch.zeros(0, shape.vocab_size)
 
     def __call__(self, tokens, positions, kv_caches, ctx, logit_rows, out=None):

@@ -7,7 +7,11 @@ One engine per tp, alive side by side (the workers load the model by name on the
 same seeded weights). The pure decode step: `--rows` requests of the mixed draw decode together, and `--steps` pure
 decode steps are timed with the device synchronised around each (the trace's durations); the engines take turns,
 `--rounds` times, so drift hits both alike. The closed run: `--closed` requests of the mixed draw with `--new-tokens`
-each, all at time zero, timed to the last request, after a warm-up run of `--warmup-requests`. Prints one table."""
+each, all at time zero, timed to the last request, after a warm-up run of `--warmup-requests`. Prints one table.
+
+A row's label says whether its engine replays captured decode steps ("2") or runs them eagerly ("2, eager"): at tp
+> 1 they are off for now (engine.Engine.use_cuda_graphs says why). `--tp1-eager` adds tp 1 run eagerly, and each
+eager row's ratio is taken against it: eager against eager, captured against captured."""
 from __future__ import annotations
 
 import argparse
@@ -65,22 +69,22 @@ def closed(eng: Engine, specs: list[RequestSpec], tag: str) -> dict:
                 tokens={r.request_id.split("-", 1)[1]: r.tokens for r in mine})
 
 
-def build(a, dtype: str, tp: int):
+def build(a, dtype: str, tp: int, graphs: bool | None = None):
     """(label, engine, seconds to build). At tp > 1 an engine whose build fails (its traceback printed) is built
     again with CUDA graphs off, so that one call still measures something; None if that fails too."""
-    for graphs in (None, False) if tp > 1 else (None,):
+    for graphs in (graphs, False) if tp > 1 and graphs is None else (graphs,):
         t0 = time.perf_counter()
         cfg = lineage_config(a.engine, device=a.device, dtype=dtype, chunk_tokens=a.chunk_tokens, sync_trace=True,
                              progress=False, tp=tp, cuda_graphs=graphs)
-        label = str(tp) if graphs is None else f"{tp}, graphs off"
         try:
             eng = Engine(cfg, a.model)
         except Exception:  # noqa: BLE001 (reported; the other configurations still run)
             if tp == 1:
                 raise
             traceback.print_exc()
-            print(f"tp={label}: the build failed", flush=True)
+            print(f"tp={tp} (cuda_graphs={graphs}): the build failed", flush=True)
             continue
+        label = str(tp) if eng.runner.graphs is not None else f"{tp}, eager"
         print(f"tp={label}: built in {time.perf_counter() - t0:.1f} s", flush=True)
         return label, eng, time.perf_counter() - t0
     return None
@@ -101,14 +105,19 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--warmup-requests", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=CHUNK_TOKENS)
+    ap.add_argument("--tp1-eager", action="store_true",
+                    help="also tp 1 without captured steps: the baseline of the eager rows' ratios")
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     a = ap.parse_args(argv)
     dtype = a.dtype or ("float16" if a.device.startswith("cuda") else "float32")
     mixed = MIXED_CPU if is_small(a.model) else MIXED
-    engines, built = {}, {}      # label ("1", "2", or "2, graphs off") -> engine, seconds to build it
-    for tp in [int(x) for x in a.tp.split(",")]:
-        got = build(a, dtype, tp)
-        if got:
+    engines, built = {}, {}      # label ("1", "2", "1, eager", "2, eager") -> engine, seconds to build it
+    plan = [(int(x), None) for x in a.tp.split(",")] + ([(1, False)] if a.tp1_eager else [])
+    for tp, graphs in plan:
+        got = build(a, dtype, tp, graphs)
+        if got and got[0] in engines:     # off CUDA tp 1 is eager already: one engine of a label
+            got[1].close()
+        elif got:
             engines[got[0]], built[got[0]] = got[1], got[2]
     labels = list(engines)
     vocab = engines[labels[0]].shape.vocab_size
@@ -130,17 +139,19 @@ def main(argv=None) -> int:
     rows = []
     for k in labels:
         med = statistics.median(steps[k]) * 1e3
-        rows.append(dict(tp=k, build_s=built[k], pure_decode_ms=med, pure_decode_steps=len(steps[k]),
-                         pure_decode_ratio=med / (statistics.median(steps[base]) * 1e3),
+        like = "1, eager" if k.endswith("eager") and "1, eager" in steps else base   # eager against eager
+        rows.append(dict(tp=k, build_s=built[k], pure_decode_ms=med, pure_decode_steps=len(steps[k]), ratio_to=like,
+                         pure_decode_ratio=med / (statistics.median(steps[like]) * 1e3),
                          same_tokens=sum(runs[k]["tokens"][r] == runs[base]["tokens"][r] for r in runs[base]["tokens"]),
                          **{f: v for f, v in runs[k].items() if f != "tokens"}))
     print(f"\n{a.engine} on {a.model} ({a.device}, {dtype}), chunk {a.chunk_tokens}; pure decode: {a.rows} rows, "
           f"{a.rounds} x {a.steps} steps; closed: {a.closed} requests x {a.new_tokens} new tokens")
-    print(f"| tp | pure decode step, median (ms) | vs tp {base} | closed {a.closed}: time to last (s) | req/s | "
-          f"same tokens as tp {base} | graph replays |")
+    print(f"| tp | pure decode step, median (ms) | vs tp 1 (like for like) | closed {a.closed}: time to last (s) | "
+          f"req/s | same tokens as tp {base} | graph replays |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tp']} | {r['pure_decode_ms']:.3f} | {r['pure_decode_ratio']:.3f}x | {r['time_to_last_s']:.3f} "
+        print(f"| {r['tp']} | {r['pure_decode_ms']:.3f} | {r['pure_decode_ratio']:.3f}x of {r['ratio_to']} "
+              f"| {r['time_to_last_s']:.3f} "
               f"| {r['requests_per_s']:.1f} | {r['same_tokens']}/{a.closed} | {r['graph_replays']} |")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

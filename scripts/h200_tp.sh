@@ -38,7 +38,7 @@ for p in ${PARTS:-gates bench planted}; do
     gates) part gates 210 gates.log python3 -m pytest $GATES --model small-trained --engine fused,flash \
              --backend torch,flash "${GATE_OPTS[@]}" --gate-summary "$OUT/gate_summary.json" ;;
     bench) part bench 170 bench.log python3 -m bench.tp_bench --model qwen2.5-1.5b-random --device cuda \
-             --engine flash --tp 1,2 --rows 32 --steps 200 --rounds 3 --closed 200 --new-tokens 128 \
+             --engine flash --tp 1,2 --tp1-eager --rows 32 --steps 200 --rounds 3 --closed 200 --new-tokens 128 \
              --out "$OUT/tp_bench.json" ;;
     planted) part planted 70 planted.log python3 -m pytest tests/test_planted_tp.py -m gpu -q -p no:cacheprovider -rs ;;
     *) SUMMARY+=("$p: unknown part") ;;

@@ -128,3 +128,20 @@ def test_host_step_time_engine_mode_times_every_kind_and_profiles(capsys):
                    "--passes", "1", "--profile", "5"]) == 0
     out = capsys.readouterr().out
     assert all(k in out for k in ("pure-decode", "loaded", "chunk-only", "cProfile", "tottime"))
+
+
+def test_tp_bench_on_cpu_labels_eager_rows_and_compares_like_for_like(capsys, tmp_path):
+    """tp 1 and tp 2 (gloo) on the small model: every row eager off CUDA, so labelled so; the ratio is against tp 1
+    eager; both engines chose the same tokens."""
+    import json
+    from bench import tp_bench
+    out = tmp_path / "tp.json"
+    assert tp_bench.main(["--model", "small", "--device", "cpu", "--engine", "fused", "--tp", "1,2", "--rows", "4",
+                          "--steps", "3",
+                          "--rounds", "1", "--closed", "4", "--new-tokens", "4", "--warmup-requests", "2",
+                          "--tp1-eager", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tp"] for r in rows] == ["1, eager", "2, eager"]
+    assert all(r["ratio_to"] == "1, eager" and r["pure_decode_ratio"] > 0 for r in rows)
+    assert rows[0]["pure_decode_ratio"] == 1.0 and rows[1]["same_tokens"] == 4
+    assert "x of 1, eager" in capsys.readouterr().out

@@ -137,8 +137,8 @@ def test_tp_bench_on_cpu_labels_eager_rows_and_compares_like_for_like(capsys, tm
     from bench import tp_bench
     out = tmp_path / "tp.json"
     assert tp_bench.main(["--model", "small", "--device", "cpu", "--engine", "fused", "--tp", "1,2", "--rows", "4",
-                          "--steps", "3", "--rounds", "1", "--closed", "4", "--new-tokens", "4", "--warmup-requests", "2",
-                          "--tp1-eager", "--out", str(out)]) == 0
+                          "--steps", "3", "--rounds", "1", "--closed", "4", "--new-tokens", "4",
+                          "--warmup-requests", "2", "--tp1-eager", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["tp"] for r in rows] == ["1, eager", "2, eager"]
     assert all(r["ratio_to"] == "1, eager" and r["pure_decode_ratio"] > 0 for r in rows)

@@ -1,6 +1,7 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 import warnings
@@ -48,6 +49,8 @@ def build_runner(model, config: EngineConfig, dtype, num_pages: int, max_kv: int
                                        progress=config.progress, capture=config.capture_graphs)
     return runner
 
+
+TP_GRAPHS_ENV = "STEPGATE_TP_GRAPHS"
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
 SCORE_OWNER = ("score",)
@@ -134,11 +137,12 @@ class Engine:
         reason = None
         if torch.device(config.device).type != "cuda":
             reason = "CUDA graphs need a CUDA device"
-        elif config.tp > 1:
+        elif config.tp > 1 and os.environ.get(TP_GRAPHS_ENV) != "1":
             # the one two-GPU run of captured steps at tp 2 (2026-12-01, docs/RESULTS.md) built its graphs, then
-            # stopped answering mid-benchmark: eager until a two-GPU run shows them safe (the CPU emulation passes)
+            # stopped answering mid-benchmark: eager until a two-GPU run shows them safe (the CPU emulation passes).
+            # STEPGATE_TP_GRAPHS=1 lets them on again, for the run that finds where they hang.
             reason = ("captured steps at tp > 1 are off: on two H200s a tp 2 engine with them built and then hung "
-                      "(docs/RESULTS.md); tp > 1 runs eagerly")
+                      f"(docs/RESULTS.md); tp > 1 runs eagerly ({TP_GRAPHS_ENV}=1 to debug them)")
         elif not backend_class(config.backend).graph_safe_decode:
             reason = (f"the {config.backend!r} backend's decode is not graph-safe (its per-step tensors change "
                       f"shape); the 'flash' backend's is")

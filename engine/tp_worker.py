@@ -37,6 +37,15 @@ class WorkerSpec:
     setup: object = None
 
 
+def dump_stacks_on_usr1() -> None:
+    """SIGUSR1 prints every thread's stack and the worker goes on: where a hung rank waits (`timeout -s USR1` signals
+    the whole process group, rank 0 and its workers alike)."""
+    import faulthandler
+    import signal
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def _watch_parent() -> None:
     """A worker whose caller died exits, even while blocked in a collective that will never complete."""
     parent = os.getppid()
@@ -62,6 +71,7 @@ def _load_shard(spec: WorkerSpec, rank: int, group: Group, dtype):
 
 def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     _watch_parent()
+    dump_stacks_on_usr1()
     try:
         if spec.setup is not None:
             spec.setup(rank)

@@ -9,6 +9,7 @@
 #            tokens (tests/test_planted_tp.py -m gpu). Last: a hung NCCL kernel is the one thing that can stick.
 # Needs STEPGATE_FLASH_ATTN_PATH (flash-attn's built directories; set by the caller). Logs and figures in $OUT
 # (7 files); a short table last. PARTS="gates bench planted" picks parts; BUDGET_S (460) bounds the whole call.
+# Captured steps are off at tp > 1 (one run of them hung); STEPGATE_TP_GRAPHS=1 in the environment lets them on.
 set -u
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on these machines (KINDS.md): NCCL's NVLS, torch's symmetric memory, NVSHMEM
@@ -24,7 +25,7 @@ part() {   # part NAME MAX_SECONDS LOG CMD...: run under what is left of the dea
   (( left < max )) && max=$left
   if (( max < 20 )); then SUMMARY+=("$name: not run (deadline)"); return; fi
   local t0=$(date +%s)
-  timeout -s INT -k 20 "$max" "$@" > "$OUT/$log" 2>&1
+  timeout -s "${SIG:-INT}" -k 20 "$max" "$@" > "$OUT/$log" 2>&1
   SUMMARY+=("$name: rc=$? in $(( $(date +%s) - t0 )) s (limit $max s)")
 }
 { nvidia-smi --query-gpu=index,name,memory.total --format=csv
@@ -37,7 +38,8 @@ for p in ${PARTS:-gates bench planted}; do
   case $p in
     gates) part gates 210 gates.log python3 -m pytest $GATES --model small-trained --engine fused,flash \
              --backend torch,flash "${GATE_OPTS[@]}" --gate-summary "$OUT/gate_summary.json" ;;
-    bench) part bench 170 bench.log python3 -m bench.tp_bench --model qwen2.5-1.5b-random --device cuda \
+    # SIGUSR1 at the limit: the bench and every worker print their threads' stacks (a hung rank shows where it waits)
+    bench) SIG=USR1 part bench 170 bench.log python3 -m bench.tp_bench --model qwen2.5-1.5b-random --device cuda \
              --engine flash --tp 1,2 --tp1-eager --rows 32 --steps 200 --rounds 3 --closed 200 --new-tokens 128 \
              --out "$OUT/tp_bench.json" ;;
     planted) part planted 70 planted.log python3 -m pytest tests/test_planted_tp.py -m gpu -q -p no:cacheprovider -rs ;;

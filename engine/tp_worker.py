@@ -42,8 +42,10 @@ def dump_stacks_on_usr1() -> None:
     the whole process group, rank 0 and its workers alike)."""
     import faulthandler
     import signal
-    if hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    import sys
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:
+        # the process's own stderr: a captured sys.stderr (pytest's) has no file descriptor to write to
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def _watch_parent() -> None:

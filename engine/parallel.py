@@ -182,7 +182,7 @@ class TPRunner:
               source=None) -> "TPRunner":
         """Start ranks 1..tp-1 and build rank 0. `model`: the whole model (rank 0 shards it); `source`: a name or
         directory the workers load it from themselves (anything else: rank 0 sends each worker its shard)."""
-        from .engine import build_runner
+        from .runner import build_runner
         tp, shape = config.tp, model.shape
         tp_layers.check_tp(shape, tp)
         devices = rank_devices(config.device, tp)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import gc
 import sys
+import warnings
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -21,6 +23,9 @@ from .graphs import DecodeGraphs
 from .packing import logit_row_count, pack
 from .scheduler import Chunk, StepPlan
 from .step_graphs import StepGraphs
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 
 @dataclass
@@ -262,3 +267,34 @@ class ModelRunner:
         for k, v in self.kv_caches:
             for t in (k, v):
                 t[page] += (torch.randn(t[page].shape, generator=g) * scale).to(t.device, t.dtype)
+
+
+def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
+                 runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
+    """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
+    and the captured decode steps. Every tensor-parallel rank builds its own this way (`model`: its shard)."""
+    s = model.shape
+    on_cuda = torch.device(config.device).type == "cuda"
+    if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
+        from .model import try_compile_elementwise
+        why = try_compile_elementwise(config.device, dtype, s.hidden_size, s.num_heads + s.num_kv_heads, s.head_dim)
+        if why:
+            warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
+    from .engine import Engine      # its use_cuda_graphs decides (and the tests emulate through it)
+    graphs = Engine.use_cuda_graphs(config)
+    runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
+                        poison=config.poison, record_topk=config.record_topk, pad_page=graphs, **runner_kw)
+    warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
+    if warm and hasattr(runner.backend, "warmup"):
+        # compile every shape a step can reach now, so that no measured step includes a compile
+        runner.backend.warmup(s.num_heads, s.num_kv_heads, s.head_dim, dtype, config.device, max_kv=max_kv,
+                              max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
+                              page_size=config.page_size)
+    if graphs:   # after the backend's warm-up: a capture must not include a compile
+        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress,
+                                     capture=config.capture_graphs)
+        if config.forward == "fused" and config.tp == 1 and getattr(runner.backend, "graph_safe_prefill", False):
+            # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
+            runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
+                                       progress=config.progress, capture=config.capture_graphs)
+    return runner

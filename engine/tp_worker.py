@@ -79,7 +79,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             spec.setup(rank)
         torch.set_num_threads(spec.threads)
         from .dtypes import torch_dtype
-        from .engine import build_runner
+        from .runner import build_runner
         cfg, dtype = spec.config, torch_dtype(spec.config.dtype)
         device = torch.device(cfg.device)
         if device.type == "cuda":

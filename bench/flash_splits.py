@@ -23,6 +23,8 @@ import torch
 from engine.workload import MIXED
 from kernels.flash_backend import _import_flash, decode_splits_for
 
+from .stats import graph_time
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.flash_splits", description=__doc__.splitlines()[0])
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
         return 2
     from flash_attn import flash_attn_with_kvcache
     dev, dt, P, Hq, Hk, D = torch.device("cuda"), torch.float16, 256, 12, 2, 128
-    hist = [len(s.prompt) + 1 for s in MIXED.requests()[:a.rows]]
+    hist = [len(s.prompt) + 1 for s in MIXED.scaled(a.rows).requests()][:a.rows]
     need = [-(-h // P) for h in hist]
     num_pages = 1 + sum(need)
     tables, nxt = [], 1
@@ -67,28 +69,12 @@ def main(argv=None) -> int:
                     out = flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=bt,
                                                   softmax_scale=D ** -0.5, causal=True, num_splits=ns)
                 return out
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = step()
-            times = []
-            for _ in range(a.reps):
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                graph.replay()
-                t1.record()
-                t1.synchronize()
-                times.append(t0.elapsed_time(t1) * 1e3 / a.layers)
+            us, out = graph_time(step, a.reps, a.layers)
             if ref is None:
-                ref = out.float().clone()
-            err = (out.float() - ref).abs().max().item()
+                ref = out
+            err = (out - ref).abs().max().item()
             rows.append(dict(width=W, num_splits=ns, auto=ns == decode_splits_for(W * P, D),
-                             us_per_layer=statistics.median(times), max_abs_diff=err))
-            del graph
+                             us_per_layer=us, max_abs_diff=err))
     kv_bytes = sum(hist) * Hk * D * 2 * 2
     print(f"flash decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max {max(hist)}, "
           f"{kv_bytes / 1e6:.1f} MB of K+V per layer")

@@ -1,5 +1,5 @@
 """The helpers every benchmark shares: log lines beside progress bars, number formatting, comma-separated lists,
-medians and quantiles that skip missing values, CSV rows."""
+medians and quantiles that skip missing values, CSV rows, kernel timing inside a CUDA graph."""
 from __future__ import annotations
 
 import csv
@@ -86,3 +86,26 @@ def write_csv(path: Path, fields: list[str], rows: list[dict], append: bool = Fa
         for r in rows:
             w.writerow(r if digits is None else {k: (round(v, digits) if isinstance(v, float) else v)
                                                  for k, v in r.items()})
+
+
+def graph_time(step, reps: int, per: int = 1):
+    """(median microseconds per `per` over `reps` replays of `step` captured in a CUDA graph, the step's output
+    as float). Warmed up once on a side stream, as capture needs; CUDA events around each replay."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    times = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1e3 / per)
+    return statistics.median(times), out.float().clone()

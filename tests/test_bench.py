@@ -4,6 +4,7 @@ return rows without touching the disk, the peer's rows are numbered by the runne
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from engine.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["serving", "disturbance", "chunk_sweep", "kernel_bench", "profile_decode", "flash_splits", "host_step_time",
-        "compile_cost", "tp_bench", "loaded_table", "sdpa_probe"]
+        "compile_cost", "tp_bench", "loaded_table", "sdpa_probe", "flash_prefill", "profile_steps"]
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +145,21 @@ def test_tp_bench_on_cpu_labels_eager_rows_and_compares_like_for_like(capsys, tm
     assert all(r["ratio_to"] == "1, eager" and r["pure_decode_ratio"] > 0 for r in rows)
     assert rows[0]["pure_decode_ratio"] == 1.0 and rows[1]["same_tokens"] == 4
     assert "x of 1, eager" in capsys.readouterr().out
+
+
+def test_profile_steps_on_cpu(tmp_path):
+    """The step profile runs on the step bench's fixed state and splits each kind's time by kernel family (on CPU:
+    the ops' self time); its families add up to the total it reports."""
+    from bench.profile_steps import family, main
+    assert family("nvjet_sm90_hsh_192x160_64x4_1x2_h_bz_coopB_TNT") == "gemm"
+    assert family("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
+    assert family("triton_poi_fused_mul_silu_split_0") == "pointwise (compiled)"
+    out = tmp_path / "p.json"
+    assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "2",
+                 "--kinds", "pure-decode,chunk-only", "--steps", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["kinds"]) == {"pure-decode", "chunk-only"}
+    for kind in r["kinds"].values():
+        assert kind["device_ms"] > 0 and kind["families_ms"]["gemm"] > 0
+        assert sum(kind["families_ms"].values()) == pytest.approx(kind["device_ms"])
+    assert r["kinds"]["chunk-only"]["describe"]["prompt_positions"] == 512

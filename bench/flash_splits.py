@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--splits", default="auto,0,8,16,32,64",
-                    help="num_splits values; 'auto': the flash backend's rule for the width (decode_splits_for)")
+                    help="num_splits values; 'auto': the flash backend's rule for the width and rows (decode_splits_for)")
     ap.add_argument("--widths", default="fit,32,64,128",
                     help="block-table widths: 'fit' (the longest row's pages) or a number")
     ap.add_argument("--reps", type=int, default=30)
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     for width in a.widths.split(","):
         W = max(need) if width == "fit" else int(width)
         bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        for ns in (decode_splits_for(W * P, D) if x == "auto" else int(x) for x in a.splits.split(",")):
+        for ns in (decode_splits_for(W * P, D, a.rows, Hk) if x == "auto" else int(x) for x in a.splits.split(",")):
             def step():
                 out = None
                 for k, v in caches:
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             if ref is None:
                 ref = out
             err = (out - ref).abs().max().item()
-            rows.append(dict(width=W, num_splits=ns, auto=ns == decode_splits_for(W * P, D),
+            rows.append(dict(width=W, num_splits=ns, auto=ns == decode_splits_for(W * P, D, a.rows, Hk),
                              us_per_layer=us, max_abs_diff=err))
     kv_bytes = sum(hist) * Hk * D * 2 * 2
     print(f"flash decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max {max(hist)}, "

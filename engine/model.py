@@ -48,6 +48,10 @@ class ForwardContext:
     prefill: AttnBatch | None
     decode: AttnBatch | None
     backend: AttentionBackend
+    # a captured loaded step's lead decode rows (engine/step_graphs.py): (their decode batch, a [rows] bool mask of
+    # the rows that are decode rows in this replay). They are the first packed positions; the prefill kernel covers
+    # them too, over one key, and the decode kernel's output replaces its output there
+    lead: tuple[AttnBatch, torch.Tensor] | None = None
 
 
 # -- elementwise pieces ----------------------------------------------------------------------------------------
@@ -182,6 +186,11 @@ class Attention(nn.Module):
         if ctx.decode is not None:
             outs.append(ctx.backend.decode(q[n:], k_cache, v_cache, ctx.decode, self.scale))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if ctx.lead is not None:
+            lead, is_decode = ctx.lead
+            rows = lead.num_seqs
+            od = ctx.backend.decode(q[:rows], k_cache, v_cache, lead, self.scale)
+            o[:rows] = torch.where(is_decode[:, None, None], od, o[:rows])
         return self.o_proj(o.reshape(T, -1))
 
 

@@ -1,13 +1,20 @@
 """CUDA graphs of loaded and chunk-only steps, one per token-count bucket (the packed tokens padded up to it).
 
-Attention is made graph-safe for mixed steps: ONE variable-length paged attention call per layer covers the whole
-packed step, prompt chunks and decode rows alike (flash-attn's `flash_attn_varlen_func` with a block table: a decode
-row is a sequence of one query). Its metadata lives in fixed-size sections of one static int32 buffer, refreshed in
-place by one host-to-device copy before each replay:
+Attention is made graph-safe for mixed steps with two paged kernels per layer over fixed-size metadata: ONE
+variable-length call (flash-attn's `flash_attn_varlen_func` with a block table) covers the whole packed step, and
+ONE decode call (the pure decode step's kernel: split-KV, query heads of a key/value head read together) covers the
+bucket's first R rows, which hold the step's decode rows. Their metadata lives in fixed-size sections of one static
+int32 buffer, refreshed in place by one host-to-device copy before each replay:
 
-    [ tokens (T) | positions (T) | slots (T) | logit rows (R) | cache lengths (S) | cu_seqlens_q (S+1) | table (S x W) ]
+    [ tokens (T) | positions (T) | slots (T) | logit rows (R) | cache lengths (S) | cu_seqlens_q (S+1) |
+      lead lengths (R) | decode rows (1) | table (S x W) ]
 
-- Every sequence is cut into pieces of at most Q_TILE = 64 query rows, each a sequence of its own whose history
+- Decode rows come first in a captured step (the eager step packs them last): row i of the decode call is packed
+  position i. The variable-length call sees each as a sequence of one query over ONE key (its first slot: a few
+  microseconds, where its whole history, read once per query head and never split, cost more than the rest of the
+  step's attention); the decode call reads the true lengths ("lead lengths", 1 for rows past the step's decode
+  rows) and its output replaces the other's on the decode rows (a mask from "decode rows", built on the device).
+- Every prompt chunk is cut into pieces of at most Q_TILE = 64 query rows, each a sequence of its own whose history
   ends at its last position (flash-attn aligns causal masks bottom-right, so a piece sees its request's history,
   the earlier pieces and itself causally: the same keys, in the same key blocks, as the whole chunk would). So
   `max_seqlen_q` is Q_TILE for every bucket, and flash-attn's grid (query tiles x sequences x heads) has one query
@@ -19,15 +26,15 @@ place by one host-to-device copy before each replay:
   every piece, so padding is finite also in poison mode and never touches a request's page. Sequences past the
   padding have no query and no key (cu_seqlens flat).
 - Each piece's table row is its request's whole page list (as the eager step's table), then the pad page.
-- Logit rows (the last position of each chunk that completes its prompt, then the decode rows) are a static index
-  section too; unused rows point at row 0 and are never sampled.
+- Logit rows keep the eager step's order (the last position of each chunk that completes its prompt, then the
+  decode rows), so one sampling serves both; unused rows point at row 0 and are never sampled.
 - Bounds per bucket b: S(b) = min(b, max_batch + 1 + b // 64) sequences (a plan's chunks and decode rows are at
-  most max_batch requests), R(b) = min(b, max_batch) sampled rows. A plan that needs more takes a larger bucket, or
-  runs eagerly (counted in `fallbacks`).
+  most max_batch requests), R(b) = min(b, max_batch) sampled rows and decode-call rows. A plan that needs more takes
+  a larger bucket, or runs eagerly (counted in `fallbacks`).
 
-The chunk positions stay first and the decode tokens last (DESIGN.md's fused order), with one sampling and one host
-readback per step; only attention differs from the eager step, which splits it into its prefill and decode
-kernels. Off CUDA a "replay" runs the same forward over the same buffers eagerly (engine/graphs.py)."""
+One sampling and one host readback per step, as eagerly; only where attention's work is split differs from the
+eager step (its prefill kernel over the chunks, its decode kernel over the decode rows). Off CUDA a "replay" runs
+the same forward over the same buffers eagerly (engine/graphs.py)."""
 from __future__ import annotations
 
 from bisect import bisect_left
@@ -83,12 +90,14 @@ class StepGraphs(CapturedSteps):
         T = self.sizes[-1]
         S, R = self.seqs_for(T), self.rows_for(T)
         super().__init__(runner, [("tokens", (T,)), ("positions", (T,)), ("slots", (T,)), ("logit_rows", (R,)),
-                                  ("kv_lens", (S,)), ("cu_q", (S + 1,)), ("table", (S, width))], logit_rows=R,
-                         capture=capture)
+                                  ("kv_lens", (S,)), ("cu_q", (S + 1,)), ("lead_kv", (R,)), ("decode_rows", (1,)),
+                                  ("table", (S, width))], logit_rows=R, capture=capture)
         self.q_lens = np.zeros(S, dtype=np.int64)         # host only: query rows per sequence
         self.pad_slot = runner.pad_page * runner.page_size
         self.fallbacks = 0                                  # plans no bucket holds: run eagerly
         self._ar = np.arange(T)
+        self.lead_ids = torch.arange(R, device=runner.device)            # the decode call's rows, for its mask
+        self.lead_cu = torch.arange(R + 1, dtype=torch.int32, device=runner.device)
         self.prime((T,))
         self.capture([(b,) for b in reversed(self.sizes)], progress, "capturing loaded/chunk-only step graphs")
 
@@ -117,9 +126,22 @@ class StepGraphs(CapturedSteps):
         tok, pos, slot, lr = hv["tokens"], hv["positions"], hv["slots"], hv["logit_rows"]
         q, kv, table = self.q_lens, hv["kv_lens"], hv["table"]
         self.wait_copied()
-        t, nrows = pack(chunks, decodes, pages_of, ps, tok, pos, slot, lr)
-        seqs = self.seqs_for(b)
-        k = 0
+        # decode rows first (the decode call reads packed rows [0, R)), chunk positions after them; the sampled rows
+        # keep the eager step's order: chunk completions, then decode rows
+        d, nc = len(decodes), logit_row_count(chunks, [])
+        _, nrows = pack([], decodes, pages_of, ps, tok, pos, slot, lr[nc:])
+        t, _ = pack(chunks, [], pages_of, ps, tok[d:], pos[d:], slot[d:], lr)
+        lr[:nc] += d
+        t, nrows = t + d, nrows + nc
+        seqs, R = self.seqs_for(b), self.rows_for(b)
+        q[:d] = 1
+        kv[:d] = 1                  # the variable-length call: one key (the decode call computes these rows)
+        lead = hv["lead_kv"]
+        lead[:d] = pos[:d] + 1
+        lead[d:R] = 1               # rows past the decode rows: their table row's first slot, masked out
+        hv["decode_rows"][0] = d
+        page_rows([pages_of[r.request_id] for r in decodes], None, table[:d], pad_page)
+        k = d
         for c in chunks:       # pieces of at most Q_TILE rows; each history ends at the piece's last position
             n = -(-c.length // Q_TILE)
             q[k:k + n] = Q_TILE
@@ -130,11 +152,6 @@ class StepGraphs(CapturedSteps):
             table[k, len(pages):] = pad_page
             table[k + 1:k + n] = table[k]
             k += n
-        d = len(decodes)
-        q[k:k + d] = 1
-        kv[k:k + d] = pos[t - d:t] + 1
-        page_rows([pages_of[r.request_id] for r in decodes], None, table[k:k + d], pad_page)
-        k += d
         table[k:seqs] = pad_page    # padding pieces and unused sequences read only the pad page
         pad = b - t                 # padding pieces on the pad page: positions 0, 1, ... within each piece
         tok[t:b] = 0
@@ -164,7 +181,11 @@ class StepGraphs(CapturedSteps):
         batch = AttnBatch(shape_only_q_lens(b, seqs), [self.W * r.page_size] * seqs, dv["table"][:seqs],
                           dv["kv_lens"][:seqs], dv["cu_q"][:seqs + 1], r.page_size)
         r.backend.prepare(batch, "prefill")
-        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend)
+        lead = AttnBatch([1] * rows, [self.W * r.page_size] * rows, dv["table"][:rows], dv["lead_kv"][:rows],
+                         self.lead_cu[:rows + 1], r.page_size)
+        r.backend.prepare(lead, "decode")
+        is_decode = self.lead_ids[:rows] < dv["decode_rows"]
+        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend, lead=(lead, is_decode))
         return r.model(dv["tokens"][:b].long(), dv["positions"][:b], r.kv_caches, ctx, dv["logit_rows"][:rows].long(),
                        out=self.logits[:rows])
 

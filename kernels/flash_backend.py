@@ -35,17 +35,22 @@ SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
 # BLOCKS_PER_SPLIT of flash-attn's key blocks of the table's width, at most MAX_SPLITS (0 in the variable:
 # flash-attn's heuristic). Both from the same probe: 3 blocks a split was fastest at narrow tables; at wide ones
 # more than 32 splits lost: past that, the empty splits' launches and the combine cost more than they save.
+# Many rows fill the SMs without splitting: each (row, key/value head) is a CTA per split, and at 200 and 512 rows
+# the fastest split counts gave about SPLIT_CTAS CTAs (rows x key/value heads x splits); more splits only added
+# combine work (8 splits at 200 rows against the width rule's 12 and 22; 4 at 512 rows against 12).
 BLOCKS_PER_SPLIT = 3
 MAX_SPLITS = 32
+SPLIT_CTAS = 3072
 
 
-def decode_splits_for(width_slots: int, head_dim: int) -> int:
-    """num_splits for a decode call over a table `width_slots` positions wide: about BLOCKS_PER_SPLIT key blocks
-    per split (flash-attn's split-KV block: 256 positions at head dim 64, 128 up to 128, 64 above), at most
-    MAX_SPLITS."""
+def decode_splits_for(width_slots: int, head_dim: int, rows: int, kv_heads: int) -> int:
+    """num_splits for a decode call of `rows` rows over a table `width_slots` positions wide: about
+    BLOCKS_PER_SPLIT key blocks per split (flash-attn's split-KV block: 256 positions at head dim 64, 128 up to
+    128, 64 above), at most MAX_SPLITS, and no more than SPLIT_CTAS CTAs over rows x kv_heads need."""
     block_n = 256 if head_dim <= 64 else (128 if head_dim <= 128 else 64)
     blocks = -(-width_slots // block_n)
-    return max(1, min(MAX_SPLITS, -(-blocks // BLOCKS_PER_SPLIT)))
+    by_rows = -(-SPLIT_CTAS // max(1, rows * kv_heads))
+    return max(1, min(MAX_SPLITS, by_rows, -(-blocks // BLOCKS_PER_SPLIT)))
 
 
 NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build it with "
@@ -81,7 +86,7 @@ class FlashBackend(AttentionBackend):
 
     def __init__(self, decode_splits: int | None = None):
         """decode_splits: flash-attn's num_splits for every decode call (0: its own heuristic); None: from
-        $STEPGATE_FLASH_SPLITS if set, else per call from the table's width (decode_splits_for)."""
+        $STEPGATE_FLASH_SPLITS if set, else per call from the table's width and the rows (decode_splits_for)."""
         if decode_splits is None and os.environ.get(SPLITS_ENV):
             decode_splits = int(os.environ[SPLITS_ENV])
         if decode_splits is not None and not 0 <= decode_splits <= 128:
@@ -152,7 +157,7 @@ class FlashBackend(AttentionBackend):
         tag, bt, seqlens = batch.prepared["decode"]
         splits = self.decode_splits
         if splits is None:
-            splits = decode_splits_for(bt.shape[1] * k_cache.shape[1], q.shape[-1])
+            splits = decode_splits_for(bt.shape[1] * k_cache.shape[1], q.shape[-1], q.shape[0], k_cache.shape[2])
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens, block_table=bt,
                                  softmax_scale=scale, causal=True, num_splits=splits)
         return out.squeeze(1)

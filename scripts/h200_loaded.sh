@@ -22,6 +22,7 @@
 #   profile    bench/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
 #   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
 #   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
+#   psteps     bench/profile_steps.py: each step kind's device time by kernel family at the step bench's state
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
@@ -80,6 +81,7 @@ part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_tim
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
   --benchmark-json "$RES/steps.json" --benchmark-columns=median,iqr,rounds
 bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
+part psteps 60 python3 -m bench.profile_steps --model $M15 --rows 32 --out "$RES/profile_steps.json"
 
 python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
@@ -89,6 +91,7 @@ python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -h 'stepgate: ' "$RES/logs/$f.log" | head -2 | tr '\n' ' ')"; done
   grep -h '"prefix_cache"' "$RES"/logs/nano*.log 2>/dev/null | sed 's/^/  /'
   [ -f "$RES/logs/profile.log" ] && tail -4 "$RES/logs/profile.log" | sed 's/^/  /'
+  [ -f "$RES/logs/psteps.log" ] && grep -E "wall|ms;" "$RES/logs/psteps.log" | sed 's/^/  /'
 } >> "$RES/table.md"
 cp "$RES/table.md" "$OUT/table.md"
 tar czf "$OUT/results.tgz" "$RES" 2>/dev/null

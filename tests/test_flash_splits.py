@@ -9,20 +9,28 @@ import pytest
 import torch
 
 from kernels import AttnBatch
-from kernels.flash_backend import BLOCKS_PER_SPLIT, MAX_SPLITS, FlashBackend, decode_splits_for
+from kernels.flash_backend import BLOCKS_PER_SPLIT, MAX_SPLITS, SPLIT_CTAS, FlashBackend, decode_splits_for
 
 
 def test_split_rule():
-    # head dim 128: flash-attn's split-KV key block is 128 positions; 256-slot pages are 2 blocks each
-    assert decode_splits_for(256, 128) == 1
-    assert decode_splits_for(17 * 256, 128) == 12          # 34 blocks, 3 a split
-    assert decode_splits_for(32 * 256, 128) == 22
-    assert decode_splits_for(64 * 256, 128) == MAX_SPLITS  # capped: more splits lost on the H200
-    assert decode_splits_for(128 * 256, 128) == MAX_SPLITS
-    assert decode_splits_for(8 * 256, 64) == -(-8 // BLOCKS_PER_SPLIT)   # head dim 64: 256-position blocks
+    # head dim 128: flash-attn's split-KV key block is 128 positions; 256-slot pages are 2 blocks each. At 32 rows
+    # of 2 key/value heads the width sets the count
+    assert decode_splits_for(256, 128, 32, 2) == 1
+    assert decode_splits_for(17 * 256, 128, 32, 2) == 12          # 34 blocks, 3 a split
+    assert decode_splits_for(32 * 256, 128, 32, 2) == 22
+    assert decode_splits_for(64 * 256, 128, 32, 2) == MAX_SPLITS  # capped: more splits lost on the H200
+    assert decode_splits_for(128 * 256, 128, 32, 2) == MAX_SPLITS
+    assert decode_splits_for(8 * 256, 64, 32, 2) == -(-8 // BLOCKS_PER_SPLIT)   # head dim 64: 256-position blocks
+    # many rows fill the SMs themselves: the count the H200 probe found fastest at 200 rows (8), about 3 at 512
+    assert decode_splits_for(17 * 256, 128, 200, 2) == decode_splits_for(32 * 256, 128, 200, 2) == 8
+    assert decode_splits_for(17 * 256, 128, 512, 2) == -(-SPLIT_CTAS // 1024) == 3
+    assert decode_splits_for(17 * 256, 128, 4096, 2) == 1
     widths = [w * 256 for w in range(1, 200)]
-    splits = [decode_splits_for(w, 128) for w in widths]
-    assert splits == sorted(splits) and min(splits) >= 1 and max(splits) <= MAX_SPLITS
+    for rows in (1, 32, 200, 512):
+        splits = [decode_splits_for(w, 128, rows, 2) for w in widths]
+        assert splits == sorted(splits) and min(splits) >= 1 and max(splits) <= MAX_SPLITS
+    by_rows = [decode_splits_for(128 * 256, 128, r, 2) for r in range(1, 2048)]
+    assert by_rows == sorted(by_rows, reverse=True)
 
 
 def backend(splits=None) -> FlashBackend:

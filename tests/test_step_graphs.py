@@ -99,8 +99,10 @@ plans = st.lists(st.tuples(st.sampled_from(["chunk", "decode"]), st.integers(1, 
 @settings(max_examples=30, deadline=None)
 @given(plans)
 def test_fill_matches_the_eager_packing(emulated_engine, spec):
-    """For any plan: the real tokens, positions, slots and sampled rows are the eager step's; every sequence is a
-    piece of at most Q_TILE rows whose history ends at its last position and whose table row is its request's pages;
+    """For any plan: the real tokens, positions and slots are the eager step's with the decode rows moved first,
+    and the sampled rows are the same positions in the same order; every chunk sequence is a piece of at most
+    Q_TILE rows whose history ends at its last position and whose table row is its request's pages; a decode row is
+    a sequence of one query over one key for the variable-length call, with its true length for the decode call;
     padding writes and reads only the pad page; unused sequences have no query and no key."""
     e = emulated_engine
     runner, sg, ps = e.runner, e.runner.step_graphs, e.pool.page_size
@@ -121,29 +123,36 @@ def test_fill_matches_the_eager_packing(emulated_engine, spec):
         assert b is not None
         nrows = sg.fill(chunks, decodes, e.pool.owned, b)
         tokens, positions, ctx, rows = runner.build(chunks, decodes, e.pool.owned)
-        t = len(tokens)
+        t, d = len(tokens), len(decodes)
+        order = list(range(t - d, t)) + list(range(t - d))      # the graph's packed row i is eager row order[i]
         hv = sg.host_view
-        assert list(hv["tokens"][:t]) == tokens.tolist() and list(hv["positions"][:t]) == positions.tolist()
-        assert list(hv["slots"][:t]) == ctx.slot_mapping.tolist()
-        assert list(hv["logit_rows"][:nrows]) == rows.tolist()
-        seqs = sg.seqs_for(b)
+        assert list(hv["tokens"][:t]) == tokens[order].tolist()
+        assert list(hv["positions"][:t]) == positions[order].tolist()
+        assert list(hv["slots"][:t]) == ctx.slot_mapping[order].tolist()
+        assert [order[i] for i in hv["logit_rows"][:nrows]] == rows.tolist()
+        seqs, R = sg.seqs_for(b), sg.rows_for(b)
         cu, kv, table = hv["cu_q"][:seqs + 1], hv["kv_lens"][:seqs], hv["table"][:seqs]
+        lead = hv["lead_kv"][:R]
         q = np.diff(cu)
         assert cu[0] == 0 and cu[-1] == b and (q >= 0).all() and (q <= Q_TILE).all()
-        owner = [c.request.request_id for c in chunks for _ in range(-(-c.length // Q_TILE))] + \
-            [r.request_id for r in decodes]
+        assert hv["decode_rows"][0] == d and d <= R and (lead[d:] == 1).all()
+        owner = [r.request_id for r in decodes] + \
+            [c.request.request_id for c in chunks for _ in range(-(-c.length // Q_TILE))]
         pad = runner.pad_page
         for s in range(seqs):
             lo, hi = cu[s], cu[s + 1]
-            if s < len(owner):          # a real piece: its positions are the last of its history
+            if s < d:                   # a decode row: one query, one key here; its history in the decode call
+                assert q[s] == 1 and kv[s] == 1 and lo == s and lead[s] == hv["positions"][s] + 1
+            elif s < len(owner):        # a chunk piece: its positions are the last of its history
                 assert list(hv["positions"][lo:hi]) == list(range(kv[s] - q[s], kv[s]))
-                pages = e.pool.owned[owner[s]]
-                assert list(table[s, :len(pages)]) == pages and (table[s, len(pages):] == pad).all()
             elif hi > lo:               # padding: the pad page only, positions from 0, reads what it wrote
                 assert kv[s] == q[s] and list(hv["positions"][lo:hi]) == list(range(q[s]))
                 assert (hv["slots"][lo:hi] // ps == pad).all() and (table[s] == pad).all()
             else:
                 assert kv[s] == 0
+            if s < len(owner):
+                pages = e.pool.owned[owner[s]]
+                assert list(table[s, :len(pages)]) == pages and (table[s, len(pages):] == pad).all()
         assert pad not in {p for ps_ in e.pool.owned.values() for p in ps_}
     finally:
         for r in [c.request for c in chunks] + decodes:
@@ -193,7 +202,7 @@ def plant_stale(monkeypatch, section: str):
     monkeypatch.setattr(StepGraphs, "fill", stale_fill)
 
 
-@pytest.mark.parametrize("section", ["cu_q", "table", "kv_lens"])
+@pytest.mark.parametrize("section", ["cu_q", "table", "kv_lens", "lead_kv", "decode_rows"])
 def test_stale_metadata_is_caught(mode, monkeypatch, section):
     eager_ref, eager = eager_run(mode)
     plant_stale(monkeypatch, section)
@@ -213,9 +222,8 @@ def test_poison_catches_an_overread_in_a_captured_step(mode, monkeypatch):
 
     def overread(self, chunks, decodes, pages_of, b):
         n = fill(self, chunks, decodes, pages_of, b)
-        if decodes:
-            k = sum(-(-c.length // Q_TILE) for c in chunks)
-            self.host_view["kv_lens"][k:k + len(decodes)] += 1
+        if decodes:         # the decode call's lengths (the decode rows are the first packed rows)
+            self.host_view["lead_kv"][:len(decodes)] += 1
             self.upload()
         return n
 

@@ -124,6 +124,10 @@ class CapturedSteps:
         if self.copied is not None:
             self.copied.synchronize()
 
+    def width_for(self, pages: int) -> int:
+        """The narrowest captured block-table width (self.widths) that holds `pages` pages."""
+        return next(w for w in self.widths if w >= pages)
+
     def forward(self, key: tuple) -> torch.Tensor:
         """The captured step of `key` over the device sections, writing the logits buffer (subclasses)."""
         raise NotImplementedError
@@ -304,8 +308,6 @@ class DecodeGraphs(CapturedSteps):
     def size_for(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def width_for(self, pages: int) -> int:
-        return next(w for w in self.widths if w >= pages)
 
     def replay(self, decodes, pages_of) -> torch.Tensor:
         """Logits [len(decodes), vocab] of one pure decode step (a view of the static logits: read it before the

@@ -32,7 +32,9 @@ int32 buffer, refreshed in place by one host-to-device copy before each replay:
   most max_batch requests), R(b) = min(b, max_batch) sampled rows and decode-call rows. A plan that needs more takes
   a larger bucket, or runs eagerly (counted in `fallbacks`).
 
-One sampling and one host readback per step, as eagerly; only where attention's work is split differs from the
+Each bucket has a chunk-only step's graph (no decode call) and loaded steps' graphs, one per table width of the
+decode call (the pure decode steps' width ladder: the split-KV kernel divides the table's width among its splits, so
+a 128-page table cost twice a 17-page one at 32 rows on the H200). One sampling and one host readback per step, as eagerly; only where attention's work is split differs from the
 eager step (its prefill kernel over the chunks, its decode kernel over the decode rows). Off CUDA a "replay" runs
 the same forward over the same buffers eagerly (engine/graphs.py)."""
 from __future__ import annotations
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 
 from kernels import AttnBatch
-from .graphs import CapturedSteps, activation_bytes
+from .graphs import CapturedSteps, activation_bytes, width_ladder
 from .model import ForwardContext
 from .packing import logit_row_count, pack, page_rows
 
@@ -99,7 +101,12 @@ class StepGraphs(CapturedSteps):
         self.lead_ids = torch.arange(R, device=runner.device)            # the decode call's rows, for its mask
         self.lead_cu = torch.arange(R + 1, dtype=torch.int32, device=runner.device)
         self.prime((T,))
-        self.capture([(b,) for b in reversed(self.sizes)], progress, "capturing loaded/chunk-only step graphs")
+        # per bucket, loaded graphs by the decode call's table width (the split-KV kernel divides the width, not a
+        # row's length, among its splits: engine/graphs.py's DecodeGraphs has the same ladder), and a chunk-only one
+        # (width 0: no decode call, which over rows that hold no decode row cost a tenth of the step)
+        self.widths = width_ladder(width)
+        self.capture([(b, w) for b in reversed(self.sizes) for w in [*reversed(self.widths), 0]], progress,
+                     "capturing loaded/chunk-only step graphs")
 
     def seqs_for(self, b: int) -> int:
         return min(b, self.max_batch + 1 + b // self.pad_tile)
@@ -174,18 +181,20 @@ class StepGraphs(CapturedSteps):
 
     # -- capture and replay ----------------------------------------------------------------------------------
     def forward(self, key: tuple) -> torch.Tensor:
-        (b,) = key
+        b, w = key
         r, dv = self.runner, self.dev_view
         seqs, rows = self.seqs_for(b), self.rows_for(b)
         # bounds, not the step's lengths: a graph-safe prefill reads the true ones from the device tensors
         batch = AttnBatch(shape_only_q_lens(b, seqs), [self.W * r.page_size] * seqs, dv["table"][:seqs],
                           dv["kv_lens"][:seqs], dv["cu_q"][:seqs + 1], r.page_size)
         r.backend.prepare(batch, "prefill")
-        lead = AttnBatch([1] * rows, [self.W * r.page_size] * rows, dv["table"][:rows], dv["lead_kv"][:rows],
-                         self.lead_cu[:rows + 1], r.page_size)
-        r.backend.prepare(lead, "decode")
-        is_decode = self.lead_ids[:rows] < dv["decode_rows"]
-        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend, lead=(lead, is_decode))
+        lead = None
+        if w:
+            dec = AttnBatch([1] * rows, [w * r.page_size] * rows, dv["table"][:rows, :w], dv["lead_kv"][:rows],
+                            self.lead_cu[:rows + 1], r.page_size)
+            r.backend.prepare(dec, "decode")
+            lead = (dec, self.lead_ids[:rows] < dv["decode_rows"])
+        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend, lead=lead)
         return r.model(dv["tokens"][:b].long(), dv["positions"][:b], r.kv_caches, ctx, dv["logit_rows"][:rows].long(),
                        out=self.logits[:rows])
 
@@ -204,7 +213,9 @@ class StepGraphs(CapturedSteps):
         if b is None:
             self.fallbacks += 1
             return None
-        return self.replay_key((b,), self.fill(chunks, decodes, pages_of, b))
+        ps = self.runner.page_size
+        w = self.width_for(max(-(-(r.num_cached + 1) // ps) for r in decodes)) if decodes else 0
+        return self.replay_key((b, w), self.fill(chunks, decodes, pages_of, b))
 
 
 __all__ = ["Q_TILE", "StepGraphs", "shape_only_q_lens", "token_ladder"]

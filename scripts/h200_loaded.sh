@@ -5,10 +5,11 @@
 #          run_peer.py in .device/nano-vllm/ (else shared/peers/nano-vllm/ or ../shared/peers/nano-vllm/)
 #   back under $OUT (3 files): table.md (the table and each part's exit status), table.json, results.tgz (every
 #          log, bench summary/runs/steps, the step benchmarks' JSON, gate summaries, nano-vllm's rows, profiles)
-#   knobs: BUDGET_S (460: the deadline for all parts), REPS (2: measured runs of c512; 1 for c8192 and r512)
+#   knobs: BUDGET_S (460: the deadline for all parts), REPS (2: measured runs of c512; 1 for c8192 and r512),
+#          PARTS (all: the parts below to run, by name)
 # Phase 1, untimed, side by side on the GPU (nothing in it is a timing):
-#   planted    tests/test_step_graphs.py on the GPU (small-trained, fp16): captured vs eager, stale cu_q / table /
-#              kv_lens caught, a poisoned over-read caught
+#   planted    tests/test_step_graphs.py and test_graph_buffers.py on the GPU (fp16): captured vs eager, stale
+#              metadata sections caught, a poisoned over-read caught
 #   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: captured vs uncaptured (decode + loaded + chunk-only)
 #   nanoprep   nano-vllm on one request: writes its random-weight model files and fills the compile cache, so
 #              that its timed runs below start warm
@@ -34,6 +35,7 @@ M15=qwen2.5-1.5b-random
 REPS=${REPS:-2}
 part() {   # part NAME MAX_SECONDS CMD...: its exit status goes to status.txt (parts may run in the background)
   local name=$1 max=$2; shift 2
+  [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $name "* ]] || return 0
   local left=$(( DEADLINE - $(date +%s) ))
   (( left < max )) && max=$left
   if (( max < 15 )); then echo "$name: not run (deadline)" >> "$RES/logs/status.txt"; return; fi
@@ -65,7 +67,8 @@ if [ -n "$NANO" ]; then
     > "$RES/logs/nano_setup.log" 2>&1 || NANO=""
 fi
 
-part planted 120 python3 -m pytest tests/test_step_graphs.py --device cuda -k "cuda" -q -p no:cacheprovider -rs &
+part planted 120 python3 -m pytest tests/test_step_graphs.py tests/test_graph_buffers.py --device cuda -k "cuda" -q \
+  -p no:cacheprovider -rs &
 part gates15b 120 python3 -m pytest gates/test_graphs.py --device cuda --model $M15 -k "mixed" \
   -q -p no:cacheprovider -rs --gate-summary "$RES/gate_summary_15b.json" &
 nano nanoprep 120 32 1 8 &

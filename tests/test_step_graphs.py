@@ -49,11 +49,32 @@ _EAGER = {}
 
 
 def eager_run(mode):
-    """The eager reference run, once per mode (it does not depend on any plant)."""
-    key = mode["engine"]
+    """The eager reference run, once per mode and model (it does not depend on any plant)."""
+    key = (mode["engine"], mode["model"])
     if key not in _EAGER:
         _EAGER[key] = run(mode, False)
     return _EAGER[key]
+
+
+_CONTROL = {}
+
+
+def plant_mode(mode):
+    """Where the plants run: the random small model. The trained one (cuda mode) shrugs off most context
+    (docs/small-model.md: a perturbed first page changes 20 of 48 continuations), and a chunk piece's stale metadata,
+    which touches no decode row, left its tokens unchanged on the H200; on the random model every position's keys
+    move what follows. The unplanted graphed run must match eager on it first (the control), else fp16 rounding
+    alone could flip a token and a plant would look caught without being so."""
+    pm = dict(mode, model="small")
+    key = (pm["engine"], pm["model"])
+    if key not in _CONTROL:
+        eager_ref, eager = eager_run(pm)
+        _, graphed = run(pm, True)
+        _CONTROL[key] = compare("step graphs vs eager (control)", eager, graphed, eager_ref.score, check_steps=True)
+    if not _CONTROL[key].ok:
+        pytest.skip(f"unplanted, graphed and eager runs of the random small model already differ here: "
+                    f"{_CONTROL[key].problems()[:1]}")
+    return pm
 
 
 def graphed_kinds(engine) -> int:
@@ -160,6 +181,35 @@ def test_fill_matches_the_eager_packing(emulated_engine, spec):
         e.pool.end_step()
 
 
+def test_replay_picks_the_decode_call_width(emulated_engine):
+    """A loaded step replays the graph of the narrowest captured width that holds its decode rows' lengths (the
+    split-KV kernel divides the width among its splits); a chunk-only step the graph without a decode call."""
+    e = emulated_engine
+    sg, ps = e.runner.step_graphs, e.pool.page_size
+    assert {w for _, w in sg.keys} == {0, *sg.widths} and len(sg.widths) > 1
+    reqs = []
+    try:
+        def request(name, cached, state):
+            r = Request(name, [3 + j % 50 for j in range(cached + 1)], 8)
+            e.pool.reserve(r.request_id, r.slots_needed)
+            r.state, r.num_cached, r.output = state, cached, [5]
+            reqs.append(r)
+            return r
+        chunk = Chunk(request("c", 0, State.PREFILL), 0, 16)
+        sg.replay([chunk], [], e.pool.owned)
+        assert sg.last_key[1] == 0
+        short = request("short", sg.widths[0] * ps - 2, State.DECODE)       # its next position fills the page
+        sg.replay([chunk], [short], e.pool.owned)
+        assert sg.last_key[1] == sg.widths[0]
+        longer = request("longer", sg.widths[0] * ps, State.DECODE)          # one page more
+        sg.replay([chunk], [short, longer], e.pool.owned)
+        assert sg.last_key[1] == sg.widths[1]
+    finally:
+        for r in reqs:
+            e.pool.release(r.request_id)
+        e.pool.end_step()
+
+
 def test_construction_reports_graphs_and_memory(graph_emulation, monkeypatch, capsys):
     graph_emulation(monkeypatch, prefill=True)
     Engine(lineage_config("fused", chunk_tokens=128, max_batch=MAX_BATCH, cuda_graphs=True, max_model_len=256,
@@ -204,6 +254,7 @@ def plant_stale(monkeypatch, section: str):
 
 @pytest.mark.parametrize("section", ["cu_q", "table", "kv_lens", "lead_kv", "decode_rows"])
 def test_stale_metadata_is_caught(mode, monkeypatch, section):
+    mode = plant_mode(mode)
     eager_ref, eager = eager_run(mode)
     plant_stale(monkeypatch, section)
     try:

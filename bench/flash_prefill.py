@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from kernels.flash_backend import _import_flash
-
+from .flash_splits import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, have_flash, probe_args
 from .stats import graph_time
 
 
@@ -30,16 +28,12 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="1,2,4,8,16", help="num_splits values tried with with_kvcache")
     ap.add_argument("--width", default="fit", help="block-table width in pages: 'fit' or a number (a captured "
                     "step's table is as wide as its bucket)")
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", default=None)
+    probe_args(ap)
     a = ap.parse_args(argv)
-    fa, reason = _import_flash()
-    if fa is None:
-        print(f"flash_prefill: {reason}", file=sys.stderr)
+    if not have_flash("flash_prefill"):
         return 2
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-    dev, dt, P, Hq, Hk, D = torch.device("cuda"), torch.float16, 256, 12, 2, 128
+    dev, dt, (P, Hq, Hk, D) = torch.device("cuda"), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for hist in (int(h) for h in a.histories.split(",")):

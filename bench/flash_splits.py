@@ -26,23 +26,38 @@ from kernels.flash_backend import _import_flash, decode_splits_for
 from .stats import graph_time
 
 
+# the 1.5B shape's attention: 256-slot pages, 12 query and 2 key/value heads of 128
+PAGE, Q_HEADS, KV_HEADS, HEAD_DIM = 256, 12, 2, 128
+
+
+def probe_args(ap) -> None:
+    """The options every flash probe takes: layer calls per replay, replays, the JSON output."""
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+
+
+def have_flash(prog: str) -> bool:
+    """flash-attn imports here; if not, say why on stderr."""
+    fa, reason = _import_flash()
+    if fa is None:
+        print(f"{prog}: {reason}", file=sys.stderr)
+    return fa is not None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.flash_splits", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--splits", default="auto,0,8,16,32,64",
                     help="num_splits values; 'auto': the flash backend's rule for the width and rows (decode_splits_for)")
     ap.add_argument("--widths", default="fit,32,64,128",
                     help="block-table widths: 'fit' (the longest row's pages) or a number")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--out", default=None)
+    probe_args(ap)
     a = ap.parse_args(argv)
-    fa, reason = _import_flash()
-    if fa is None:
-        print(f"flash_splits: {reason}", file=sys.stderr)
+    if not have_flash("flash_splits"):
         return 2
     from flash_attn import flash_attn_with_kvcache
-    dev, dt, P, Hq, Hk, D = torch.device("cuda"), torch.float16, 256, 12, 2, 128
+    dev, dt, (P, Hq, Hk, D) = torch.device("cuda"), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
     hist = [len(s.prompt) + 1 for s in MIXED.scaled(a.rows).requests()][:a.rows]
     need = [-(-h // P) for h in hist]
     num_pages = 1 + sum(need)

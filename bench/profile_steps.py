@@ -24,7 +24,8 @@ from engine.config import LINEAGE
 from engine.scheduler import WORK_KINDS
 from engine.workload import MIXED
 
-FAMILIES = (("gemm", r"nvjet|gemm|cutlass|xmma|cublas|^aten::(mm|addmm|bmm)$"), ("attention", r"flash|attn|fmha"),
+# attention first: flash-attn's kernel names carry cutlass types
+FAMILIES = (("attention", r"flash|attn|fmha"), ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|^aten::(mm|addmm|bmm)$"),
             ("pointwise (compiled)", r"^triton_"), ("copy / index", r"copy|index|gather|scatter|memcpy|memset|cat"))
 
 

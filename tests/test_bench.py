@@ -152,7 +152,8 @@ def test_profile_steps_on_cpu(tmp_path):
     the ops' self time); its families add up to the total it reports."""
     from bench.profile_steps import family, main
     assert family("nvjet_sm90_hsh_192x160_64x4_1x2_h_bz_coopB_TNT") == "gemm"
-    assert family("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
+    assert family("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, "
+                  "cutlass::half_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::half_t>>, ...>") == "attention"
     assert family("triton_poi_fused_mul_silu_split_0") == "pointwise (compiled)"
     out = tmp_path / "p.json"
     assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "2",

@@ -260,11 +260,11 @@ class DecodeGraphs(CapturedSteps):
         self.wait_copied()
         pack([], decodes, pages_of, ps, v["tokens"], v["positions"], v["slots"], self._rows)
         np.add(v["positions"][:n], 1, out=v["kv_lens"][:n])
-        used = [r.num_cached // ps + 1 for r in decodes]   # pages its cache length reaches (it owns all it reserved)
-        self._table_rows([pages_of[r.request_id] for r in decodes], np.array(used, dtype=np.int64))
+        used = v["positions"][:n] // ps + 1     # pages its cache length reaches (it owns all it reserved)
+        self._table_rows([pages_of[r.request_id] for r in decodes], used)
         self._pad(n)
         self.upload()
-        return max(used, default=1)
+        return int(used.max()) if n else 1
 
     def _table_rows(self, pages: list[list[int]], used: np.ndarray) -> None:
         """Block-table rows: row i lists pages[i][:used[i]], then the pad page. Most pure decode steps have the rows
@@ -278,9 +278,10 @@ class DecodeGraphs(CapturedSteps):
                 k = int(used[i])
                 self.table[i, :k] = pages[i][:k]
                 self.table[i, k:] = pad
+            self._filled = (last_pages, used)      # the kept copies still equal the rows' pages
         else:
             page_rows(pages, used.tolist(), self.table[:n], pad)
-        self._filled = ([list(p) for p in pages], used)
+            self._filled = ([list(p) for p in pages], used)
 
     def _device_views(self, b: int, w: int):
         sec = {name: self.dev_view[name][:b] for name in SECTIONS}

@@ -13,6 +13,11 @@ class State(enum.Enum):
     CANCELLED = "cancelled"  # stopped by cancel(); keeps what it emitted
 
 
+# the states as module constants for the per-row checks of every step (emit, done, the scheduler's row filters:
+# 512 of each a step at 512 rows): looking a member up on the enum class costs about 0.3 us on Python 3.11
+PREFILL, DECODE, FINISHED, CANCELLED = State.PREFILL, State.DECODE, State.FINISHED, State.CANCELLED
+
+
 @dataclass
 class Request:
     request_id: str
@@ -43,7 +48,8 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.state in (State.FINISHED, State.CANCELLED)
+        s = self.state
+        return s is FINISHED or s is CANCELLED
 
     @property
     def slots_needed(self) -> int:
@@ -53,15 +59,17 @@ class Request:
     def emit(self, token: int, step: int, t: float) -> bool:
         """One emitted token; the request finishes when its budget is spent. A cancelled request emits nothing
         (a cancel can land while the step that computed the token runs): False."""
-        if self.state is State.CANCELLED:
+        if self.state is CANCELLED:
             return False
-        self.output.append(token)
+        out = self.output
+        out.append(token)
         self.token_times.append(t)
         self.token_steps.append(step)
-        self.state = State.DECODE
-        if len(self.output) >= self.budget:
-            self.state = State.FINISHED
+        if len(out) >= self.budget:
+            self.state = FINISHED
             self.finish_time = t
+        else:
+            self.state = DECODE
         return True
 
     def step_of(self, pos: int) -> int | None:

@@ -29,7 +29,7 @@ from enum import StrEnum
 from .pool import PagePool
 from .prefill_share import DebtLedger
 from .prefix_cache import Chain
-from .request import Request, State
+from .request import DECODE, PREFILL, Request, State
 from .schedule_log import ScheduleLog
 
 CHUNK_TOKENS = 512      # the default chunk budget: prompt positions a step may carry (docs/DESIGN.md)
@@ -230,7 +230,7 @@ class Scheduler(DebtLedger):
         """Whole chunks while they fit in chunk_tokens: short prompts first (FCFS), then long ones (FCFS), unless
         `withhold_long`. Returns (chunks, long prompts withheld)."""
         short, long = [], []
-        for r in [r for r in self.running if r.state is State.PREFILL]:
+        for r in [r for r in self.running if r.state is PREFILL]:
             (short if self.is_short(r) else long).append(r)
         room = self.chunk_tokens             # what is left of the chunk budget
         chunks = []
@@ -247,7 +247,7 @@ class Scheduler(DebtLedger):
         free, rows = self.pool.num_free, len(self.running)
         plan = StepPlan(self.step_index, admitted=self.admit())
         self.log.admitted(plan.index, plan.admitted, self.pool, free, rows, self.waiting)
-        plan.decodes = [r for r in self.running if r.state is State.DECODE]
+        plan.decodes = [r for r in self.running if r.state is DECODE]
         if not plan.decodes:
             self.debt = 0.0                  # debt counts only runnable decoders
         elif self.prefill_share < 1.0:
@@ -270,7 +270,7 @@ class Scheduler(DebtLedger):
         if plan is not None and self.pool.cache is not None:
             self.register_pages(plan)        # before the releases below: a finishing request's pages stay cached
         retired = [r for r in self.running if r.done]
-        if retired:     # one pass, not list.remove: a Request compares by value, field by field
+        if retired:     # not list.remove: a Request compares by value, field by field
             self.running[:] = [r for r in self.running if not r.done]
         for r in retired:
             self.chains.pop(r.request_id, None)

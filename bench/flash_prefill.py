@@ -1,4 +1,4 @@
-"""flash-attn's paged prompt-chunk attention inside a CUDA graph: the varlen kernel against `with_kvcache` by split count.
+"""flash-attn's paged prompt-chunk attention in a CUDA graph: the varlen kernel against `with_kvcache` by split count.
 
 Why: flash-attn 2 runs a paged varlen call (our prefill) through its split-KV kernel with ONE split: a 512-position
 chunk on 12 query heads is 8 row blocks x 12 heads = 96 CTAs of 4 warps on a 132-SM H200, each walking the whole

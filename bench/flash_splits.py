@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.flash_splits", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--splits", default="auto,0,8,16,32,64",
-                    help="num_splits values; 'auto': the flash backend's rule for the width and rows (decode_splits_for)")
+                    help="num_splits values; 'auto': the flash backend's rule for the width and rows "
+                    "(decode_splits_for)")
     ap.add_argument("--widths", default="fit,32,64,128",
                     help="block-table widths: 'fit' (the longest row's pages) or a number")
     probe_args(ap)

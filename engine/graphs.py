@@ -309,7 +309,6 @@ class DecodeGraphs(CapturedSteps):
     def size_for(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-
     def replay(self, decodes, pages_of) -> torch.Tensor:
         """Logits [len(decodes), vocab] of one pure decode step (a view of the static logits: read it before the
         next replay)."""

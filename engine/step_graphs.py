@@ -34,9 +34,10 @@ int32 buffer, refreshed in place by one host-to-device copy before each replay:
 
 Each bucket has a chunk-only step's graph (no decode call) and loaded steps' graphs, one per table width of the
 decode call (the pure decode steps' width ladder: the split-KV kernel divides the table's width among its splits, so
-a 128-page table cost twice a 17-page one at 32 rows on the H200). One sampling and one host readback per step, as eagerly; only where attention's work is split differs from the
-eager step (its prefill kernel over the chunks, its decode kernel over the decode rows). Off CUDA a "replay" runs
-the same forward over the same buffers eagerly (engine/graphs.py)."""
+a 128-page table cost twice a 17-page one at 32 rows on the H200). One sampling and one host readback per step, as
+eagerly; only where attention's work is split differs from the eager step (its prefill kernel over the chunks, its
+decode kernel over the decode rows). Off CUDA a "replay" runs the same forward over the same buffers eagerly
+(engine/graphs.py)."""
 from __future__ import annotations
 
 from bisect import bisect_left

@@ -80,6 +80,10 @@ def pytest_addoption(parser):
     g.addoption("--gate-summary-md", default="gate-summary.md", help="where the Markdown gate summary is written "
                 "(also appended to $GITHUB_STEP_SUMMARY when that is set)")
     g.addoption("--tp", type=int, default=1, help="tensor-parallel ranks of the engine under test (goldens: tp 1)")
+    g.addoption("--work-units", default="configuration", choices=("configuration", "configuration-file"),
+                help="under -n without --dist: one engine configuration's gates run on one worker (default), or one "
+                "configuration's gates of one file (finer units; a run a configuration's files share may then be "
+                "made on several workers)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
 

@@ -132,11 +132,12 @@ def see_only(gpu: str) -> None:
                                 f"run without -n, or name one device (--device cuda:0) to share it")
 
 
-def worker_group(nodeid: str) -> str:
+def worker_group(nodeid: str, per_file: bool = False) -> str:
     """The work unit a gate belongs to under `-n` alone: one engine configuration's gates (its id in the test's
     parameters, as in `test_tiny_pool[chunked-torch-64]`), so that its memoised runs and warm-ups are made once
     per run rather than once per worker that draws one of its gates; the kernel gates by backend and kind; the rest
-    by file. From the node id alone: the controller sees nothing else of a test."""
+    by file. `per_file` (--work-units configuration-file): a configuration's gates of one file. From the node id
+    alone: the controller sees nothing else of a test."""
     from .options import CANDIDATES
     path, _, name = nodeid.partition("::")
     param = name.partition("[")[2].removesuffix("]")
@@ -145,7 +146,7 @@ def worker_group(nodeid: str) -> str:
         return "-".join(["kernels", *param.split("-")[:2]])
     for engine, backend in CANDIDATES:
         if re.search(rf"(^|-){engine}-{backend}(-|$)", param):
-            return f"{engine}-{backend}"
+            return f"{engine}-{backend}/{stem}" if per_file else f"{engine}-{backend}"
     return stem
 
 
@@ -158,9 +159,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    per_file = config.getoption("--work-units") == "configuration-file"
+
     class ByConfiguration(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return worker_group(nodeid)
+            return worker_group(nodeid, per_file)
 
         def remove_node(self, node) -> str | None:
             """A worker ended: its unfinished gates go back to the queue, as xdist's own remove_node does, except

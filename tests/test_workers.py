@@ -208,6 +208,25 @@ def test_minus_n_alone_keeps_an_engine_configurations_gates_on_one_worker(gate_d
     assert all(len(w) == 1 for w in where.values()), where
 
 
+def test_finer_work_units_split_a_configuration_by_file(gate_dir):
+    """--work-units configuration-file: a configuration's gates of one file stay on one worker, and its files can
+    go to different workers (the two units of each configuration here)."""
+    assert workers.worker_group("gates/test_smoke.py::test_smoke[chunked-torch]", True) == "chunked-torch/test_smoke"
+    assert workers.worker_group("gates/test_admission.py::TestAdmissionPage64::runTest", True) == "test_admission"
+    for name in ("test_one", "test_two"):
+        (gate_dir.path / "gates" / f"{name}.py").write_text(GROUPED.replace('cfg.rsplit("-", 1)[0]',
+                                                                             f'cfg.rsplit("-", 1)[0] + "/{name}"'))
+    r = run(gate_dir, "gates/test_one.py", "gates/test_two.py", "-n", "3", "--work-units", "configuration-file",
+            subprocess=True)
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()[-3000:]
+    where = {}
+    for path in gate_dir.path.glob("ran-gw*.txt"):
+        for unit in path.read_text().split():
+            where.setdefault(unit, set()).add(path.stem)
+    assert len(where) == 8 and all(len(w) == 1 for w in where.values()), where
+    assert len(set().union(*where.values())) > 1, where
+
+
 def test_three_workers_on_two_gpus_see_one_each_and_the_pair_on_one_gpu_split_its_kv_budget(gate_dir, monkeypatch):
     """The controller's own mask names the GPUs (7 and 5 here): each worker sees only its own."""
     monkeypatch.delenv(KV_ENV, raising=False)

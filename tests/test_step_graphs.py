@@ -1,6 +1,7 @@
-"""Captured loaded and chunk-only steps (engine/step_graphs.py): one variable-length attention call over pieces of at
-most 64 query rows, static metadata refreshed in place, padding confined to the pad page; graphed against eager
-under the 0.02 rule; planted stale metadata and a planted over-read caught.
+"""Captured loaded and chunk-only steps (engine/step_graphs.py): a variable-length attention call over pieces of at
+most 64 query rows and, in loaded steps, a decode call over the decode rows packed first; static metadata refreshed
+in place, padding confined to the pad page; graphed against eager under the 0.02 rule; planted stale metadata and a
+planted over-read caught.
 
 Two modes, as tests/test_graph_buffers.py: `cuda` (--device cuda with flash-attn: real graphs, flash, fp16, the
 trained small model) and `cpu-emulated` (nothing captured; a "replay" runs the same forward over the same static

@@ -92,31 +92,47 @@ OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_m
 _EAGER = dict(OPS)
 
 
-def compile_elementwise(on: bool = True) -> None:
-    """Process-wide: use torch.compile'd (fused) elementwise pieces, or the eager ones again. Compiled once per
-    process (dynamic shapes), before any CUDA graph is captured (the engine calls this at construction)."""
+def compile_elementwise(on: bool = True, backend="inductor") -> None:
+    """Process-wide: use torch.compile'd (fused) elementwise pieces, or the eager ones again. Compiled before any
+    CUDA graph is captured (the engine calls this at construction, through try_compile_elementwise).
+
+    Static shapes except the token dimension, which try_compile_elementwise's warm-up marks dynamic: with
+    dynamic=True the hidden sizes were symbolic too, so every index of the generated kernel divided by a runtime
+    value and no load was provably aligned; the loaded step's SiLU-mul ran at about a fifth of the H200's bandwidth
+    (docs/RESULTS.md). A model of another width compiles its own static kernels through its own warm-up."""
     if not on:
         OPS.update(_EAGER)
         return
     for name, fn in _EAGER.items():
         if OPS[name] is fn:
-            OPS[name] = torch.compile(fn, dynamic=True, fullgraph=True)
+            OPS[name] = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
 
 
-def try_compile_elementwise(device, dtype, hidden: int, heads: int, head_dim: int) -> str | None:
-    """compile_elementwise(), then one call of each piece on `device` so that a compiler that cannot run here falls
-    back to eager at once (returns why) instead of failing a step later. Sizes 1 and 2 both: Dynamo specialises 1."""
-    compile_elementwise(True)
+def _tokens_dynamic(*tensors):
+    # maybe_: a size-1 token dimension is specialised rather than refused
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return tensors
+
+
+def try_compile_elementwise(device, dtype, s: ModelShape, backend="inductor") -> str | None:
+    """compile_elementwise(), then calls of each piece on `device` with the model's exact layouts (the rotary input
+    is the query/key slice of the fused qkv output), so that every kernel a step needs is compiled here, and a
+    compiler that cannot run here falls back to eager at once (returns why) instead of failing a step later.
+    Token counts 1, 2 and 3: Dynamo specialises 1; from 2 on the token dimension is marked dynamic, so later token
+    counts reuse that kernel."""
+    compile_elementwise(True, backend)
     try:
         for T in (1, 2, 3):
-            x = torch.randn(T, hidden, device=device, dtype=dtype)
-            w = torch.ones(hidden, device=device, dtype=dtype)
+            x, r = _tokens_dynamic(*(torch.randn(T, s.hidden_size, device=device, dtype=dtype) for _ in range(2)))
+            w = torch.ones(s.hidden_size, device=device, dtype=dtype)
             OPS["rms_norm"](x, w, 1e-6)
-            OPS["add_rms_norm"](x, x, w, 1e-6)
-            qk = torch.randn(T, heads + 2, head_dim, device=device, dtype=dtype)[:, :heads]
-            cs = torch.randn(T, head_dim, device=device, dtype=dtype)
-            OPS["rope"](qk, cs, cs)
-            OPS["silu_mul"](torch.randn(T, 2 * hidden, device=device, dtype=dtype))
+            OPS["add_rms_norm"](x, r, w, 1e-6)
+            qkv = torch.randn(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim, device=device, dtype=dtype)
+            qk, cos, sin = _tokens_dynamic(qkv[:, :s.num_heads + s.num_kv_heads],
+                                           *(torch.randn(T, s.head_dim, device=device, dtype=dtype) for _ in "cs"))
+            OPS["rope"](qk, cos, sin)
+            OPS["silu_mul"](*_tokens_dynamic(torch.randn(T, 2 * s.intermediate_size, device=device, dtype=dtype)))
     except Exception as e:  # noqa: BLE001 (any compiler failure means: run eagerly)
         compile_elementwise(False)
         return f"{type(e).__name__}: {e}"

@@ -20,7 +20,7 @@ from engine.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["serving", "disturbance", "chunk_sweep", "kernel_bench", "profile_decode", "flash_splits", "host_step_time",
-        "compile_cost", "tp_bench", "loaded_table", "sdpa_probe", "flash_prefill", "profile_steps"]
+        "compile_cost", "tp_bench", "loaded_table", "sdpa_probe", "flash_prefill", "profile_steps", "elementwise"]
 
 
 @pytest.fixture(scope="module")

@@ -92,20 +92,26 @@ OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_m
 _EAGER = dict(OPS)
 
 
-def compile_elementwise(on: bool = True, backend="inductor") -> None:
+# torch.compile's backend for the pieces (the tests swap in one that records Dynamo's graphs on CPU)
+COMPILE_BACKEND = "inductor"
+
+
+def compile_elementwise(on: bool = True) -> None:
     """Process-wide: use torch.compile'd (fused) elementwise pieces, or the eager ones again. Compiled before any
     CUDA graph is captured (the engine calls this at construction, through try_compile_elementwise).
 
-    Static shapes except the token dimension, which try_compile_elementwise's warm-up marks dynamic: with
-    dynamic=True the hidden sizes were symbolic too, so every index of the generated kernel divided by a runtime
-    value and no load was provably aligned; the loaded step's SiLU-mul ran at about a fifth of the H200's bandwidth
-    (docs/RESULTS.md). A model of another width compiles its own static kernels through its own warm-up."""
+    The token dimension is dynamic, the hidden sizes are not. With dynamic=True they were symbolic too, so every
+    index of the generated kernels divided by a runtime value: the norms ran at half the bandwidth they reach with
+    constant sizes (bench/elementwise.py, docs/RESULTS.md). dynamic=None (automatic): a piece is compiled for the
+    shapes it sees, and a size that changes between calls becomes dynamic. The warm-up marks the token dimension
+    dynamic at once; a guard the warm-up did not match (grad mode, a weight's flags) costs a recompile, never a
+    kernel per token count."""
     if not on:
         OPS.update(_EAGER)
         return
     for name, fn in _EAGER.items():
         if OPS[name] is fn:
-            OPS[name] = torch.compile(fn, dynamic=False, fullgraph=True, backend=backend)
+            OPS[name] = torch.compile(fn, dynamic=None, fullgraph=True, backend=COMPILE_BACKEND)
 
 
 def _tokens_dynamic(*tensors):
@@ -115,24 +121,31 @@ def _tokens_dynamic(*tensors):
     return tensors
 
 
-def try_compile_elementwise(device, dtype, s: ModelShape, backend="inductor") -> str | None:
-    """compile_elementwise(), then calls of each piece on `device` with the model's exact layouts (the rotary input
-    is the query/key slice of the fused qkv output), so that every kernel a step needs is compiled here, and a
-    compiler that cannot run here falls back to eager at once (returns why) instead of failing a step later.
-    Token counts 1, 2 and 3: Dynamo specialises 1; from 2 on the token dimension is marked dynamic, so later token
-    counts reuse that kernel."""
-    compile_elementwise(True, backend)
+def try_compile_elementwise(device, dtype, model: "Qwen2") -> str | None:
+    """compile_elementwise(), then calls of each piece on `device` as the model's forward makes them (inference
+    mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
+    needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
+    to eager at once (returns why) instead of failing a step later. On CUDA with Triton, SiLU-mul is
+    kernels/silu_mul.py's kernel rather than a compiled piece. Token counts 1, 2 and 3: Dynamo specialises 1;
+    from 2 on the token dimension is marked dynamic, so later token counts reuse that kernel."""
+    s = model.shape
+    compile_elementwise(True)
+    from kernels import silu_mul as triton_silu_mul
+    if triton_silu_mul.why_unavailable(device) is None:
+        OPS["silu_mul"] = triton_silu_mul.silu_mul    # faster than Inductor's kernel for it (its docstring says why)
+    w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
     try:
-        for T in (1, 2, 3):
-            x, r = _tokens_dynamic(*(torch.randn(T, s.hidden_size, device=device, dtype=dtype) for _ in range(2)))
-            w = torch.ones(s.hidden_size, device=device, dtype=dtype)
-            OPS["rms_norm"](x, w, 1e-6)
-            OPS["add_rms_norm"](x, r, w, 1e-6)
-            qkv = torch.randn(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim, device=device, dtype=dtype)
-            qk, cos, sin = _tokens_dynamic(qkv[:, :s.num_heads + s.num_kv_heads],
-                                           *(torch.randn(T, s.head_dim, device=device, dtype=dtype) for _ in "cs"))
-            OPS["rope"](qk, cos, sin)
-            OPS["silu_mul"](*_tokens_dynamic(torch.randn(T, 2 * s.intermediate_size, device=device, dtype=dtype)))
+        with torch.inference_mode():
+            for T in (1, 2, 3):
+                x, r = _tokens_dynamic(*(torch.randn(T, s.hidden_size, device=device, dtype=dtype) for _ in "xr"))
+                OPS["rms_norm"](x, w, s.rms_norm_eps)
+                OPS["add_rms_norm"](x, r, w, s.rms_norm_eps)
+                qkv = torch.randn(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim, device=device, dtype=dtype)
+                qk, cos, sin = _tokens_dynamic(qkv[:, :s.num_heads + s.num_kv_heads],
+                                               *(torch.randn(T, s.head_dim, device=device, dtype=dtype) for _ in "cs"))
+                OPS["rope"](qk, cos, sin)
+                gate_up = torch.randn(T, 2 * s.intermediate_size, device=device, dtype=dtype)
+                OPS["silu_mul"](*_tokens_dynamic(gate_up))
     except Exception as e:  # noqa: BLE001 (any compiler failure means: run eagerly)
         compile_elementwise(False)
         return f"{type(e).__name__}: {e}"

@@ -1,7 +1,7 @@
 """The elementwise pieces (engine/model.py) at the 1.5B shape: microseconds and achieved bandwidth per call, for each
 token count, in four modes: eager; compiled with every size dynamic (torch.compile's dynamic=True, the engine's
-earlier mode); compiled with static sizes and a dynamic token count; and what the engine runs now (the latter, with
-kernels/silu_mul.py's Triton kernel for SiLU-mul). Each timing is a CUDA graph of `--layers` calls (as a step's
+earlier mode); compiled with static sizes and a dynamic token count; and what the engine runs now (its warm-up's
+compile: the same, unless the engine changes it). Each timing is a CUDA graph of `--layers` calls (as a step's
 layers run them), so launch gaps count as they do in a captured step. Each compiled mode compiles its own copy of
 the functions (Dynamo keeps its compiled graphs on the code object, which the modes would otherwise share).
 

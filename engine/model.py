@@ -101,8 +101,9 @@ def compile_elementwise(on: bool = True) -> None:
     CUDA graph is captured (the engine calls this at construction, through try_compile_elementwise).
 
     The token dimension is dynamic, the hidden sizes are not. With dynamic=True they were symbolic too, so every
-    index of the generated kernels divided by a runtime value: the norms ran at half the bandwidth they reach with
-    constant sizes (bench/elementwise.py, docs/RESULTS.md). dynamic=None (automatic): a piece is compiled for the
+    index of the generated kernels divided by a runtime value: on the H200 at 8192 tokens of the 1.5B shape each
+    piece ran at 400-1800 GB/s, and at 900-4300 GB/s with constant sizes (SiLU-mul 293 -> 102 us a call;
+    bench/elementwise.py, docs/RESULTS.md). dynamic=None (automatic): a piece is compiled for the
     shapes it sees, and a size that changes between calls becomes dynamic. The warm-up marks the token dimension
     dynamic at once; a guard the warm-up did not match (grad mode, a weight's flags) costs a recompile, never a
     kernel per token count."""
@@ -125,14 +126,10 @@ def try_compile_elementwise(device, dtype, model: "Qwen2") -> str | None:
     """compile_elementwise(), then calls of each piece on `device` as the model's forward makes them (inference
     mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
     needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
-    to eager at once (returns why) instead of failing a step later. On CUDA with Triton, SiLU-mul is
-    kernels/silu_mul.py's kernel rather than a compiled piece. Token counts 1, 2 and 3: Dynamo specialises 1;
+    to eager at once (returns why) instead of failing a step later. Token counts 1, 2 and 3: Dynamo specialises 1;
     from 2 on the token dimension is marked dynamic, so later token counts reuse that kernel."""
     s = model.shape
     compile_elementwise(True)
-    from kernels import silu_mul as triton_silu_mul
-    if triton_silu_mul.why_unavailable(device) is None:
-        OPS["silu_mul"] = triton_silu_mul.silu_mul    # faster than Inductor's kernel for it (its docstring says why)
     w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
     try:
         with torch.inference_mode():

@@ -4,12 +4,6 @@ none during a CUDA graph capture, where a compile fails). Checked on CPU through
 Dynamo's graphs and runs them as they are."""
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,7 +11,6 @@ from engine import Engine, EngineConfig, RequestSpec
 from engine import model as M
 from engine.loader import load_model
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class Recorder:
@@ -107,38 +100,3 @@ def test_bench_byte_counts_and_no_cuda(capsys):
         assert elementwise.main(["--tokens", "4"]) == 2
         assert "needs CUDA" in capsys.readouterr().err
 
-
-_INTERPRETED = """
-import torch, torch.nn.functional as F
-from kernels.silu_mul import BLOCK, silu_mul
-for tokens, width in ((0, 8), (1, 80), (5, 80), (3, BLOCK + 37), (2, 2 * BLOCK)):
-    x = torch.randn(tokens, 2 * width, generator=torch.Generator().manual_seed(tokens), dtype=torch.float16) * 4
-    out = silu_mul(x)
-    ref = F.silu(x[:, :width]) * x[:, width:]
-    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape)
-    # the same arithmetic, but exp is the interpreter's (numpy's) here and torch's there: a rounding step apart
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -9, atol=2 ** -12)
-    assert out.numel() == 0 or (out != ref).float().mean() < 0.01
-try:
-    silu_mul(torch.randn(4, 16, dtype=torch.float16).t())
-except ValueError as e:
-    assert "contiguous" in str(e)
-else:
-    raise AssertionError("a non-contiguous input was taken")
-print("ok")
-"""
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed (.ci/run installs it)")
-def test_triton_silu_mul_matches_eager_in_the_interpreter():
-    """kernels/silu_mul.py under TRITON_INTERPRET=1 on CPU: fp16 results within a rounding step of eager SiLU then
-    multiply (equal in 99% of places), for widths below, across and at multiples of the block, and for no tokens."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
-
-
-def test_triton_silu_mul_is_cuda_only():
-    from kernels import silu_mul
-    assert "CUDA only" in silu_mul.why_unavailable("cpu")

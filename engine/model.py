@@ -202,15 +202,19 @@ class Attention(nn.Module):
         qk = OPS["rope"](qkv[:, :s.num_heads + s.num_kv_heads], cos, sin)   # queries and keys rotated at once
         q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
         v = qkv[:, s.num_heads + s.num_kv_heads:]
-        # write this forward's K/V first: both kernels then read history and new positions from the pages alone
-        k_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = k
-        v_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = v
+        # a pure decode step over a backend that appends K/V in its kernel writes nothing here
+        append = ctx.prefill is None and ctx.lead is None and ctx.decode is not None and ctx.backend.appends_decode_kv
+        if not append:
+            # write this forward's K/V first: both kernels then read history and new positions from the pages alone
+            k_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = k
+            v_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = v
         n = ctx.num_prefill
         outs = []
         if ctx.prefill is not None:
             outs.append(ctx.backend.prefill(q[:n], k_cache, v_cache, ctx.prefill, self.scale))
         if ctx.decode is not None:
-            outs.append(ctx.backend.decode(q[n:], k_cache, v_cache, ctx.decode, self.scale))
+            kw = {"new_kv": (k, v)} if append else {}     # other backends' decode takes no new_kv
+            outs.append(ctx.backend.decode(q[n:], k_cache, v_cache, ctx.decode, self.scale, **kw))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         if ctx.lead is not None:
             lead, is_decode = ctx.lead

@@ -53,6 +53,9 @@ class AttentionBackend:
     # host bounds alone (sequences, query rows, the longest sequence), so a loaded or chunk-only step that passes
     # bounds can be captured (engine/step_graphs.py)
     graph_safe_prefill: bool = False
+    # True when decode takes the step's new keys and values (new_kv) and writes them itself, at each row's last
+    # position (kv_lens - 1), before it attends: a pure decode step then launches no separate cache writes
+    appends_decode_kv: bool = False
 
     @classmethod
     def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:
@@ -70,6 +73,7 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-               scale: float) -> torch.Tensor:
-        """q: [num_seqs, heads, head_dim], one row per request -> same shape."""
+               scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """q: [num_seqs, heads, head_dim], one row per request -> same shape. new_kv: the rows' own keys and values
+        ([num_seqs, kv_heads, head_dim] each), not yet in the cache; given only where appends_decode_kv."""
         raise NotImplementedError

@@ -82,6 +82,7 @@ class FlashBackend(AttentionBackend):
     page_sizes = (256,)
     graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
     graph_safe_prefill = True   # paged varlen: cu_seqlens, block table; max_seqlen_q/k are bounds (step_graphs.py)
+    appends_decode_kv = True    # with_kvcache's k=, v=: pure decode steps write their K/V in the attention kernel
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, decode_splits: int | None = None):
@@ -143,7 +144,8 @@ class FlashBackend(AttentionBackend):
             bt = bt.to(torch.int32).contiguous()
         seqlens = batch.kv_lens_t.to(torch.int32).contiguous()
         if kind == "decode":
-            batch.prepared[kind] = ("decode", bt, seqlens)
+            # with new_kv, flash-attn writes the new key and value at cache_seqlens and attends over one more
+            batch.prepared[kind] = ("decode", bt, seqlens, seqlens - 1)
             return
         if self._fallback is not None:
             self._fallback.prepare(batch, kind)
@@ -152,14 +154,20 @@ class FlashBackend(AttentionBackend):
         cu_k[1:] = torch.cumsum(seqlens, 0)
         batch.prepared[kind] = ("prefill", bt, batch.cu_q_t.to(torch.int32).contiguous(), cu_k)
 
-    def decode(self, q, k_cache, v_cache, batch, scale):
+    def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None):
         self._check(k_cache)
-        tag, bt, seqlens = batch.prepared["decode"]
+        tag, bt, seqlens, before = batch.prepared["decode"]
         splits = self.decode_splits
         if splits is None:
             splits = decode_splits_for(bt.shape[1] * k_cache.shape[1], q.shape[-1], q.shape[0], k_cache.shape[2])
+        append = {}
+        if new_kv is not None:
+            # the cache write in the kernel: two index_put kernels a layer fewer (0.18 ms of a 32-row pure decode
+            # step of the 1.5B shape on the H200); the split that holds the new position writes it, then reads it
+            append = dict(k=new_kv[0].unsqueeze(1), v=new_kv[1].unsqueeze(1))
+            seqlens = before
         out = self._with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seqlens, block_table=bt,
-                                 softmax_scale=scale, causal=True, num_splits=splits)
+                                 softmax_scale=scale, causal=True, num_splits=splits, **append)
         return out.squeeze(1)
 
     def prefill(self, q, k_cache, v_cache, batch, scale):

@@ -51,11 +51,11 @@ def batch(kv_lens, width, page=256) -> AttnBatch:
 def test_decode_table_cut_to_the_pages_the_lengths_reach():
     b = batch([1, 300, 513], width=128)      # the longest row reaches 3 pages of 256
     backend().prepare(b, "decode")
-    _, bt, seqlens = b.prepared["decode"]
+    _, bt, seqlens, before = b.prepared["decode"]
     assert bt.shape == (3, 3) and bt.stride(-1) == 1
     assert torch.equal(bt, b.block_tables[:, :3])          # the same pages, in order: a view, not a copy
     assert bt.data_ptr() == b.block_tables.data_ptr()
-    assert seqlens.tolist() == [1, 300, 513]
+    assert seqlens.tolist() == [1, 300, 513] and before.tolist() == [0, 299, 512]
 
 
 @pytest.mark.parametrize("lengths", [[256, 512], [257, 1]])
@@ -77,3 +77,27 @@ def test_out_of_range_split_count_is_refused(monkeypatch):
     monkeypatch.setattr("kernels.flash_backend._import_flash", lambda: (None, "not here"))
     with pytest.raises(ValueError, match="0..128"):
         FlashBackend(decode_splits=129)
+
+
+def test_decode_with_new_kv_appends_at_the_last_position():
+    """new_kv goes to flash-attn as k, v [rows, 1, kv_heads, d] with cache_seqlens one short of the lengths: the
+    kernel writes them there and attends over the full length. Without it the lengths go as they are."""
+    calls = []
+
+    def with_kvcache(q, k_cache, v_cache, **kw):
+        calls.append(kw)
+        return q.clone()
+    b = backend()
+    b._with_kvcache = with_kvcache
+    bt = batch([1, 300, 513], width=4)
+    b.prepare(bt, "decode")
+    cache = torch.zeros(8, 256, 2, 16, dtype=torch.float16)
+    q = torch.randn(3, 4, 16, dtype=torch.float16)
+    k, v = torch.randn(3, 2, 16, dtype=torch.float16), torch.randn(3, 2, 16, dtype=torch.float16)
+    b.decode(q, cache, cache, bt, 0.25)
+    b.decode(q, cache, cache, bt, 0.25, new_kv=(k, v))
+    assert calls[0]["cache_seqlens"].tolist() == [1, 300, 513] and "k" not in calls[0]
+    assert calls[1]["cache_seqlens"].tolist() == [0, 299, 512]
+    assert calls[1]["k"].shape == (3, 1, 2, 16) and torch.equal(calls[1]["k"][:, 0], k)
+    assert torch.equal(calls[1]["v"][:, 0], v)
+    assert calls[0]["num_splits"] == calls[1]["num_splits"]

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig
+from kernels import BACKENDS
+from kernels.torch_backend import TorchBackend
 from engine.loader import hf_model
 from engine.scheduler import Chunk
 from engine.request import Request
@@ -67,3 +69,48 @@ def test_one_host_readback_per_step(forward, monkeypatch):
         # a step that samples reads back exactly once; a chunk-only step that completes no prompt samples nothing
         assert readbacks == int(sampled), f"{rec.kind} step {rec.index}: {readbacks} host readbacks"
     assert "loaded" in kinds
+
+
+class AppendingTorch(TorchBackend):
+    """The torch reference, but its decode writes the rows' new K/V itself, where flash-attn's with_kvcache writes
+    them (cache_seqlens = kv_lens - 1, through the block table): the model's path for backends that append."""
+    appends_decode_kv = True
+    offset = 1      # a planted bug sets 0: the new K/V lands one slot past the row's last position
+
+    def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None):
+        if new_kv is not None:
+            pos = batch.kv_lens_t.long() - self.offset
+            pages = batch.block_tables.long().gather(1, (pos // batch.page_size)[:, None])[:, 0]
+            slots = pages * batch.page_size + pos % batch.page_size
+            kvh, d = k_cache.shape[2], k_cache.shape[3]
+            k_cache.view(-1, kvh, d)[slots] = new_kv[0]
+            v_cache.view(-1, kvh, d)[slots] = new_kv[1]
+            self.appended += len(slots)
+        return super().decode(q, k_cache, v_cache, batch, scale)
+
+
+def _serve_logged(monkeypatch, backend_cls):
+    monkeypatch.setitem(BACKENDS, "torch", backend_cls)
+    e = Engine(EngineConfig(chunk_tokens=32, num_pages=64, record_topk=3))
+    e.runner.backend.appended = 0
+    g = torch.Generator().manual_seed(5)
+    for i, n in enumerate((5, 70, 19)):        # decodes beside chunks (loaded steps), then pure decode steps
+        e.submit(torch.randint(3, 1000, (n,), generator=g).tolist(), 8, f"r{i}")
+    e.run()
+    return {rid: (list(r.output), e.topk[rid]) for rid, r in e.requests.items()}, e.runner.backend.appended
+
+
+def test_a_backend_that_appends_decode_kv_gets_the_same_tokens_and_logits(monkeypatch):
+    """Pure decode steps over a backend with appends_decode_kv skip the model's cache writes and hand the rows'
+    K/V to its decode (flash-attn's with_kvcache writes them in the kernel): the same tokens and top logits as the
+    reference; a write one slot off (planted) changes them."""
+    ref, appended = _serve_logged(monkeypatch, TorchBackend)
+    assert appended == 0
+    got, appended = _serve_logged(monkeypatch, AppendingTorch)
+    assert appended > 0, "no pure decode step handed its K/V to the backend"
+    assert got == ref
+
+    class OffByOne(AppendingTorch):
+        offset = 0
+    planted, _ = _serve_logged(monkeypatch, OffByOne)
+    assert planted != ref, "a K/V append one slot off went unnoticed"

@@ -27,6 +27,9 @@ import torch
 from .base import AttentionBackend, AttnBatch, Unavailable
 
 SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
+# "0": pure decode steps write their K/V with the model's index_put kernels, as before the append (for an A/B run of
+# the append in one device call; the tokens are the same either way)
+APPEND_ENV = "STEPGATE_FLASH_APPEND"
 # flash-attn's split-KV decode divides the block table's WIDTH (not each row's length) into num_splits parts, and its
 # own heuristic (num_splits=0) picks the count from the row count alone. So a wide table (a captured decode step's
 # is as wide as the longest request the engine admits: 128 pages on the 1.5B shape) leaves a long row in a few
@@ -93,6 +96,8 @@ class FlashBackend(AttentionBackend):
         if decode_splits is not None and not 0 <= decode_splits <= 128:
             raise ValueError(f"flash decode splits must be in 0..128 (flash-attn's limit), got {decode_splits}")
         self.decode_splits = decode_splits
+        if os.environ.get(APPEND_ENV) == "0":
+            self.appends_decode_kv = False
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)
@@ -179,4 +184,4 @@ class FlashBackend(AttentionBackend):
                             causal=True, block_table=bt)
 
 
-__all__ = ["FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV", "decode_splits_for"]
+__all__ = ["APPEND_ENV", "FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV", "decode_splits_for"]

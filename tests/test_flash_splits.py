@@ -101,3 +101,17 @@ def test_decode_with_new_kv_appends_at_the_last_position():
     assert calls[1]["k"].shape == (3, 1, 2, 16) and torch.equal(calls[1]["k"][:, 0], k)
     assert torch.equal(calls[1]["v"][:, 0], v)
     assert calls[0]["num_splits"] == calls[1]["num_splits"]
+
+
+@pytest.mark.parametrize("value, appends", [(None, True), ("1", True), ("0", False)])
+def test_append_can_be_turned_off_for_an_ab_run(monkeypatch, value, appends):
+    from kernels.flash_backend import APPEND_ENV
+    if value is None:
+        monkeypatch.delenv(APPEND_ENV, raising=False)
+    else:
+        monkeypatch.setenv(APPEND_ENV, value)
+    monkeypatch.setattr("kernels.flash_backend._import_flash", lambda: (None, "not here"))
+    b = object.__new__(FlashBackend)
+    with pytest.raises(Exception, match="not here"):     # the switch is read before flash-attn is imported
+        FlashBackend.__init__(b)
+    assert b.appends_decode_kv is appends

@@ -7,10 +7,12 @@ profiler, by kernel family (GEMM, attention, compiled pointwise, copies) and the
 the device time means the host sets the pace; the families say which kernels to work on otherwise.
 
     python -m bench.profile_steps --model qwen2.5-1.5b-random --device cuda --rows 32 --out results/profile_steps.json
+    python -m bench.profile_steps --rows 512 --chunk 16384      # the 512-row serving bench's loaded step
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import statistics
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--engine", default="flash", choices=sorted(LINEAGE))
     ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="prompt positions of the loaded and chunk-only steps (default: the mixed draw's 512)")
     ap.add_argument("--kinds", default=",".join(str(k) for k in WORK_KINDS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--graphs", default="on", choices=("on", "off"))
@@ -67,9 +71,13 @@ def main(argv=None) -> int:
     from gates.step_states import FixedState, ModelCase, States, captured
     states = States(a.device, a.dtype)
     base = LINEAGE[a.engine]
-    st = FixedState(ModelCase(a.model, MIXED.scaled(max(a.rows, 32))), base["backend"], base["page_size"], a.device,
+    workload = MIXED.scaled(max(a.rows, 32))
+    if a.chunk:
+        workload = dataclasses.replace(workload, chunk_tokens=a.chunk)
+    st = FixedState(ModelCase(a.model, workload), base["backend"], base["page_size"], a.device,
                     a.dtype, states.loaded(a.model), rows=a.rows)
-    report = dict(model=a.model, engine=a.engine, rows=a.rows, graphs=a.graphs, kinds={})
+    report = dict(model=a.model, engine=a.engine, rows=a.rows, chunk=workload.chunk_tokens, graphs=a.graphs,
+                  kinds={})
     for kind in a.kinds.split(","):
         step = st.step_fn(kind, base["forward"], graphs=a.graphs == "on")
         for _ in range(3):

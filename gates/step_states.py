@@ -139,12 +139,13 @@ class FixedState:
             raise ValueError(f"workload {case.workload.name} has {len(self.specs)} requests, {rows} rows asked")
         # generation budgets large enough that nobody finishes before the last row starts decoding
         total_prompt = sum(len(s.prompt) for s in self.specs)
-        self.slack = -(-total_prompt // BUILD_CHUNK) + rows + 2
+        build_chunk = max(BUILD_CHUNK, case.chunk)     # a captured step must hold the timed chunk
+        self.slack = -(-total_prompt // build_chunk) + rows + 2
         need = sum(pages_for(len(s.prompt) + s.budget + self.slack, page_size) for s in self.specs)
         need += pages_for(2 * case.chunk + 1, page_size)
         # max_batch rows + 1: the timed chunk's request holds a row too, so a captured loaded step holds all 33
         cfg = lineage_config("fused", backend=backend, page_size=page_size, device=device, dtype=dtype,
-                             max_batch=rows + 1, chunk_tokens=BUILD_CHUNK, num_pages=need + 2)
+                             max_batch=rows + 1, chunk_tokens=build_chunk, num_pages=need + 2)
         self.engine = Engine(cfg, case.model, loaded=loaded)
         self._decodes: list[Request] | None = None
         self._chunk: Chunk | None = None

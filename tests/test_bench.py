@@ -164,3 +164,13 @@ def test_profile_steps_on_cpu(tmp_path):
         assert kind["device_ms"] > 0 and kind["families_ms"]["gemm"] > 0
         assert sum(kind["families_ms"].values()) == pytest.approx(kind["device_ms"])
     assert r["kinds"]["chunk-only"]["describe"]["prompt_positions"] == 512
+
+
+def test_profile_steps_chunk_option(tmp_path):
+    """--chunk sets the loaded and chunk-only steps' prompt positions, past the state's build chunk (1024) too."""
+    from bench.profile_steps import main
+    out = tmp_path / "p.json"
+    assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "2",
+                 "--chunk", "1100", "--kinds", "chunk-only", "--steps", "1", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["chunk"] == 1100 and r["kinds"]["chunk-only"]["describe"]["prompt_positions"] == 1100

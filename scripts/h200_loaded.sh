@@ -24,6 +24,11 @@
 #   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
 #   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
 #   psteps     bench/profile_steps.py: each step kind's device time by kernel family at the step bench's state
+#   psteps-noappend   the same with STEPGATE_FLASH_APPEND=0 (pure decode steps write K/V with index_put): the
+#              K/V append's A/B, right after psteps
+#   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the r512 part's loaded step)
+#   steps-noappend    the step bench with STEPGATE_FLASH_APPEND=0 (after `steps`)
+# The profile parts run first in phase 2 (short, and the deadline cuts the last parts).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
@@ -74,6 +79,11 @@ part gates15b 120 python3 -m pytest gates/test_graphs.py --device cuda --model $
 nano nanoprep 120 32 1 8 &
 wait
 
+part psteps 60 python3 -m bench.profile_steps --model $M15 --rows 32 --out "$RES/profile_steps.json"
+part psteps-noappend 60 env STEPGATE_FLASH_APPEND=0 python3 -m bench.profile_steps --model $M15 --rows 32 \
+  --out "$RES/profile_steps_noappend.json"
+part psteps512 90 python3 -m bench.profile_steps --model $M15 --rows 512 --chunk 16384 --kinds loaded,chunk-only \
+  --steps 10 --out "$RES/profile_steps_512.json"
 bench c512 100 --chunk-tokens 512 --warmups 1 --reps "$REPS"
 nano nano32 80 32 200 128
 bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
@@ -83,18 +93,25 @@ part profile 50 python3 -m bench.profile_decode --model $M15 --device cuda --ste
 part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
   --benchmark-json "$RES/steps.json" --benchmark-columns=median,iqr,rounds
+part steps-noappend 80 env STEPGATE_FLASH_APPEND=0 STEPGATE_BENCH_ROUNDS=20 python3 -m pytest \
+  gates/test_step_timings.py --device cuda --model $M15 -k "flash and not eager and not flex" -q -p no:cacheprovider \
+  -rs --benchmark-json "$RES/steps_noappend.json" --benchmark-columns=median,iqr,rounds
 bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
-part psteps 60 python3 -m bench.profile_steps --model $M15 --rows 32 --out "$RES/profile_steps.json"
 
 python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
-  for f in planted gates15b steps; do
+  for f in planted gates15b steps steps-noappend; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -E '[0-9]+ (passed|failed)' "$RES/logs/$f.log" | tail -1)"; done
   for f in c512 c8192 r512 c512-eager; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -h 'stepgate: ' "$RES/logs/$f.log" | head -2 | tr '\n' ' ')"; done
   grep -h '"prefix_cache"' "$RES"/logs/nano*.log 2>/dev/null | sed 's/^/  /'
   [ -f "$RES/logs/profile.log" ] && tail -4 "$RES/logs/profile.log" | sed 's/^/  /'
-  [ -f "$RES/logs/psteps.log" ] && grep -E "wall|ms;" "$RES/logs/psteps.log" | sed 's/^/  /'
+  for j in steps steps_noappend; do   # the captured step medians, append on and off
+    [ -f "$RES/$j.json" ] && python3 -c "import json, sys
+for b in json.load(open(sys.argv[1]))['benchmarks']:
+    print(f'  {sys.argv[2]}: {b[\"name\"]} {b[\"stats\"][\"median\"] * 1e3:.3f} ms')" "$RES/$j.json" "$j"; done
+  for f in psteps psteps-noappend psteps512; do
+    [ -f "$RES/logs/$f.log" ] && { echo "  $f:"; grep -E "wall|ms;" "$RES/logs/$f.log" | sed 's/^/    /'; }; done
 } >> "$RES/table.md"
 cp "$RES/table.md" "$OUT/table.md"
 tar czf "$OUT/results.tgz" "$RES" 2>/dev/null

@@ -26,6 +26,9 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
                     help="replay captured steps (pure decode; loaded and chunk-only where the forward is fused): "
                          "auto = where the backend allows (flash on CUDA); off = eager, to compare")
+    ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                    help="launch each foreseeable pure decode step before the step before it is read back "
+                         "(EngineConfig.overlap): auto = where pure decode steps are captured; off = to compare")
     return ap
 
 

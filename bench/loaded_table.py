@@ -59,6 +59,7 @@ def verdict(ok) -> str:
 def rows(res: Path) -> list[tuple]:
     c512, c8192, r512 = ours(res, "c512"), ours(res, "c8192"), ours(res, "r512")
     eager = ours(res, "c512-eager")
+    serial = ours(res, "c8192-serial")
     n32, n512 = nano(res, 32), nano(res, 512)
     steps = step_medians(res)
     get = lambda r, k: None if r is None else r.get(k)  # noqa: E731
@@ -88,13 +89,22 @@ def rows(res: Path) -> list[tuple]:
         row(f"  ours / nano-vllm cold at {seqs} seqs ({fmt(n, ' req/s')})", f">= {need}x" if need else "> 1x",
             fmt(x, "x"), None if x is None else (x >= need if need else x > 1), f"{part}, nano{seqs}")
     row("closed 200, chunk 512, graphs off: req/s", "-", fmt(get(eager, "req_per_s"), " req/s"), None, "c512-eager")
+    row("closed 200, chunk 8192, overlap off: req/s", "-", fmt(get(serial, "req_per_s"), " req/s"), None,
+        "c8192-serial")
     gap = get(c512, "gap_worst_ms")
     row("worst token gap, chunk 512", "<= 12 ms", fmt(gap, " ms"), None if gap is None else gap <= 12, "c512")
     pure = get(c512, "step_pure-decode_median_ms")
     row("median pure decode step, chunk 512 (trace)", "<= 2.5 ms", fmt(pure, " ms"),
         None if pure is None else pure <= 2.5, "c512")
+    for part, r in (("c8192", c8192), ("c8192-serial", serial)):
+        row(f"  median pure decode step, {part} (trace)", "-", fmt(get(r, "step_pure-decode_median_ms"), " ms"),
+            None, part)
     row("  pure decode step, 32 rows (step bench)", "-", fmt(steps.get((StepKind.PURE_DECODE, True)), " ms"), None,
         "steps")
+    for part, r in (("c512", c512), ("c8192", c8192), ("r512", r512)):
+        if r is not None and r.get("steps_ahead") is not None:
+            row(f"  steps launched ahead / dropped, {part}", "-",
+                f"{r['steps_ahead']:.0f} / {r.get('ahead_discarded', 0):.0f}", None, part)
     return out
 
 

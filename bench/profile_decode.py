@@ -27,7 +27,7 @@ from engine.scheduler import StepKind
 from engine.graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.request import State
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, Sampled
 from engine.scheduler import Scheduler
 from engine.workload import MIXED, MIXED_CPU
 
@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     timers.wrap(Scheduler, "schedule", "schedule")
     timers.wrap(DecodeGraphs, "fill", "pack")
     timers.wrap(ModelRunner, "build", "pack")
-    timers.wrap(ModelRunner, "run", "run")            # pack + launch + wait + sample
-    timers.wrap(ModelRunner, "sample", "sample")      # includes waiting for the device
+    timers.wrap(ModelRunner, "launch", "run")         # pack + launch + queue the sampling
+    timers.wrap(ModelRunner, "launch_ahead", "run")   # the same for a step launched ahead (overlap)
+    timers.wrap(Sampled, "result", "sample")          # the readback: includes waiting for the device
     timers.wrap(Scheduler, "finish_step", "finish")
     rows = {}
     # off CUDA there is nothing to capture: the eager half alone (a check that the script runs)

@@ -52,7 +52,8 @@ class Setup:
         chunk = o.chunk_tokens or mixed.chunk_tokens
         loaded = loaded or load_model(o.model, torch_dtype(dtype), o.device)
         return cls(o.model, o.device, dtype, o.engine, chunk, o.max_batch, mixed, uniform, cpu_scaled, loaded,
-                   extra=dict(cuda_graphs=GRAPHS[o.cuda_graphs], progress=not o.no_progress,
+                   extra=dict(cuda_graphs=GRAPHS[o.cuda_graphs], overlap=GRAPHS[getattr(o, "overlap", "auto")],
+                              progress=not o.no_progress,
                               max_model_len=o.max_model_len), shared=shared)
 
     @property
@@ -112,6 +113,7 @@ def serve_passes(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: 
         setup.sync()
         eng.reset_clock()
         first_step, evictions = len(eng.trace), eng.pool.cache.evictions if eng.pool.cache else 0
+        ahead, dropped = eng.steps_ahead, eng.ahead_discarded
         results = {rid: r for rid, r in eng.run(run_specs, open_loop=open_loop, progress=on_step).items()
                    if rid in ids}
         bar.close()
@@ -120,7 +122,8 @@ def serve_passes(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: 
         m = run_metrics(results, trace, eng.pool.num_pages,
                         graph_replays=sum(g.replays for g in captured), graph_capture_s=sum(g.capture_s for g in captured),
                         graph_fallbacks=getattr(getattr(eng.runner, "step_graphs", None), "fallbacks", 0),
-                        graph_pool_mib=sum(g.pool_bytes for g in captured) / (1 << 20))
+                        graph_pool_mib=sum(g.pool_bytes for g in captured) / (1 << 20),
+                        steps_ahead=eng.steps_ahead - ahead, ahead_discarded=eng.ahead_discarded - dropped)
         hit = sum(r.cached_prefix for r in results.values())
         m.update(prefix_cache="on" if eng.pool.cache else "off", pass_no=k,
                  prefix_hit_rate=hit / max(1, sum(len(r.prompt) for r in results.values())),

@@ -58,6 +58,7 @@ class ServingOptions:
     engine: str = "fused"
     threads: int | None = None
     cuda_graphs: str = "auto"                   # auto / on / off
+    overlap: str = "auto"                       # auto / on / off
     closed: bool = False                        # no part named: all of them
     open: bool = False
     peer: bool = False
@@ -188,6 +189,8 @@ class Bench:
                    prefix_pages_saved=median([r["prefix_pages_saved"] for r in last]),
                    gap_median_ms=median([r["gap_median_ms"] for r in last]),
                    gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in last) if last else None,
+                   steps_ahead=median([r.get("steps_ahead", 0) for r in last]),
+                   ahead_discarded=max((r.get("ahead_discarded", 0) for r in last), default=0),
                    **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in WORK_KINDS})
         if passes > 1:
             res["per_pass"] = {k: {f: median([r[f] for r in rows if r["pass_no"] == k]) for f in

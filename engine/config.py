@@ -94,6 +94,9 @@ class EngineConfig:
     tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
     trace_limit: int | None = None       # keep the last this many steps in Engine.trace (None: every step)
     prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)
+    # launch a pure decode step before the step before it is read back, when the scheduler can foresee it
+    # (Engine.step); None: on where pure decode steps are captured on CUDA, not in poison mode
+    overlap: bool | None = None
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -111,7 +114,7 @@ class EngineConfig:
         integer("trace_limit", self.trace_limit, 1, none="every step kept")
         for name in ("poison", "sync_trace", "progress", "prefix_cache", "capture_graphs"):
             flag(name, getattr(self, name))
-        for name in ("compile_warmup", "cuda_graphs", "compile_elementwise"):
+        for name in ("compile_warmup", "cuda_graphs", "compile_elementwise", "overlap"):
             flag(name, getattr(self, name), none=True)
         try:
             canonical_dtype(self.dtype)

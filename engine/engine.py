@@ -15,7 +15,7 @@ from .loader import load_model
 from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
-from .scheduler import CancelResult, Chunk, Scheduler, StepKind
+from .scheduler import CancelResult, Chunk, NextRow, Scheduler, StepKind, StepPlan
 from .tp_layers import rank_shape
 from .workload import RequestSpec
 
@@ -76,6 +76,10 @@ class Engine:
             # workers load a named model themselves; an in-memory one reaches them as shards from rank 0
             self.runner = TPRunner.start(config, self.model, dtype, num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
+        self.overlap = self.use_overlap(config)
+        self._ahead: tuple[list[NextRow], object] | None = None   # the step launched ahead: its rows, its samples
+        self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
+        self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match
         self.requests: dict[str, Request] = {}   # until pop_result()
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []       # the last config.trace_limit steps (all with None)
@@ -118,6 +122,22 @@ class Engine:
         if config.cuda_graphs and reason:
             raise errors.ConfigError(f"cuda_graphs=True but {reason}")
         return reason is None and config.cuda_graphs is not False
+
+    def use_overlap(self, config: EngineConfig) -> bool:
+        """overlap None: on where the runner can launch a pure decode step ahead (its graphs exist) and they are
+        captured, and not in poison mode; True: required."""
+        reason = None
+        if config.poison:
+            # poison mode NaNs each step's freed pages before the next step runs; a step launched ahead would
+            # run before them, and a read of a page freed by the step before it would go unseen
+            reason = "poison mode checks each step against the pages freed before it"
+        elif not hasattr(self.runner, "can_launch_ahead") or self.runner.graphs is None:
+            reason = "launching a step ahead needs the captured pure decode steps (cuda_graphs, tp 1)"
+        if config.overlap and reason:
+            raise errors.ConfigError(f"overlap=True but {reason}")
+        if config.overlap is None:
+            return reason is None and self.runner.graphs.capture_graphs
+        return bool(config.overlap)
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -223,7 +243,8 @@ class Engine:
 
     def _step(self) -> StepRecord:
         cfg = self.config
-        if cfg.sync_trace:
+        ahead, self._ahead = self._ahead, None
+        if cfg.sync_trace and ahead is None:
             self._sync()
         with self.lock:
             start = self.now()
@@ -235,9 +256,24 @@ class Engine:
             blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
             # the forward's own view: a submit or cancel during it changes no page of the plan's requests
             pages_of = dict(self.pool.owned)
-        self.runner.poison_pages(evicted)
-        out = self.runner.run(plan, pages_of, cfg.forward) if not plan.empty else None
-        if cfg.sync_trace:
+        if ahead is not None and self.matches(ahead[0], plan):
+            pending = ahead[1]          # launched during the step before, on the rows this schedule chose
+            self.steps_ahead += 1
+        else:
+            # a submit or cancel since the rows were foreseen: that launch wrote only its rows' own next slots,
+            # which this step rewrites (or, for a cancelled row, nobody reads); its samples are dropped
+            self.ahead_discarded += ahead is not None
+            self.runner.poison_pages(evicted)
+            pending = self.runner.launch(plan, pages_of, cfg.forward) if not plan.empty else None
+        if pending is not None and self.overlap:
+            # launch the next step, if it can be foreseen, before reading this one back: the device goes from this
+            # step to the next without waiting for this step's readback, bookkeeping and the next one's packing
+            with self.lock:
+                rows = self.scheduler.next_decodes(plan)
+            if rows is not None and self.runner.can_launch_ahead(len(rows)):
+                self._ahead = (rows, self.runner.launch_ahead(rows, pages_of, pending))
+        out = pending.result() if pending is not None else None
+        if cfg.sync_trace and self._ahead is None:
             self._sync()
         with self.lock:
             end = self.now()
@@ -262,6 +298,13 @@ class Engine:
                 del self.trace[:len(self.trace) - cfg.trace_limit]
         self.runner.poison_pages(freed)    # no step can admit into them before this: one thread steps at a time
         return rec
+
+    @staticmethod
+    def matches(rows: list[NextRow], plan: StepPlan) -> bool:
+        """The step launched ahead computed this plan: a pure decode step over the same requests at the same
+        positions, in the same order."""
+        return (not plan.chunks and len(rows) == len(plan.decodes) and
+                all(a.request is r and a.num_cached == r.num_cached for a, r in zip(rows, plan.decodes)))
 
     def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
         """Names the reader, the slot it read (found by re-running the step: ModelRunner.poisoned_reads), that

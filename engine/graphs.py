@@ -309,12 +309,17 @@ class DecodeGraphs(CapturedSteps):
     def size_for(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def replay(self, decodes, pages_of) -> torch.Tensor:
+    def replay(self, decodes, pages_of, source: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(decodes), vocab] of one pure decode step (a view of the static logits: read it before the
-        next replay)."""
+        next replay). `source`: the step before's sampled tokens, still on the device; the rows are then NextRows,
+        whose tokens section holds their index in it (NextRow.output), and the device takes each row's token from
+        there before the replay (the step is launched before the one before it is read back)."""
         n = len(decodes)
         b = self.size_for(n)
         w = self.width_for(self.fill(decodes, pages_of))
+        if source is not None:
+            tokens = self.dev_view["tokens"][:n]
+            tokens.copy_(source.index_select(0, tokens))   # a gather into a new tensor, then the copy: no overlap
         return self.replay_key((b, w), n)
 
 

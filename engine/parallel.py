@@ -248,6 +248,11 @@ class TPRunner:
         self.check_agreement(plan, out.tokens, answers)
         return out
 
+    def launch(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
+               use_graphs: bool = True) -> StepOutput:
+        """As ModelRunner.launch, read back at once (the ranks' choices are compared when the step ends)."""
+        return self.run(plan, pages_of, forward_mode, use_graphs)
+
     def check_agreement(self, plan: StepPlan, tokens: list[int], answers: list[list[int]]) -> None:
         rows = plan.sampled
         bad = []

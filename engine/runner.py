@@ -21,7 +21,7 @@ from .model import ForwardContext, Qwen2
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
 from .packing import logit_row_count, pack
-from .scheduler import Chunk, StepPlan
+from .scheduler import Chunk, NextRow, StepPlan
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -35,6 +35,43 @@ class StepOutput:
     nonfinite: list[bool] = field(default_factory=list)      # poison mode only
     topk_ids: list[list[int]] = field(default_factory=list)  # record mode only
     topk_vals: list[list[float]] = field(default_factory=list)
+
+    def result(self) -> "StepOutput":
+        """Already on the host (as `Sampled.result()`, for steps that were read back at once)."""
+        return self
+
+
+class Sampled:
+    """A step's sampled rows, still on the device: greedy tokens (and in poison mode which rows were not finite, in
+    record mode the top-k). Their copies to pinned host memory are queued right behind the step, before anything
+    launched after it, and `result()` waits for those copies alone: a step launched ahead (ModelRunner.launch_ahead)
+    does not delay this one's readback. Off CUDA the copies are plain reads."""
+
+    def __init__(self, tokens: torch.Tensor, nonfinite: torch.Tensor | None = None, topk=None):
+        self.tokens = tokens                 # on the device: a step launched ahead reads its input tokens here
+        parts = [tokens] + ([nonfinite] if nonfinite is not None else []) + (list(topk[::-1]) if topk else [])
+        self.has = (nonfinite is not None, topk is not None)
+        self.done = None
+        if tokens.device.type == "cuda":
+            # pinned (the host allocator caches the blocks) so that the copy is asynchronous; the event marks it done
+            self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
+                          for p in parts]
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.parts = parts
+
+    def result(self) -> StepOutput:
+        """One host wait: for this step's copies (and so for this step's kernels), not for steps queued after it."""
+        if self.done is not None:
+            self.done.synchronize()
+        parts = iter(self.parts)
+        out = StepOutput(next(parts).tolist())
+        if self.has[0]:
+            out.nonfinite = [bool(x) for x in next(parts).tolist()]
+        if self.has[1]:
+            out.topk_ids, out.topk_vals = next(parts).tolist(), next(parts).tolist()
+        return out
 
 
 class ModelRunner:
@@ -222,38 +259,59 @@ class ModelRunner:
             use_graphs: bool = True) -> StepOutput:
         """use_graphs=False runs a step eagerly even where graphs were captured (graphs on vs off in one process,
         for the gates and the step benchmarks)."""
+        return self.launch(plan, pages_of, forward_mode, use_graphs).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
+               use_graphs: bool = True) -> "Sampled | StepOutput":
+        """Queue the step on the device and return its sampled rows, read back by `.result()`."""
+        return self.sample_async(self.logits(plan, pages_of, forward_mode, use_graphs))
+
+    def logits(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
+               use_graphs: bool = True) -> torch.Tensor:
+        """The step's sampled rows' logits (a captured step's: a view of the static logits, sampled before the next
+        replay)."""
         if use_graphs and self.graphs is not None and not plan.chunks and self.graphs.fits(len(plan.decodes)):
             # a pure decode step is the same in both forward modes: replay the captured one
-            return self.sample(self.graphs.replay(plan.decodes, pages_of))
+            return self.graphs.replay(plan.decodes, pages_of)
         if use_graphs and self.step_graphs is not None and plan.chunks and forward_mode == "fused":
             logits = self.step_graphs.replay(plan.chunks, plan.decodes, pages_of)
             if logits is not None:
-                return self.sample(logits)
+                return logits
         if forward_mode == "fused":
-            logits = self.forward(plan.chunks, plan.decodes, pages_of)
-        else:   # chunked: prompt chunks, then the decode batch, as two forwards
-            parts = []
-            if plan.chunks:
-                parts.append(self.forward(plan.chunks, [], pages_of))
-            if plan.decodes:
-                parts.append(self.forward([], plan.decodes, pages_of))
-            logits = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self.sample(logits)
+            return self.forward(plan.chunks, plan.decodes, pages_of)
+        # chunked: prompt chunks, then the decode batch, as two forwards
+        parts = []
+        if plan.chunks:
+            parts.append(self.forward(plan.chunks, [], pages_of))
+        if plan.decodes:
+            parts.append(self.forward([], plan.decodes, pages_of))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def can_launch_ahead(self, rows: int) -> bool:
+        """Whether a pure decode step of `rows` rows can be launched before the step in flight is read back: its
+        captured graph takes its input tokens from the device (launch_ahead)."""
+        return self.graphs is not None and self.graphs.fits(rows)
+
+    @torch.inference_mode()
+    def launch_ahead(self, rows: list[NextRow], pages_of: dict[str, list[int]], source: "Sampled") -> "Sampled":
+        """Queue the pure decode step of `rows` behind the step in flight, whose sampled rows (`source`) are not read
+        back yet: each row's input token is taken on the device from source.tokens[row.source]. The host does this
+        step's packing while the device still runs the one before, so the device need not wait for the host."""
+        return self.sample_async(self.graphs.replay(rows, pages_of, source.tokens))
 
     def sample(self, logits: torch.Tensor) -> StepOutput:
-        """Greedy. One host readback carries the tokens (and, in poison mode, which rows were not finite)."""
+        """Greedy, read back now."""
+        return self.sample_async(logits).result()
+
+    def sample_async(self, logits: torch.Tensor) -> "Sampled | StepOutput":
+        """Greedy, on the device; the host copy starts at once (one per sampled quantity): `.result()` reads it."""
         if logits.shape[0] == 0:
             return StepOutput([])
         tokens = logits.argmax(-1)
-        if self.poison:
-            both = torch.stack([tokens, (~torch.isfinite(logits).all(-1)).long()]).tolist()
-            out = StepOutput(both[0], [bool(x) for x in both[1]])
-        else:
-            out = StepOutput(tokens.tolist())
-        if self.record_topk:
-            vals, ids = logits.topk(self.record_topk, dim=-1)
-            out.topk_ids, out.topk_vals = ids.tolist(), vals.tolist()
-        return out
+        nonfinite = ~torch.isfinite(logits).all(-1) if self.poison else None
+        topk = logits.topk(self.record_topk, dim=-1) if self.record_topk else None
+        return Sampled(tokens, nonfinite, topk)
 
     @torch.inference_mode()
     def score(self, chunk: Chunk, pages: list[int], last_only: bool = False) -> torch.Tensor:

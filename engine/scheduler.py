@@ -29,7 +29,7 @@ from enum import StrEnum
 from .pool import PagePool
 from .prefill_share import DebtLedger
 from .prefix_cache import Chain
-from .request import DECODE, PREFILL, Request, State
+from .request import CANCELLED, DECODE, PREFILL, Request, State
 from .schedule_log import ScheduleLog
 
 CHUNK_TOKENS = 512      # the default chunk budget: prompt positions a step may carry (docs/DESIGN.md)
@@ -99,6 +99,25 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.chunks and not self.decodes
+
+
+@dataclass(frozen=True)
+class NextRow:
+    """A decode row of the step after the one in flight, foreseen before that step's tokens are read back
+    (Scheduler.next_decodes): the position it will be at, and where its input token is: row `source` of the step in
+    flight's sampled rows, still on the device. It stands in for the request where the runner packs a step (request_id,
+    num_cached, output[-1]); its `output` is that source index, which the runner swaps for the device's token."""
+    request: Request
+    num_cached: int
+    source: int
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def output(self) -> tuple[int]:
+        return (self.source,)
 
 
 @dataclass(frozen=True)
@@ -278,6 +297,29 @@ class Scheduler(DebtLedger):
             self.log.release(self.step_index, self.pool, r.request_id)
         self.step_index += 1
         return self.log.end_step(self.step_index - 1, self.pool)
+
+    def next_decodes(self, plan: StepPlan) -> list[NextRow] | None:
+        """The rows of the step after `plan`, read before `plan`'s tokens are known (its bookkeeping not yet done):
+        when that step is sure to be a pure decode step over the rows `plan` samples, less those that finish or are
+        cancelled, provided nothing is submitted or cancelled before it is scheduled; None otherwise. Sure, because a
+        request finishes by its budget alone (docs/DESIGN.md: greedy serving ignores EOS): which rows retire does not
+        depend on the tokens. Changes nothing. The engine launches that step early and checks the real schedule
+        against these rows (Engine.step)."""
+        src = {id(r): i for i, r in enumerate(plan.sampled)}
+        rows = []
+        for r in self.running:
+            s = r.state
+            if s is CANCELLED:
+                continue                                 # retired at the end of `plan`
+            i = src.get(id(r))
+            if i is None:
+                return None                              # a prompt still filling: the next step carries its chunk
+            if len(r.output) + 1 >= r.budget:
+                continue                                 # `plan`'s token is its last
+            rows.append(NextRow(r, r.num_cached + 1 if s is DECODE else r.prompt_len, i))
+        if not rows or (self.waiting and len(rows) < self.max_batch):
+            return None                                  # nothing to decode, or a row frees for the queue's head
+        return rows
 
     # -- cancellation ----------------------------------------------------------------------------------------
     def cancel(self, request_id: str, requests: dict[str, Request]) -> CancelResult:

@@ -101,6 +101,9 @@ class ShardRunner(ModelRunner):
         self.choice: list[int] = []
         self.before_readback = None   # rank 0 on CUDA: watch the workers while the device finishes the step
 
+    def sample_async(self, packed: torch.Tensor) -> StepOutput:
+        return self.sample(packed)      # the workers' agreement check needs the choice now
+
     def sample(self, packed: torch.Tensor) -> StepOutput:
         self.choice = []
         if packed.shape[0] == 0:

@@ -110,19 +110,19 @@ class EvictionWatch:
         self.checked = 0
         self.hits: dict[str, list[tuple[int, str]]] = {}    # request -> (page, hash) of each page it found cached
         pool, runner = engine.pool, engine.runner
-        take, run = pool.take_evicted, runner.run
+        take, launch = pool.take_evicted, runner.launch
 
         def take_evicted():
             pages = take()
             self.pending += pages
             return pages
 
-        def watched_run(plan, *args, **kwargs):
+        def watched_launch(plan, *args, **kwargs):
             self.check(plan)
-            return run(plan, *args, **kwargs)
+            return launch(plan, *args, **kwargs)
 
         pool.take_evicted = take_evicted
-        runner.run = watched_run
+        runner.launch = watched_launch     # every step (poison mode: none is launched ahead)
 
     def check(self, plan) -> None:
         pool, runner = self.engine.pool, self.engine.runner

@@ -7,10 +7,14 @@ emits the same tokens, at the same steps, under the 0.02 rule, as
   the captured step makes one packed call. That changes fp16 rounding, so this comparison runs on the small models
   only: on the 1.5B shape's random weights the top logits reach 32 to 64, where fp16's spacing (0.031) is wider than
   the 0.02 rule itself, and rounding-level differences would read as failures.
-Both runs are in poison mode, so a graph's output passes the same finiteness check as an eager step's. Every step of
+Both runs are in poison mode, so a graph's output passes the same finiteness check as an eager step's.
+The overlap gate: pure decode steps launched ahead of the step before's readback (EngineConfig.overlap) emit the same
+tokens at the same steps as the same engine without, and the launches were made and never dropped on these closed
+workloads. Poison mode is off in both (it turns overlap off: it checks each step against the pages freed before it). Every step of
 a captured kind must have replayed its graph. Candidates are those of CANDIDATES whose decode can be captured (the
 `flash` backend); elsewhere these gates skip with the reason. The planted stale-metadata bugs that these gates must
-catch are in tests/test_graph_buffers.py and tests/test_step_graphs.py."""
+catch are in tests/test_graph_buffers.py and tests/test_step_graphs.py; the planted overlap bugs (tokens taken from
+the wrong rows, a launch used without the check) in tests/test_overlap.py."""
 from __future__ import annotations
 
 import pytest
@@ -80,3 +84,23 @@ def test_graphs_on_vs_off(runs, opts, engine, backend, workload):
                     f"vs uncaptured gate covers capture on this model")
     graph_gate(runs, opts, engine, backend, workload_for(opts, workload), "graphs on vs off",
                dict(cuda_graphs=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("workload", ["mixed-cpu", "uniform-cpu"])
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_overlap_vs_serial(runs, opts, engine, backend, workload):
+    skip_unless_graphs(opts, engine, backend)
+    if opts.tp > 1:
+        pytest.skip("overlap needs tp 1 (a step launched ahead takes its tokens from the one GPU's samples)")
+    wl = workload_for(opts, workload)
+    serial, _ = runs.candidate(engine, backend, wl, cuda_graphs=True, poison=False, overlap=False)
+    over, eng = runs.candidate(engine, backend, wl, cuda_graphs=True, poison=False, overlap=True)
+    pure = sum(s.kind == StepKind.PURE_DECODE for s in eng.trace)
+    assert 0 < eng.steps_ahead <= pure and eng.ahead_discarded == 0, (
+        f"{eng.steps_ahead} steps ran launched ahead ({eng.ahead_discarded} launches dropped) of {pure} pure decode "
+        f"steps: the overlap gate compared serial steps with serial steps, or the foresight was wrong")
+    scorer = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
+                             cuda_graphs=True, poison=False)
+    assert_gate(compare(f"{engine}[{backend}] overlap vs serial on {wl}", serial, over, scorer.score,
+                        opts.threshold, opts.flip_cap, check_steps=True))

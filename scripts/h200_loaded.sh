@@ -11,6 +11,8 @@
 #   planted    tests/test_step_graphs.py and test_graph_buffers.py on the GPU (fp16): captured vs eager, stale
 #              metadata sections caught, a poisoned over-read caught
 #   gates15b   gates/test_graphs.py on the 1.5B shape, mixed-gate: captured vs uncaptured (decode + loaded + chunk-only)
+#   overlap    tests/test_overlap.py (cuda mode: steps launched ahead emit the serial engine's tokens; planted wrong
+#              token sources caught) and the overlap gate of gates/test_graphs.py, on the GPU
 #   nanoprep   nano-vllm on one request: writes its random-weight model files and fills the compile cache, so
 #              that its timed runs below start warm
 # Phase 2, timed, one part at a time (each under `timeout`, SIGINT first so pytest and the benches write what they
@@ -18,6 +20,7 @@
 #   c512       bench.serving flash, closed mixed 200, 128 new tokens, 32 rows, chunk 512, graphs on (the default)
 #   nano32     nano-vllm, 32 sequences, 200 requests, 128 new tokens (cold pass, then warm)
 #   c8192      the same as c512 at chunk 8192
+#   c8192-serial   c8192 with --overlap off: no step launched ahead (the overlap's A/B, in the same call)
 #   r512       the same at 512 rows and chunk 16384 (nano-vllm's batched-token budget)
 #   nano512    nano-vllm, 512 sequences
 #   profile    bench/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
@@ -25,10 +28,11 @@
 #   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
 #   psteps     bench/profile_steps.py: each step kind's device time by kernel family at the step bench's state
 #   psteps-noappend   the same with STEPGATE_FLASH_APPEND=0 (pure decode steps write K/V with index_put): the
-#              K/V append's A/B, right after psteps
+#              K/V append's A/B (psteps is in the same call)
 #   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the r512 part's loaded step)
 #   steps-noappend    the step bench with STEPGATE_FLASH_APPEND=0 (after `steps`)
-# The profile parts run first in phase 2 (short, and the deadline cuts the last parts).
+# Phase 2 runs in this order: psteps, then the issue's figures (c512 nano32 c8192 c8192-serial r512 nano512), then
+# what the deadline may cut (psteps-noappend psteps512 profile steps steps-noappend c512-eager).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
@@ -77,18 +81,21 @@ part planted 120 python3 -m pytest tests/test_step_graphs.py tests/test_graph_bu
 part gates15b 120 python3 -m pytest gates/test_graphs.py --device cuda --model $M15 -k "mixed" \
   -q -p no:cacheprovider -rs --gate-summary "$RES/gate_summary_15b.json" &
 nano nanoprep 120 32 1 8 &
+part overlap 150 python3 -m pytest tests/test_overlap.py gates/test_graphs.py --device cuda --model small-trained \
+  -k "cuda or overlap" -q -p no:cacheprovider -rs &
 wait
 
 part psteps 60 python3 -m bench.profile_steps --model $M15 --rows 32 --out "$RES/profile_steps.json"
+bench c512 100 --chunk-tokens 512 --warmups 1 --reps "$REPS"
+nano nano32 80 32 200 128
+bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
+bench c8192-serial 80 --chunk-tokens 8192 --overlap off --warmups 1 --reps 1
+bench r512 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
+nano nano512 80 512 200 128
 part psteps-noappend 60 env STEPGATE_FLASH_APPEND=0 python3 -m bench.profile_steps --model $M15 --rows 32 \
   --out "$RES/profile_steps_noappend.json"
 part psteps512 90 python3 -m bench.profile_steps --model $M15 --rows 512 --chunk 16384 --kinds loaded,chunk-only \
   --steps 10 --out "$RES/profile_steps_512.json"
-bench c512 100 --chunk-tokens 512 --warmups 1 --reps "$REPS"
-nano nano32 80 32 200 128
-bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
-bench r512 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
-nano nano512 80 512 200 128
 part profile 50 python3 -m bench.profile_decode --model $M15 --device cuda --steps 30 --out "$RES/profile"
 part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
@@ -100,9 +107,9 @@ bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
 
 python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
-  for f in planted gates15b steps steps-noappend; do
+  for f in planted overlap gates15b steps steps-noappend; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -E '[0-9]+ (passed|failed)' "$RES/logs/$f.log" | tail -1)"; done
-  for f in c512 c8192 r512 c512-eager; do
+  for f in c512 c8192 c8192-serial r512 c512-eager; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -h 'stepgate: ' "$RES/logs/$f.log" | head -2 | tr '\n' ' ')"; done
   grep -h '"prefix_cache"' "$RES"/logs/nano*.log 2>/dev/null | sed 's/^/  /'
   [ -f "$RES/logs/profile.log" ] && tail -4 "$RES/logs/profile.log" | sed 's/^/  /'

@@ -116,11 +116,11 @@ def token_choice(mp: pytest.MonkeyPatch) -> None:
     """Every decode row takes its runner-up (completing prompt chunks keep their first choice)."""
     import torch
     from engine.runner import ModelRunner
-    run = ModelRunner.run
+    launch = ModelRunner.launch
 
     def bugged(self, plan, pages_of, forward_mode, use_graphs=True):
         first = sum(c.completes_prompt for c in plan.chunks)     # decode rows come after completing chunks
-        sample = self.sample
+        sample = self.sample_async
 
         def runner_up(logits):
             logits = logits.clone()
@@ -129,13 +129,13 @@ def token_choice(mp: pytest.MonkeyPatch) -> None:
             logits[rows, second] = logits[first:].max(-1).values + 0.5
             return sample(logits)
 
-        self.sample = runner_up
+        self.sample_async = runner_up
         try:
-            return run(self, plan, pages_of, forward_mode, use_graphs)
+            return launch(self, plan, pages_of, forward_mode, use_graphs)
         finally:
-            del self.sample
+            del self.sample_async
 
-    mp.setattr(ModelRunner, "run", bugged)
+    mp.setattr(ModelRunner, "launch", bugged)
 
 
 def decode_tables(mp: pytest.MonkeyPatch, change: Callable, kv_change: Callable | None = None) -> None:

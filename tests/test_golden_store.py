@@ -46,7 +46,7 @@ def test_regen_is_atomic_and_reports_identical(tiny, tmp_path):
 
 def test_regen_after_a_change_says_what_moved(tiny, tmp_path, monkeypatch):
     regenerate("small", tiny, "fused", "cpu", "float32", tmp_path, out=lambda s: None)
-    sample = ModelRunner.sample
+    sample = ModelRunner.sample_async
 
     def changed(self, logits):       # an intended change that moves every request's second token
         logits = logits.clone()
@@ -54,7 +54,7 @@ def test_regen_after_a_change_says_what_moved(tiny, tmp_path, monkeypatch):
         logits[range(len(logits)), second] += 100.0
         return sample(self, logits)
 
-    monkeypatch.setattr(ModelRunner, "sample", changed)
+    monkeypatch.setattr(ModelRunner, "sample_async", changed)
     lines = []
     report = regenerate("small", tiny, "fused", "cpu", "float32", tmp_path, out=lines.append)
     assert report.counts()["failed"] == 4
@@ -73,8 +73,8 @@ def test_regen_check_reports_and_writes_nothing(tiny, tmp_path, monkeypatch, cap
     assert golden_mod.main(args) == 0
     out = capsys.readouterr().out
     assert "nothing written" in out and "4 identical" in out
-    sample = ModelRunner.sample
-    monkeypatch.setattr(ModelRunner, "sample", lambda self, logits: sample(self, -logits))   # a changed engine
+    sample = ModelRunner.sample_async
+    monkeypatch.setattr(ModelRunner, "sample_async", lambda self, logits: sample(self, -logits))   # a changed engine
     assert golden_mod.main(args) == 1
     assert "  changed tiny-0000 position" in capsys.readouterr().out
     assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in base.parent.iterdir()} == files

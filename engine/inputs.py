@@ -52,6 +52,10 @@ def token_id(t, where: str, also: str = "") -> int:
 def prompt_of(prompt, rid: str) -> list[int]:
     """The prompt as a list of ints, read once (a generator is consumed here, and only here). Any iterable of
     integers, or a one-dimensional integer array (numpy, torch)."""
+    if type(prompt) is list and set(map(type, prompt)) <= {int}:
+        # the usual prompt, checked at C speed (a bool's type is not int): per token, the general path below costs
+        # about 0.5 us, which at the 1.5B bench's 320k prompt positions delayed the first step by 0.1 s
+        return list(prompt)
     for types, why in NOT_PROMPTS:
         if isinstance(prompt, types):
             raise errors.BadPromptError(f"{rid}: prompt is {why} ({kind(prompt)}); give a list or a one-dimensional "

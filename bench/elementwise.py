@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     modes["tokens-dynamic"] = {n: torch.compile(_fresh(f), dynamic=None, fullgraph=True) for n, f in M._EAGER.items()}
     model = types.SimpleNamespace(shape=s, model=types.SimpleNamespace(
         norm=types.SimpleNamespace(weight=torch.nn.Parameter(torch.ones(s.hidden_size, device=dev, dtype=dt)))))
-    why = M.try_compile_elementwise(dev, dt, model)
+    why = M.try_compile_elementwise(dev, dt, model, tokens=max(token_counts))
     if why:
         print(f"bench.elementwise: torch.compile failed: {why}", file=sys.stderr)
         return 2

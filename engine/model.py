@@ -116,24 +116,32 @@ def compile_elementwise(on: bool = True) -> None:
 
 
 def _tokens_dynamic(*tensors):
-    # maybe_: a size-1 token dimension is specialised rather than refused
+    """The token dimension dynamic (maybe_: a size-1 one is specialised rather than refused), every other one
+    static. Static explicitly: Dynamo's automatic dynamic shapes make a size symbolic once it changed between two
+    compiles of a function, in this process (a second model of other widths) or in an earlier one whose profile the
+    compile cache folder keeps ("local PGO")."""
     for t in tensors:
         torch._dynamo.maybe_mark_dynamic(t, 0)
+        for d in range(1, t.dim()):
+            torch._dynamo.mark_static(t, d)
     return tensors
 
 
-def try_compile_elementwise(device, dtype, model: "Qwen2") -> str | None:
+def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64) -> str | None:
     """compile_elementwise(), then calls of each piece on `device` as the model's forward makes them (inference
     mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
     needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
-    to eager at once (returns why) instead of failing a step later. Token counts 1, 2 and 3: Dynamo specialises 1;
-    from 2 on the token dimension is marked dynamic, so later token counts reuse that kernel."""
+    to eager at once (returns why) instead of failing a step later. Token counts 1 and `tokens` (the most a step
+    carries): Dynamo specialises 1; the other marks the token dimension dynamic, so every later count reuses that
+    kernel, and Inductor picks its launch configuration from that call's sizes. From 2 tokens, as before 2026-12-01
+    (s7), the SiLU-mul kernel it chose ran at a quarter of the bandwidth at 640 tokens on the H200 (28 us a call
+    against 6: docs/RESULTS.md)."""
     s = model.shape
     compile_elementwise(True)
     w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
     try:
         with torch.inference_mode():
-            for T in (1, 2, 3):
+            for T in (1, max(2, tokens)):
                 x, r = _tokens_dynamic(*(torch.randn(T, s.hidden_size, device=device, dtype=dtype) for _ in "xr"))
                 OPS["rms_norm"](x, w, s.rms_norm_eps)
                 OPS["add_rms_norm"](x, r, w, s.rms_norm_eps)

@@ -335,7 +335,8 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     on_cuda = torch.device(config.device).type == "cuda"
     if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
         from .model import try_compile_elementwise
-        why = try_compile_elementwise(config.device, dtype, model)
+        # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's
+        why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch)
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
     from .engine import Engine      # its use_cuda_graphs decides (and the tests emulate through it)

@@ -28,6 +28,7 @@ see graphed steps exactly like eager ones. Loaded and chunk-only steps: engine/s
 """
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -57,11 +58,20 @@ def ladder(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+# "pow2": the width ladder without 24 (16, 32, 64, ...), for an A/B of the intermediate width in one device call
+LADDER_ENV = "STEPGATE_WIDTH_LADDER"
+
+
 def width_ladder(width: int) -> list[int]:
-    """Captured block-table widths (pages): 16, 32, 64, ... below `width`, then `width` itself."""
+    """Captured block-table widths (pages): 16, 24, 32, 64, 128, ... below `width`, then `width` itself. 24: the
+    split-KV kernel gives each split about 3 key blocks of the table's width (kernels/flash_backend.py), so a row
+    of 17 to 24 pages (4k to 6k positions: most of the mixed workload's longest rows) in a 32-page table runs 22
+    splits, the last third of them empty for every row, and the combine reads them all; at width 24, 16 splits."""
     out, w = [], 16
     while w < width:
         out.append(w)
+        if w == 16 and os.environ.get(LADDER_ENV) != "pow2" and width > 24:
+            out.append(24)
         w *= 2
     return out + [width]
 

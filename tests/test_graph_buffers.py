@@ -58,7 +58,9 @@ def test_ladder():
 
 
 def test_width_ladder():
-    assert width_ladder(128) == [16, 32, 64, 128]
+    assert width_ladder(128) == [16, 24, 32, 64, 128]
+    assert width_ladder(25) == [16, 24, 25]
+    assert width_ladder(24) == [16, 24]
     assert width_ladder(17) == [16, 17]
     assert width_ladder(16) == [16]
     assert width_ladder(5) == [5]

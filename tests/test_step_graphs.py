@@ -93,13 +93,15 @@ def test_token_ladder():
 def test_capture_stays_cheap_at_512_rows():
     """max_batch 512 on the 1.5B shape at chunk 8192: the graph counts and the largest forward's activations stay
     small (the decode ladder pads a step by at most 1/8 from 64 rows, the token ladder by at most 1/4 from 128).
-    The graphs share one memory pool; what more graphs cost is capture time at construction."""
+    The graphs share one memory pool; what more graphs cost is capture time at construction. The bound is 180
+    graphs of each kind since the width ladder's 24 (2026-12-01: 175 and 174; 140 and 145 before), which cut the
+    32-row pure decode step's device time by 58 us on the H200 (docs/RESULTS.md)."""
     shape = ModelShape.of(qwen2_config(**QWEN25_1P5B))
     sizes, widths, tokens = ladder(512), width_ladder(32768 // 256), token_ladder(8192 + 512)
     # a step-graph bucket: one chunk-only graph and one loaded graph per decode-call width
     decode_graphs, step_graphs = len(sizes) * len(widths), len(tokens) * (len(widths) + 1)
     assert all(b / a <= 1.125 for a, b in zip(sizes, sizes[1:]) if a >= 64), sizes
-    assert decode_graphs <= 160 and len(tokens) <= 32 and step_graphs <= 160, (decode_graphs, step_graphs)
+    assert decode_graphs <= 180 and len(tokens) <= 32 and step_graphs <= 180, (decode_graphs, step_graphs)
     pool = activation_bytes(shape, tokens[-1], 512, 2)
     logits = 512 * shape.vocab_size * 4
     print(f"\n512 rows, chunk 8192: {decode_graphs} decode + {step_graphs} step graphs; largest forward about "

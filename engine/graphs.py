@@ -16,7 +16,7 @@ the pool never hands out), so a padded row never touches a request's page and is
 mode. A row's block table lists the pages its cache length reaches, then the pad page up to W: kernels stop at the
 cache length, so the tail is never read.
 
-Graphs are captured per (rows, table width): widths 16, 32, 64, ... up to W. A step replays the narrowest width
+Graphs are captured per (rows, table width): widths 16, 24, 32, 64, ... up to W (width_ladder). A step replays the narrowest width
 that holds its longest row, reading the first w columns of the table in place (a strided view). flash-attn's
 split-KV decode divides the table's width, not each row's length, among its splits, so a table as wide as the
 longest admissible request makes every step pay for it (kernels/flash_backend.py says why).

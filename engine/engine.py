@@ -15,7 +15,7 @@ from .loader import load_model
 from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
-from .scheduler import CancelResult, Chunk, NextRow, Scheduler, StepKind, StepPlan
+from .scheduler import CancelResult, Chunk, Foresight, Scheduler, StepKind, StepPlan
 from .tp_layers import rank_shape
 from .workload import RequestSpec
 
@@ -77,7 +77,7 @@ class Engine:
             self.runner = TPRunner.start(config, self.model, dtype, num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
         self.overlap = self.use_overlap(config)
-        self._ahead: tuple[list[NextRow], object] | None = None   # the step launched ahead: its rows, its samples
+        self._ahead: tuple[Foresight, object] | None = None   # the step launched ahead, its samples
         self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
         self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match
         self.requests: dict[str, Request] = {}   # until pop_result()
@@ -131,7 +131,7 @@ class Engine:
             # poison mode NaNs each step's freed pages before the next step runs; a step launched ahead would
             # run before them, and a read of a page freed by the step before it would go unseen
             reason = "poison mode checks each step against the pages freed before it"
-        elif not hasattr(self.runner, "can_launch_ahead") or self.runner.graphs is None:
+        elif not hasattr(self.runner, "launch_ahead") or self.runner.graphs is None:
             reason = "launching a step ahead needs the captured pure decode steps (cuda_graphs, tp 1)"
         if config.overlap and reason:
             raise errors.ConfigError(f"overlap=True but {reason}")
@@ -260,8 +260,9 @@ class Engine:
             pending = ahead[1]          # launched during the step before, on the rows this schedule chose
             self.steps_ahead += 1
         else:
-            # a submit or cancel since the rows were foreseen: that launch wrote only its rows' own next slots,
-            # which this step rewrites (or, for a cancelled row, nobody reads); its samples are dropped
+            # a submit or cancel since the step was foreseen: that launch wrote only its requests' own next slots
+            # (each decode row's next position, each chunk's positions), which a request writes again before it
+            # reads them (or, cancelled, never reads); its samples are dropped
             self.ahead_discarded += ahead is not None
             self.runner.poison_pages(evicted)
             pending = self.runner.launch(plan, pages_of, cfg.forward) if not plan.empty else None
@@ -269,9 +270,10 @@ class Engine:
             # launch the next step, if it can be foreseen, before reading this one back: the device goes from this
             # step to the next without waiting for this step's readback, bookkeeping and the next one's packing
             with self.lock:
-                rows = self.scheduler.next_decodes(plan)
-            if rows is not None and self.runner.can_launch_ahead(len(rows)):
-                self._ahead = (rows, self.runner.launch_ahead(rows, pages_of, pending))
+                step = self.scheduler.next_step(plan)
+            launched = self.runner.launch_ahead(step, pages_of, pending, cfg.forward) if step is not None else None
+            if launched is not None:
+                self._ahead = (step, launched)
         out = pending.result() if pending is not None else None
         if cfg.sync_trace and self._ahead is None:
             self._sync()
@@ -300,11 +302,13 @@ class Engine:
         return rec
 
     @staticmethod
-    def matches(rows: list[NextRow], plan: StepPlan) -> bool:
-        """The step launched ahead computed this plan: a pure decode step over the same requests at the same
-        positions, in the same order."""
-        return (not plan.chunks and len(rows) == len(plan.decodes) and
-                all(a.request is r and a.num_cached == r.num_cached for a, r in zip(rows, plan.decodes)))
+    def matches(step: Foresight, plan: StepPlan) -> bool:
+        """The step launched ahead computed this plan: the same prompt chunks, and the same decode rows at the same
+        positions in the same order, nobody admitted."""
+        return (not plan.admitted and len(step.chunks) == len(plan.chunks) and len(step.rows) == len(plan.decodes)
+                and all(a.request is c.request and a.start == c.start and a.length == c.length
+                        for a, c in zip(step.chunks, plan.chunks))
+                and all(a.request is r and a.num_cached == r.num_cached for a, r in zip(step.rows, plan.decodes)))
 
     def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
         """Names the reader, the slot it read (found by re-running the step: ModelRunner.poisoned_reads), that

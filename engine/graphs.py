@@ -76,6 +76,12 @@ def width_ladder(width: int) -> list[int]:
     return out + [width]
 
 
+def gather_tokens(tokens: torch.Tensor, source: torch.Tensor) -> None:
+    """tokens[i] = source[tokens[i]]: rows packed with their index in the step before's samples (NextRow.output)
+    get their input tokens on the device. A gather into a new tensor, then the copy: no overlap of the two."""
+    tokens.copy_(source.index_select(0, tokens))
+
+
 class CapturedSteps:
     """What every set of captured steps shares: one int32 static input buffer in named sections (pinned on the
     host, refreshed on the device by one copy of the prefix a step uses), the runner's static fp32 logits buffer that
@@ -328,9 +334,8 @@ class DecodeGraphs(CapturedSteps):
         b = self.size_for(n)
         w = self.width_for(self.fill(decodes, pages_of))
         if source is not None:
-            tokens = self.dev_view["tokens"][:n]
-            tokens.copy_(source.index_select(0, tokens))   # a gather into a new tensor, then the copy: no overlap
+            gather_tokens(self.dev_view["tokens"][:n], source)
         return self.replay_key((b, w), n)
 
 
-__all__ = ["CapturedSteps", "DecodeGraphs", "activation_bytes", "ladder", "width_ladder"]
+__all__ = ["CapturedSteps", "DecodeGraphs", "activation_bytes", "gather_tokens", "ladder", "width_ladder"]

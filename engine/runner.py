@@ -21,7 +21,7 @@ from .model import ForwardContext, Qwen2
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
 from .packing import logit_row_count, pack
-from .scheduler import Chunk, NextRow, StepPlan
+from .scheduler import Chunk, Foresight, StepPlan
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
@@ -288,17 +288,21 @@ class ModelRunner:
             parts.append(self.forward([], plan.decodes, pages_of))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def can_launch_ahead(self, rows: int) -> bool:
-        """Whether a pure decode step of `rows` rows can be launched before the step in flight is read back: its
-        captured graph takes its input tokens from the device (launch_ahead)."""
-        return self.graphs is not None and self.graphs.fits(rows)
-
     @torch.inference_mode()
-    def launch_ahead(self, rows: list[NextRow], pages_of: dict[str, list[int]], source: "Sampled") -> "Sampled":
-        """Queue the pure decode step of `rows` behind the step in flight, whose sampled rows (`source`) are not read
-        back yet: each row's input token is taken on the device from source.tokens[row.source]. The host does this
-        step's packing while the device still runs the one before, so the device need not wait for the host."""
-        return self.sample_async(self.graphs.replay(rows, pages_of, source.tokens))
+    def launch_ahead(self, step: Foresight, pages_of: dict[str, list[int]], source: "Sampled",
+                     forward_mode: str) -> "Sampled | None":
+        """Queue the foreseen step behind the step in flight, whose sampled rows (`source`) are not read back yet:
+        each decode row's input token is taken on the device from source.tokens[row.source]. The host packs this
+        step while the device still runs the one before, so the device need not wait for the host. Only a captured
+        step can take its tokens from the device: None (nothing launched) where the step would run eagerly."""
+        if not step.chunks:
+            if self.graphs is None or not self.graphs.fits(len(step.rows)):
+                return None
+            return self.sample_async(self.graphs.replay(step.rows, pages_of, source.tokens))
+        sg = self.step_graphs
+        if sg is None or forward_mode != "fused" or sg.bucket_for(step.chunks, step.rows) is None:
+            return None
+        return self.sample_async(sg.replay(step.chunks, step.rows, pages_of, source.tokens))
 
     def sample(self, logits: torch.Tensor) -> StepOutput:
         """Greedy, read back now."""

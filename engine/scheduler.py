@@ -104,7 +104,7 @@ class StepPlan:
 @dataclass(frozen=True)
 class NextRow:
     """A decode row of the step after the one in flight, foreseen before that step's tokens are read back
-    (Scheduler.next_decodes): the position it will be at, and where its input token is: row `source` of the step in
+    (Scheduler.next_step): the position it will be at, and where its input token is: row `source` of the step in
     flight's sampled rows, still on the device. It stands in for the request where the runner packs a step (request_id,
     num_cached, output[-1]); its `output` is that source index, which the runner swaps for the device's token."""
     request: Request
@@ -118,6 +118,13 @@ class NextRow:
     @property
     def output(self) -> tuple[int]:
         return (self.source,)
+
+
+@dataclass(frozen=True)
+class Foresight:
+    """The step after the one in flight, as Scheduler.next_step foresees it: its prompt chunks and decode rows."""
+    chunks: list[Chunk]
+    rows: list[NextRow]
 
 
 @dataclass(frozen=True)
@@ -231,34 +238,41 @@ class Scheduler(DebtLedger):
             chain.registered = full
 
     # -- the step's work -------------------------------------------------------------------------------------
-    def is_short(self, r: Request) -> bool:
-        """A prompt with at most short_prompt_positions positions left: it never waits, and goes first."""
-        return r.prompt_left <= self.short_prompt_positions
+    def is_short(self, r: Request, at: int | None = None) -> bool:
+        """A prompt with at most short_prompt_positions positions left: it never waits, and goes first. `at`: the
+        positions cached (None: the request's num_cached), as for the other chunk helpers."""
+        left = r.prompt_left if at is None else max(0, r.prompt_len - at)
+        return left <= self.short_prompt_positions
 
-    def chunk_length(self, r: Request) -> int:
+    def chunk_length(self, r: Request, at: int | None = None) -> int:
         """Positions in the request's next chunk: from num_cached to the next multiple of chunk_tokens (or the
         prompt's end)."""
-        start = r.num_cached
+        start = r.num_cached if at is None else at
         return min((start // self.chunk_tokens + 1) * self.chunk_tokens, r.prompt_len) - start
 
-    def next_chunk(self, r: Request) -> Chunk:
+    def next_chunk(self, r: Request, at: int | None = None) -> Chunk:
         """The request's next chunk."""
-        return Chunk(r, r.num_cached, self.chunk_length(r), long=not self.is_short(r))
+        start = r.num_cached if at is None else at
+        return Chunk(r, start, self.chunk_length(r, start), long=not self.is_short(r, start))
 
-    def pick_chunks(self, withhold_long: bool = False) -> tuple[list[Chunk], list[Request]]:
+    def pick_chunks(self, withhold_long: bool = False,
+                    prefilling: list[tuple[Request, int]] | None = None) -> tuple[list[Chunk], list[Request]]:
         """Whole chunks while they fit in chunk_tokens: short prompts first (FCFS), then long ones (FCFS), unless
-        `withhold_long`. Returns (chunks, long prompts withheld)."""
+        `withhold_long`. Returns (chunks, long prompts withheld). `prefilling`: the prompts still filling, in running
+        order, with their cached positions (None: the running requests in PREFILL, at their num_cached)."""
+        if prefilling is None:
+            prefilling = [(r, r.num_cached) for r in self.running if r.state is PREFILL]
         short, long = [], []
-        for r in [r for r in self.running if r.state is PREFILL]:
-            (short if self.is_short(r) else long).append(r)
+        for r, at in prefilling:
+            (short if self.is_short(r, at) else long).append((r, at))
         room = self.chunk_tokens             # what is left of the chunk budget
         chunks = []
-        for r in short + ([] if withhold_long else long):
-            n = self.chunk_length(r)
+        for r, at in short + ([] if withhold_long else long):
+            n = self.chunk_length(r, at)
             if n <= room:                    # a Chunk only for what is taken: most prompts wait at many rows
-                chunks.append(self.next_chunk(r))
+                chunks.append(self.next_chunk(r, at))
                 room -= n
-        return chunks, (long if withhold_long else [])
+        return chunks, ([r for r, _ in long] if withhold_long else [])
 
     def schedule(self) -> StepPlan:
         """Admit, then pick this step's prompt chunks and decode tokens. Opens the step in the pool."""
@@ -298,28 +312,40 @@ class Scheduler(DebtLedger):
         self.step_index += 1
         return self.log.end_step(self.step_index - 1, self.pool)
 
-    def next_decodes(self, plan: StepPlan) -> list[NextRow] | None:
-        """The rows of the step after `plan`, read before `plan`'s tokens are known (its bookkeeping not yet done):
-        when that step is sure to be a pure decode step over the rows `plan` samples, less those that finish or are
-        cancelled, provided nothing is submitted or cancelled before it is scheduled; None otherwise. Sure, because a
-        request finishes by its budget alone (docs/DESIGN.md: greedy serving ignores EOS): which rows retire does not
-        depend on the tokens. Changes nothing. The engine launches that step early and checks the real schedule
-        against these rows (Engine.step)."""
+    def next_step(self, plan: StepPlan) -> "Foresight | None":
+        """The step after `plan`, read before `plan`'s tokens are known (its bookkeeping not yet done), when it is
+        sure to be what schedule() will make of it, provided nothing is submitted or cancelled before then; None
+        otherwise. Sure, because:
+        - a request finishes by its budget alone (docs/DESIGN.md: greedy serving ignores EOS), so which rows retire
+          and which prompts complete does not depend on the tokens;
+        - nothing can be admitted: the queue is empty, or no row frees for its head;
+        - the prompt chunks follow from the positions `plan` caches (pick_chunks), unless the prefill-share debt,
+          which `plan`'s measured duration feeds, may withhold some (prefill_share < 1 with prompts still filling).
+        Its decode rows are `plan`'s sampled rows less those that finish or are cancelled; its chunks, the next of
+        the prompts still filling. Changes nothing. The engine launches that step early and checks the real
+        schedule against it (Engine.step)."""
         src = {id(r): i for i, r in enumerate(plan.sampled)}
-        rows = []
+        cut = {id(c.request): c.start + c.length for c in plan.chunks}
+        rows, prefilling = [], []
         for r in self.running:
             s = r.state
             if s is CANCELLED:
                 continue                                 # retired at the end of `plan`
             i = src.get(id(r))
-            if i is None:
-                return None                              # a prompt still filling: the next step carries its chunk
-            if len(r.output) + 1 >= r.budget:
-                continue                                 # `plan`'s token is its last
-            rows.append(NextRow(r, r.num_cached + 1 if s is DECODE else r.prompt_len, i))
-        if not rows or (self.waiting and len(rows) < self.max_batch):
-            return None                                  # nothing to decode, or a row frees for the queue's head
-        return rows
+            if i is None:                                # a prompt still filling after `plan`
+                prefilling.append((r, cut.get(id(r), r.num_cached)))
+            elif len(r.output) + 1 < r.budget:           # else `plan`'s token is its last
+                rows.append(NextRow(r, r.num_cached + 1 if s is DECODE else r.prompt_len, i))
+        if self.waiting and len(rows) + len(prefilling) < self.max_batch:
+            return None                                  # a row frees for the queue's head: it may be admitted
+        chunks = []
+        if prefilling:
+            if self.prefill_share < 1.0:
+                return None                              # the debt may withhold a long prompt's chunk
+            chunks = self.pick_chunks(prefilling=prefilling)[0]
+        if not rows and not chunks:
+            return None
+        return Foresight(chunks, rows)
 
     # -- cancellation ----------------------------------------------------------------------------------------
     def cancel(self, request_id: str, requests: dict[str, Request]) -> CancelResult:

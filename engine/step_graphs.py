@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kernels import AttnBatch
-from .graphs import CapturedSteps, activation_bytes, width_ladder
+from .graphs import CapturedSteps, activation_bytes, gather_tokens, width_ladder
 from .model import ForwardContext
 from .packing import logit_row_count, pack, page_rows
 
@@ -207,16 +207,20 @@ class StepGraphs(CapturedSteps):
         return activation_bytes(r.shape, key[0], self.rows_for(key[0]),
                                 torch.tensor([], dtype=r.dtype).element_size())
 
-    def replay(self, chunks, decodes, pages_of) -> torch.Tensor | None:
+    def replay(self, chunks, decodes, pages_of, source: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits of the step's sampled rows (a view of the static logits: read it before the next replay), or
-        None where no captured bucket holds the plan (the caller runs it eagerly)."""
+        None where no captured bucket holds the plan (the caller runs it eagerly). `source`: as DecodeGraphs.replay
+        (the decode rows are NextRows whose tokens are in the step before's samples on the device)."""
         b = self.bucket_for(chunks, decodes)
         if b is None:
             self.fallbacks += 1
             return None
         ps = self.runner.page_size
         w = self.width_for(max(-(-(r.num_cached + 1) // ps) for r in decodes)) if decodes else 0
-        return self.replay_key((b, w), self.fill(chunks, decodes, pages_of, b))
+        n = self.fill(chunks, decodes, pages_of, b)
+        if source is not None and decodes:
+            gather_tokens(self.dev_view["tokens"][:len(decodes)], source)   # decode rows are packed first
+        return self.replay_key((b, w), n)
 
 
 __all__ = ["Q_TILE", "StepGraphs", "shape_only_q_lens", "token_ladder"]

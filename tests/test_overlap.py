@@ -1,12 +1,14 @@
-"""Steps launched ahead (EngineConfig.overlap): while a step runs on the device, the engine foresees the next pure
-decode step (Scheduler.next_decodes), packs it and launches it with its input tokens taken on the device from the
-running step's samples; the real schedule is then checked against the foreseen rows, and a launch that does not match
-is dropped and the real step run instead.
+"""Steps launched ahead (EngineConfig.overlap): while a step runs on the device, the engine foresees the next step
+(Scheduler.next_step: a pure decode or a loaded or chunk-only step into which nobody can be admitted), packs it and
+launches it with its decode rows' input tokens taken on the device from the running step's samples; the real
+schedule is then checked against the foreseen step, and a launch that does not match is dropped and the real step
+run instead.
 
-- the scheduler's foresight is exact: whenever it foresees rows, the next schedule (nothing submitted or cancelled in
-  between) is a pure decode step over exactly those rows at those positions (property test, no model);
-- an engine with overlap emits the same tokens at the same steps as one without, launches ahead on most pure decode
-  steps, and drops no launch on a closed workload;
+- the scheduler's foresight is exact: whenever it foresees a step, the next schedule (nothing submitted or cancelled
+  in between) is that step: the same prompt chunks, the same decode rows at the same positions (property test, no
+  model);
+- an engine with overlap emits the same tokens at the same steps as one without, launches ahead pure decode and
+  loaded steps, and drops no launch on a closed workload;
 - submits and cancels between steps make the foreseen rows wrong: those launches are dropped and the tokens stay;
 - planted: a step launched ahead that takes its tokens from the wrong rows, and an engine that trusts a wrong
   foresight without the check, are both caught by the comparison the overlap gate makes (gates/test_graphs.py).
@@ -22,7 +24,7 @@ from engine import Engine
 from engine.config import lineage_config
 from engine.pool import PagePool
 from engine.request import Request
-from engine.scheduler import NextRow, Scheduler, StepKind
+from engine.scheduler import Foresight, NextRow, Scheduler, StepKind
 from engine.workload import Workload
 from gates.compare import compare
 from gates.reference import EngineReference
@@ -30,41 +32,46 @@ from gates.reference import EngineReference
 # more requests than rows, short prompts in one or two chunks, budgets that end at different steps
 WORKLOAD = Workload("overlap-cpu", (4, 16, 40, 100), (3, 20), 12, chunk_tokens=64)
 MAX_BATCH = 4
+EMULATE_STEP_GRAPHS = True     # tests/conftest.py's cpu-emulated mode graphs loaded and chunk-only steps too
 
 
 # -- the scheduler's foresight, without a model --------------------------------------------------------------------
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 90), st.integers(1, 12)), min_size=1, max_size=14),
-       st.integers(1, 5), st.sampled_from([16, 32, 64]), st.integers(6, 30), st.booleans())
-def test_next_decodes_foresees_the_next_schedule(reqs, max_batch, chunk, pages, cache):
-    """For any workload, pool and chunk budget: rows foreseen during a step are exactly the next step's plan (a pure
-    decode step over those requests, in order, at those positions), with each row's source its index in the step's
-    sampled rows, i.e. where its input token was sampled."""
+       st.integers(1, 5), st.sampled_from([16, 32, 64]), st.integers(6, 30), st.booleans(), st.sampled_from([0, 24]))
+def test_next_step_foresees_the_next_schedule(reqs, max_batch, chunk, pages, cache, short):
+    """For any workload, pool, chunk budget and short-prompt bound: a step foreseen during a step is exactly the
+    next step's plan (its prompt chunks, and a decode row per request in order at its position, nobody admitted),
+    with each row's source its index in the step's sampled rows, i.e. where its input token was sampled."""
     pool = PagePool(pages, 16, prefix_cache=cache)
-    sched = Scheduler(pool, max_batch=max_batch, chunk_tokens=chunk)
+    sched = Scheduler(pool, max_batch=max_batch, chunk_tokens=chunk, short_prompt_positions=short)
     for i, (n, budget) in enumerate(reqs):
         if pool.pages_needed(n + budget) <= pool.capacity:
             sched.add(Request(f"r{i}", [1 + (i * 5 + j) % 7 for j in range(n)], budget))
-    foreseen = None
+    foreseen, kinds = None, set()
     for _ in range(400):
         if not sched.has_work:
             break
         plan = sched.schedule()
         if foreseen is not None:
-            assert not plan.chunks and not plan.admitted, plan
-            assert [(a.request, a.num_cached) for a in foreseen] == [(r, r.num_cached) for r in plan.decodes]
-        foreseen = sched.next_decodes(plan)
+            assert not plan.admitted, plan
+            assert [(c.request, c.start, c.length, c.long) for c in foreseen.chunks] == \
+                [(c.request, c.start, c.length, c.long) for c in plan.chunks]
+            assert [(a.request, a.num_cached) for a in foreseen.rows] == [(r, r.num_cached) for r in plan.decodes]
+            kinds.add(plan.kind)
+        foreseen = sched.next_step(plan)
         before = list(plan.sampled)
         plan.apply([2] * len(before), 0.0)
         sched.finish_step()
-        for row in foreseen or []:
+        for row in (foreseen.rows if foreseen else []):
             assert before[row.source] is row.request and row.output == (row.source,)
     assert not sched.has_work
 
 
 def test_foresight_declines_where_the_next_step_is_not_sure():
-    """Rows only where the next step is sure: not while a prompt is still filling, nor when a row frees for the
-    queue's head, nor when every row finishes; a row whose prompt completes now decodes next, its token sampled
+    """A step only where the next one is sure: not when a row frees for the queue's head, nor when every row
+    finishes, nor with prompts still filling under a prefill share below 1 (the debt depends on this step's time).
+    A prompt still filling gets its next chunk; a row whose prompt completes now decodes next, its token sampled
     among the completing chunks (which come first in a step's sampled rows)."""
     pool = PagePool(40, 16)
     sched = Scheduler(pool, max_batch=2, chunk_tokens=16)
@@ -72,21 +79,26 @@ def test_foresight_declines_where_the_next_step_is_not_sure():
     for r in (a, b, c):
         sched.add(r)
 
-    def step(expect):
+    def step(chunks, rows):
         plan = sched.schedule()
-        assert sched.next_decodes(plan) == expect
+        f = sched.next_step(plan)
+        assert (None if f is None else ([(x.request, x.start, x.length) for x in f.chunks], f.rows)) == \
+            (None if rows is None else (chunks, rows))
         plan.apply([2] * len(plan.sampled), 0.0)
         sched.finish_step()
         return plan
 
-    step(None)                                       # a's first chunk; its second is still to come
-    step([NextRow(a, 20, 0), NextRow(b, 4, 1)])      # both prompts complete, the queue's head waits for a row
-    step(None)                                       # b's last token: c takes its row next step
-    plan = step([NextRow(a, 22, 1), NextRow(c, 4, 0)])   # c's prompt completes beside a's decode row
+    step([(a, 16, 4), (b, 0, 4)], [])                # a's first chunk: its second and b's prompt come next
+    step([], [NextRow(a, 20, 0), NextRow(b, 4, 1)])  # both prompts complete, the queue's head waits for a row
+    step(None, None)                                 # b's last token: c takes its row next step
+    plan = step([], [NextRow(a, 22, 1), NextRow(c, 4, 0)])   # c's prompt completes beside a's decode row
     assert plan.admitted == [c] and plan.sampled == [c, a]
-    step([NextRow(a, 23, 0)])                        # c's last token, the queue is empty: a decodes on alone
-    step(None)                                       # a's last token: nothing to decode
+    step([], [NextRow(a, 23, 0)])                    # c's last token, the queue is empty: a decodes on alone
+    step(None, None)                                 # a's last token: nothing to decode
     assert not sched.has_work
+    shared = Scheduler(PagePool(40, 16), max_batch=2, chunk_tokens=16, prefill_share=0.5)
+    shared.add(Request("d", [1] * 40, 3))
+    assert shared.next_step(shared.schedule()) is None   # d's next chunk may wait for the decoders' debt
 
 
 # -- an engine with and without overlap ------------------------------------------------------------------------------
@@ -108,18 +120,31 @@ def mode(graph_mode, one_torch_thread):
     return graph_mode
 
 
-def test_overlap_emits_the_same_tokens_at_the_same_steps(mode):
+def test_overlap_emits_the_same_tokens_at_the_same_steps(mode, monkeypatch):
+    from engine.runner import ModelRunner
+    launched = []
+    real = ModelRunner.launch_ahead
+
+    def recorded(self, step, *args):
+        out = real(self, step, *args)
+        launched.append((bool(step.chunks), out is not None))
+        return out
+
     _, base = run(mode, False)
+    monkeypatch.setattr(ModelRunner, "launch_ahead", recorded)
     ref, over = run(mode, True)
     eng = ref.last_engine
     pure = sum(s.kind == StepKind.PURE_DECODE for s in eng.trace)
+    mixed = sum(s.kind in (StepKind.LOADED, StepKind.CHUNK_ONLY) for s in eng.trace)
     report = check("overlap vs serial", mode, base, over)
     assert report.ok, report.problems()
-    # on a closed workload the foresight is never wrong, and it covers most pure decode steps (all but those after
-    # a step whose rows finish while the queue waits)
+    # on a closed workload the foresight is never wrong; it covers most steps (all but those after a step whose
+    # rows finish while the queue waits), pure decode and loaded ones
     assert eng.ahead_discarded == 0
-    assert pure >= eng.steps_ahead > pure // 2, (eng.steps_ahead, pure)
-    assert eng.runner.graphs.replays == pure
+    assert len(eng.trace) > eng.steps_ahead > len(eng.trace) // 2, (eng.steps_ahead, len(eng.trace))
+    assert eng.steps_ahead == sum(ok for _, ok in launched)
+    assert sum(chunks and ok for chunks, ok in launched) > 0, "no loaded or chunk-only step was launched ahead"
+    assert eng.runner.graphs.replays == pure and eng.runner.step_graphs.replays == mixed
 
 
 def serve_with_interference(mode, overlap: bool) -> tuple[dict, Engine]:
@@ -153,16 +178,18 @@ def test_submits_and_cancels_between_steps_drop_the_launch_not_the_tokens(mode):
 # -- planted: what the overlap gate must catch ----------------------------------------------------------------------
 def test_planted_wrong_token_source_is_caught(mode, monkeypatch):
     """Each row launched ahead takes the next row's token: the step computes the wrong continuation."""
-    real = Scheduler.next_decodes
+    real = Scheduler.next_step
 
     def shifted(self, plan):
-        rows = real(self, plan)
-        if rows and len(rows) > 1:
-            rows = [NextRow(r.request, r.num_cached, rows[(i + 1) % len(rows)].source) for i, r in enumerate(rows)]
-        return rows
+        f = real(self, plan)
+        if f and len(f.rows) > 1:
+            rows = f.rows
+            f = Foresight(f.chunks, [NextRow(r.request, r.num_cached, rows[(i + 1) % len(rows)].source)
+                                     for i, r in enumerate(rows)])
+        return f
 
     _, base = run(mode, False)
-    monkeypatch.setattr(Scheduler, "next_decodes", shifted)
+    monkeypatch.setattr(Scheduler, "next_step", shifted)
     ref, over = run(mode, True)
     assert ref.last_engine.steps_ahead > 0
     report = check("overlap vs serial (planted: tokens from the wrong rows)", mode, base, over)
@@ -173,7 +200,7 @@ def test_planted_wrong_token_source_is_caught(mode, monkeypatch):
 def test_planted_unchecked_foresight_is_caught(mode, monkeypatch):
     """An engine that uses a launch without checking it against the real schedule, with a foresight that ignores
     the queue: admissions go missing."""
-    real = Scheduler.next_decodes
+    real = Scheduler.next_step
 
     def blind(self, plan):
         waiting, self.waiting = self.waiting, []
@@ -183,7 +210,7 @@ def test_planted_unchecked_foresight_is_caught(mode, monkeypatch):
             self.waiting = waiting
 
     _, base = run(mode, False)
-    monkeypatch.setattr(Scheduler, "next_decodes", blind)
+    monkeypatch.setattr(Scheduler, "next_step", blind)
     checked_ref, checked = run(mode, True)
     assert checked_ref.last_engine.ahead_discarded > 0     # the check drops them
     assert check("overlap vs serial (blind foresight, checked)", mode, base, checked).ok

@@ -302,7 +302,8 @@ class ModelRunner:
         sg = self.step_graphs
         if sg is None or forward_mode != "fused" or sg.bucket_for(step.chunks, step.rows) is None:
             return None
-        return self.sample_async(sg.replay(step.chunks, step.rows, pages_of, source.tokens))
+        # a chunk-only step after one that sampled nothing (a prompt's earlier chunks) takes no token from it
+        return self.sample_async(sg.replay(step.chunks, step.rows, pages_of, source.tokens if step.rows else None))
 
     def sample(self, logits: torch.Tensor) -> StepOutput:
         """Greedy, read back now."""

@@ -147,6 +147,23 @@ def test_overlap_emits_the_same_tokens_at_the_same_steps(mode, monkeypatch):
     assert eng.runner.graphs.replays == pure and eng.runner.step_graphs.replays == mixed
 
 
+def test_a_long_prompt_alone_is_launched_ahead_chunk_by_chunk(mode):
+    """One request whose prompt takes four chunk-only steps, the first three sampling nothing: each next chunk is
+    launched ahead (it takes no token from the step before), then its decode steps; the tokens are the serial
+    engine's."""
+    def serve(overlap):
+        eng = Engine(lineage_config(mode["engine"], device=mode["device"], dtype=mode["dtype"], chunk_tokens=32,
+                                    max_batch=2, cuda_graphs=True, overlap=overlap, max_model_len=160,
+                                    progress=False), mode["model"])
+        eng.submit([3 + (7 * i) % 50 for i in range(120)], 6, "long")
+        eng.run()
+        return eng.results()["long"].tokens, eng
+    tokens, eng = serve(True)
+    assert tokens == serve(False)[0]
+    assert [s.kind for s in eng.trace[:4]] == [StepKind.CHUNK_ONLY] * 4
+    assert eng.steps_ahead == len(eng.trace) - 1 and eng.ahead_discarded == 0
+
+
 def serve_with_interference(mode, overlap: bool) -> tuple[dict, Engine]:
     """Requests served step by step, with a submit and a cancel between steps while rows decode: the step launched
     ahead (if any) was foreseen without them."""

@@ -108,7 +108,7 @@ class InstantModel:
         return self.zeros[:n]
 
 
-def engine_setup(rows: int, chunk: int, new_tokens: int) -> Engine:
+def engine_setup(rows: int, chunk: int, new_tokens: int, overlap: bool = False) -> Engine:
     """An Engine on the CPU serving the 1.5B geometry with captured steps emulated and an instant forward; its pool
     holds `rows` rows of the longest mixed request, so only the rows limit admission."""
     # one layer, one KV head of 4 dims: the KV cache is never read, only allocated (twice: the Engine's own runner,
@@ -129,12 +129,14 @@ def engine_setup(rows: int, chunk: int, new_tokens: int) -> Engine:
         g.upload = lambda upto=None: None           # the host-to-device copy: an async enqueue on CUDA
     runner.graph_logits.zero_()
     eng.runner = runner
+    # with steps launched ahead, a step's host side also foresees the next one and packs it (its launch too)
+    eng.overlap = overlap and hasattr(runner, "launch_ahead")
     return eng
 
 
-def serve_pass(rows: int, chunk: int, requests: int, new_tokens: int, profiler=None):
+def serve_pass(rows: int, chunk: int, requests: int, new_tokens: int, profiler=None, overlap: bool = False):
     """Serve one closed mixed draw to its end; returns [(kind, decode tokens, seconds)] per step and the engine."""
-    eng = engine_setup(rows, chunk, new_tokens)
+    eng = engine_setup(rows, chunk, new_tokens, overlap)
     for s in MIXED.with_budget(new_tokens).scaled(requests).requests(VOCAB):
         eng.submit(s.prompt, s.budget, s.request_id)
     steps = []
@@ -158,7 +160,7 @@ def engine_main(a) -> int:
     counts: dict[str, tuple[int, float]] = {}
     fallbacks = 0
     for _ in range(a.passes):
-        steps, eng = serve_pass(a.rows, a.chunk, requests, a.new_tokens)
+        steps, eng = serve_pass(a.rows, a.chunk, requests, a.new_tokens, overlap=a.overlap)
         fallbacks = eng.runner.step_graphs.fallbacks
         kinds = defaultdict(list)
         for kind, d, dt in steps:
@@ -170,7 +172,8 @@ def engine_main(a) -> int:
             counts[kind] = (len(xs), statistics.median(d for d, _ in xs))
     print(f"{REPO}: host time of Engine.step (instant forward, captured steps emulated), us: {requests} mixed "
           f"requests of {a.new_tokens} new tokens, {a.rows} rows, chunk {a.chunk}, pages of {PAGE}, {a.passes} "
-          f"passes; eager fallbacks {fallbacks} a pass")
+          f"passes; eager fallbacks {fallbacks} a pass" +
+          (f"; steps launched ahead (overlap) {eng.steps_ahead} of {len(steps)} in the last pass" if a.overlap else ""))
     print(f"  {'kind':12s} {'steps':>6s} {'rows':>6s} {'min':>9s} {'median':>9s} {'median of pass medians':>24s}")
     for kind in ("pure-decode", "loaded", "chunk-only"):
         if kind in every:
@@ -179,7 +182,7 @@ def engine_main(a) -> int:
                   f"{statistics.median(every[kind]) * 1e6:9.1f} {statistics.median(by_kind[kind]) * 1e6:24.1f}")
     if a.profile:
         prof = cProfile.Profile()
-        serve_pass(a.rows, a.chunk, requests, a.new_tokens, prof)
+        serve_pass(a.rows, a.chunk, requests, a.new_tokens, prof, overlap=a.overlap)
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(a.profile)
         print(f"cProfile of one pass's steps (top {a.profile} by own time):")
@@ -201,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--passes", type=int, default=5, help="--engine: closed runs timed, a fresh engine each")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="--engine: then profile one more pass and print the top N functions by own time")
+    ap.add_argument("--overlap", action="store_true",
+                    help="--engine: with steps launched ahead (EngineConfig.overlap): each step also foresees and "
+                         "packs the next")
     ap.add_argument("--repo", default=None, help="the checkout whose engine is timed (default: this one)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)

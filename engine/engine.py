@@ -12,6 +12,7 @@ from . import errors, inputs
 from .config import KV_CACHE_BYTES, EngineConfig
 from .dtypes import torch_dtype
 from .loader import load_model
+from .poison_report import poison_error
 from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
@@ -282,7 +283,7 @@ class Engine:
             if out is not None:
                 sampled = plan.sampled
                 if cfg.poison and any(out.nonfinite):
-                    err = self.poison_error(plan, sampled, out.nonfinite)   # reads the cache as the step left it
+                    err = poison_error(self, plan, sampled, out.nonfinite)   # reads the cache as the step left it
                     self.scheduler.finish_step()   # keep the pool consistent before raising
                     raise err
                 # a request cancelled during the forward emits nothing
@@ -309,66 +310,6 @@ class Engine:
                 and all(a.request is c.request and a.start == c.start and a.length == c.length
                         for a, c in zip(step.chunks, plan.chunks))
                 and all(a.request is r and a.num_cached == r.num_cached for a, r in zip(step.rows, plan.decodes)))
-
-    def poison_error(self, plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
-        """Names the reader, the slot it read (found by re-running the step: ModelRunner.poisoned_reads), that
-        slot's page and whose it is or was, then every request in the step with its pages."""
-        bad = [r.request_id for r, nf in zip(sampled, nonfinite) if nf]
-        row = list(nonfinite).index(True)
-        reader = sampled[row].request_id
-        found = self.runner.poisoned_reads(plan, self.pool.owned, self.config.forward, row)
-        lines = [f"step {plan.index} ({plan.kind}): non-finite logits for {bad}: a kernel read a freed or "
-                 f"never-written KV slot."]
-        if found is None:
-            lines.append(f"  {reader}: its logits stay non-finite with every NaN slot made finite: the NaN comes "
-                         f"from the step's own computation, not from a slot it read")
-        slots, more = found or ([], False)
-        whose = []
-        for slot in slots:
-            page = slot // self.pool.page_size
-            whose.append(self.slot_holder(plan, page, slot))
-            lines.append(f"  {reader} read slot {slot} (page {page}): {whose[-1]}")
-        if more:
-            lines.append(f"  {reader} also read NaN in other pages (not searched: each costs about "
-                         f"log2(pages) + log2(page_size) forwards)")
-        lines.append("Requests in this step and the pages they own:")
-        for c in plan.chunks:
-            lines.append(f"  {c.request.request_id}: prompt chunk [{c.start}, {c.start + c.length}) of "
-                         f"{c.request.prompt_len}, pages {self.pool.owned.get(c.request.request_id)}")
-        for r in plan.decodes:
-            lines.append(f"  {r.request_id}: decode token at position {r.num_cached}, "
-                         f"pages {self.pool.owned.get(r.request_id)}")
-        first = slots[0] if slots else None
-        return errors.PoisonedLogitsError(
-            plan.index, bad, "\n".join(lines), reader=reader, slot=first,
-            page=None if first is None else first // self.pool.page_size,
-            owner=whose[0] if whose else None, reads=slots)
-
-    def slot_holder(self, plan, page: int, slot: int) -> str:
-        """Whose `slot` is or was: owner and position, and whether it was written, freed or never handed out."""
-        if page == self.runner.pad_page:
-            return "the pad page of the captured decode steps: no request owns it"
-        owner, state = self.pool.holder(page)
-        if owner is None:
-            return "a page never owned by any request: never written since the pool was made"
-        r = self.requests.get(owner)
-        pages = r.pages if r is not None and page in r.pages else self.pool.owned.get(owner, [])
-        pos = pages.index(page) * self.pool.page_size + slot % self.pool.page_size if page in pages else None
-        at = f"{owner} (position {pos})" if pos is not None else owner
-        if state != "owned":
-            step = self.pool.last_owner[page][1]
-            return f"last owned by {at}, " + ("released in this step" if state == "released" else
-                                              f"freed at the end of step {step}")
-        if r is None or pos is None:
-            return f"owned by {at}"
-        # what this step writes for the owner counts as written: the forward writes before it reads
-        wrote = {c.request.request_id: c.start + c.length for c in plan.chunks}
-        wrote.update({d.request_id: d.num_cached + 1 for d in plan.decodes})
-        cached = wrote.get(owner, r.num_cached)
-        if pos >= cached:
-            return f"owned by {at}, never written ({owner} has cached {cached} positions, this step's included)"
-        return (f"owned by {at}, written with NaN at step {r.step_of(pos)} (layers past the first): that step's "
-                f"forward read a poisoned slot itself")
 
     # -- running ---------------------------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None,

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +61,8 @@ class Run:
     failures: list[Failure] = field(default_factory=list)
     durations: dict[str, float] = field(default_factory=dict)   # seconds per gate-file test, all phases
     order: dict[str, int] = field(default_factory=dict)         # each test's place in the collection
+    began: float = field(default_factory=time.time)             # the run's start (the controller's configure)
+    workers: dict[str, "Span"] = field(default_factory=dict)    # xdist worker id -> what it ran, and when
 
     def in_collection_order(self) -> None:
         """Gates and failures in the order of their tests, whichever worker finished first."""
@@ -75,6 +78,9 @@ class Run:
         if not is_gate_file(report.nodeid):
             return bool(new)
         self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
+        worker = getattr(getattr(report, "node", None), "gateway", None)    # xdist: the worker that ran it
+        if worker is not None:
+            self.workers.setdefault(worker.id, Span()).add(report)
         outcome = None
         if report.failed:
             outcome = "error" if report.when in ("setup", "teardown") else "failed"
@@ -96,8 +102,38 @@ class Run:
             self.outcomes["failed"] = self.outcomes.get("failed", 0) + 1
         last.when, last.lines = "timeout", hang_lines(stacks)
 
+    def worker_rows(self) -> list[tuple[str, int, float, float, float, float]]:
+        """(worker, gates, busy s, first gate's start, last gate's end, idle s) in worker order; idle: the run's
+        wall time after the worker's first gate began, less its busy time."""
+        end = max(span.last for span in self.workers.values()) - self.began
+        rows = []
+        for wid in sorted(self.workers, key=lambda w: (len(w), w)):       # gw2 before gw10
+            gates, busy, first, last = self.workers[wid].row(self.began)
+            rows.append((wid, gates, busy, first, last, max(0.0, end - first - busy)))
+        return rows
+
     def slowest(self, n: int = 10) -> list[tuple[str, float]]:
         return sorted(self.durations.items(), key=lambda kv: -kv[1])[:n]
+
+
+@dataclass
+class Span:
+    """One xdist worker's share of the run: how long it gated, when its first gate began and its last ended (epoch
+    seconds, from the reports), so a reviewer sees whether `-n` spread the suite or one worker carried it."""
+    gates: int = 0
+    busy: float = 0.0
+    first: float = float("inf")
+    last: float = 0.0
+
+    def add(self, report) -> None:
+        self.gates += report.when == "setup"
+        self.busy += report.duration
+        if report.start:
+            self.first, self.last = min(self.first, report.start), max(self.last, report.stop)
+
+    def row(self, began: float) -> tuple[int, float, float, float]:
+        """(gates, busy s, first gate's start, last gate's end), both in seconds after the run began."""
+        return self.gates, self.busy, self.first - began, self.last - began
 
 
 VERDICT = re.compile(r"^(?:E\s+)?\s*verdict: (.*)$", re.M)
@@ -190,6 +226,9 @@ class GateSummary:
         tr.section("stepgate gate summary")
         for line in lines(self.run.gates):
             tr.write_line(line)
+        if self.run.workers:
+            tr.write_line("workers (gates, busy s, first gate began at s): " + ", ".join(
+                f"{wid} {gates}/{busy:.1f}/{first:.1f}" for wid, gates, busy, first, _, _ in self.run.worker_rows()))
         written = [str(self.md_path)] + ([str(self.json_path)] if self.run.gates else [])
         tr.write_line(f"(written to {' and '.join(written)}"
                       + (", appended to $GITHUB_STEP_SUMMARY)" if os.environ.get("GITHUB_STEP_SUMMARY") else ")"))
@@ -278,6 +317,14 @@ def markdown(run: Run, about: str, slowest: int = 10) -> str:
             out += [f"#### `{f.nodeid}`" + (f" ({f.when})" if f.when != "call" else ""), "", "```text",
                     *f.lines, "```", ""]
             out += [f"**triage verdict:** {f.verdict}", ""] if f.verdict else []
+    if run.workers:
+        out += ["### Workers", "", "The first gate's start counts from the run's start (worker start-up, imports, "
+                "collection); the idle time is the rest of the run's wall time after its start-up.", "",
+                "| worker | gates | busy s | first gate began at s | last gate ended at s | idle s |",
+                "|---|---:|---:|---:|---:|---:|"]
+        out += [f"| {wid} | {gates} | {busy:.1f} | {first:.1f} | {last:.1f} | {idle:.1f} |"
+                for wid, gates, busy, first, last, idle in run.worker_rows()]
+        out.append("")
     if run.durations:
         out += [f"### Slowest gates ({min(slowest, len(run.durations))} of {len(run.durations)})", "", "| gate | seconds |", "|---|---:|"]
         out += [f"| `{cell(nodeid)}` | {seconds:.1f} |" for nodeid, seconds in run.slowest(slowest)]

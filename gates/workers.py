@@ -116,9 +116,30 @@ def pytest_xdist_auto_num_workers(config):
 def pytest_configure(config):
     config.addinivalue_line("markers", "serial: needs its device(s) to itself (step timings, tensor parallel): "
                             "deselected under xdist; run with pytest gates/ -m serial")
-    sent = getattr(config, "workerinput", {}).get(PLACEMENT_KEY)
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
+        return
+    share = share_compile_threads(int(worker["workercount"]))
+    import sys
+    if "torch._inductor.config" in sys.modules:     # it reads the variable at its import: set the live value too
+        sys.modules["torch._inductor.config"].compile_threads = share
+    sent = worker.get(PLACEMENT_KEY)
     if sent and sent["visible"] is not None:
         see_only(sent["visible"])
+
+
+def share_compile_threads(workers: int, env=os.environ) -> int:
+    """Give this worker its share of the host's cores for inductor's compile processes, started when they are
+    needed. By default every process that compiles starts a pool of one process a core at its first compile, needed
+    or not (a warm compile cache needs none): `-n 4` on 16 cores would start 64, each importing torch, while the
+    workers' first gates run. TORCHINDUCTOR_COMPILE_THREADS and TORCH_WARM_POOL set by the user are kept. Returns the
+    share in force."""
+    env.setdefault("TORCH_WARM_POOL", "0")      # read at the first compile: the pool starts with the first job
+    if "TORCHINDUCTOR_COMPILE_THREADS" in env:
+        return int(env["TORCHINDUCTOR_COMPILE_THREADS"])
+    share = max(1, (os.cpu_count() or 1) // max(1, workers))
+    env["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)
+    return share
 
 
 def see_only(gpu: str) -> None:

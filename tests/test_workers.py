@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import types
 from pathlib import Path
 
@@ -300,6 +301,12 @@ def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
                  "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 11)"):
         assert part in md, f"{part!r} not in the Markdown summary:\n{md}"
     assert "test_timing" not in md and "assert False" not in md
+    workers_table = re.findall(r"^\| (gw\d) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", md, re.M)
+    assert sorted(w[0] for w in workers_table) == ["gw0", "gw1"], md
+    assert sum(int(w[1]) for w in workers_table) == 11, "every gate run is some worker's"
+    assert all(float(first) <= float(last) for _, _, _, first, last, _ in workers_table)
+    spread.stdout.fnmatch_lines(["workers (gates, busy s, first gate began at s): gw0 */*/*, gw1 */*/*"])
+    assert "### Workers" not in (gate_dir.path / "plain.md").read_text(), "a plain run has no workers"
     assert outcome_counts(run(gate_dir, "-m", "serial")) == {"passed": 1}, "without -n the serial gates run"
 
 
@@ -400,3 +407,15 @@ def test_a_gate_that_crashed_its_worker_is_not_run_again_and_its_work_unit_goes_
     # gate ran on the replacement
     assert out.count("node down:") == 1 and out.count("replacing crashed worker") <= 1, out[-3000:]
     assert "1 failed, 1 passed" in out, out[-3000:]
+
+
+def test_each_worker_takes_its_share_of_the_compile_processes(monkeypatch):
+    """-n 4 on 16 cores: 4 compile processes a worker, started by the first compile job rather than the first
+    compile (a warm cache needs none); the user's own settings are kept."""
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 16)
+    env = {}
+    assert workers.share_compile_threads(4, env) == 4
+    assert env == {"TORCHINDUCTOR_COMPILE_THREADS": "4", "TORCH_WARM_POOL": "0"}
+    assert workers.share_compile_threads(32, {}) == 1, "never below one"
+    mine = {"TORCHINDUCTOR_COMPILE_THREADS": "12", "TORCH_WARM_POOL": "1"}
+    assert workers.share_compile_threads(4, mine) == 12 and mine["TORCH_WARM_POOL"] == "1"

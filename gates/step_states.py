@@ -168,15 +168,23 @@ class FixedState:
     def chunk(self) -> Chunk:
         if self._chunk is None:
             e, n = self.engine, self.case.chunk
+            h = self.chunk_history
             rng = random.Random(SEED + 1)
             hi = min(4000, e.shape.vocab_size)
-            r = Request("__timed_chunk__", [rng.randrange(3, hi) for _ in range(2 * n)], 1)
+            r = Request("__timed_chunk__", [rng.randrange(3, hi) for _ in range(h + n)], 1)
             e.pool.reserve(r.request_id, r.slots_needed)
             r.state = State.PREFILL
-            e.runner.run(StepPlan(-1, chunks=[Chunk(r, 0, n)]), e.pool.owned, "fused")   # the cached first chunk
-            r.num_cached = n
-            self._chunk = Chunk(r, n, n)      # the timed chunk: second half, completes the prompt
+            if h:
+                e.runner.run(StepPlan(-1, chunks=[Chunk(r, 0, h)]), e.pool.owned, "fused")   # the cached first chunk
+            r.num_cached = h
+            self._chunk = Chunk(r, h, n)      # the timed chunk: the prompt's end, after h cached positions
         return self._chunk
+
+    @property
+    def chunk_history(self) -> int:
+        """Positions cached before the timed chunk: a chunk's worth, or what the model's positions leave (the
+        request, its chunk and one sampled token must fit: a 16,384-position chunk of the 1.5B shape's 32,768)."""
+        return max(0, min(self.case.chunk, self.engine.max_model_len - self.case.chunk - 1))
 
     def plan(self, kind: str) -> StepPlan:
         if kind == StepKind.PURE_DECODE:
@@ -207,7 +215,7 @@ class FixedState:
         return dict(rows=len(plan.decodes), prompt_positions=plan.prompt_positions,
                     tokens=plan.prompt_positions + len(plan.decodes),
                     history_total=sum(hist), history_max=max(hist, default=0), workload=self.case.workload.name,
-                    backend=self.backend, page_size=self.page_size, chunk_history=self.case.chunk)
+                    backend=self.backend, page_size=self.page_size, chunk_history=self.chunk_history)
 
 
 class States:

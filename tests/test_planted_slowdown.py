@@ -250,3 +250,23 @@ def test_ratio_check_passes_and_fails_by_the_medians():
     both = r"dear is not cheaper than cheap .*: dear: median 1\d\.\d+ ms; cheap: median \d\.\d+ ms"
     with pytest.raises(AssertionError, match=both):
         check_faster("dear", cost(12), "cheap", cost(2), reps=5, warmup=1)
+
+
+def test_a_chunk_near_the_models_positions_is_timed_after_what_they_leave():
+    """The step bench's timed chunk sits after a chunk's worth of cached positions, or fewer where the model's
+    positions run out: a 4,096-position chunk of the small model's 8,192 follows 4,095 (call K: the 1.5B shape's
+    16,384-position chunk after 16,384 needed 129 pages of a 128-page table and failed)."""
+    import dataclasses
+
+    from engine.workload import MIXED_CPU
+    from gates.step_states import ModelCase, States
+    states = States("cpu", "float32")
+    try:
+        st = states.get(ModelCase("small", dataclasses.replace(MIXED_CPU, chunk_tokens=4096)), "fused")
+        assert st.engine.max_model_len == 8192 and st.chunk_history == 4095
+        assert (st.chunk.start, st.chunk.length) == (4095, 4096)
+        assert st.describe("chunk-only")["chunk_history"] == 4095
+        out = st.step_fn("chunk-only", "fused")()
+        assert out is not None
+    finally:
+        states.close()

@@ -240,12 +240,13 @@ def check_workflow(name: str, wf: dict, options: set[str], labels: set[str], rep
             for w in state.written:
                 if not any(fnmatch.fnmatch(w, p) or w == p for _, p in ups):
                     problems.append(f"{name} job {job_id}: writes {w}, which no upload-artifact step uploads")
-        problems += recipe(name, job_id, job, state)
+        problems += recipe(name, job_id, job, state, {**(wf.get("env") or {}), **(job.get("env") or {})})
     return problems
 
 
-def recipe(name: str, job_id: str, job: dict, state: Job) -> list[str]:
-    """What each recipe is for (issue 17): the self-hosted GPU job and the CPU job."""
+def recipe(name: str, job_id: str, job: dict, state: Job, env: dict) -> list[str]:
+    """What each recipe is for (issue 17): the self-hosted GPU job and the CPU job (`env`: the job's, over the
+    workflow's)."""
     text = [" ".join(c) for c in state.seen]
     runs_on = job.get("runs-on", [])
     problems = []
@@ -264,6 +265,9 @@ def recipe(name: str, job_id: str, job: dict, state: Job) -> list[str]:
                   if str(s.get("uses", "")).startswith("actions/cache")]
         need(any(f"--workdir {p.strip()}" in t for t in built for p in cached), "the flash-attn build is not cached")
         need(any(re.search(r"--benchmark-json", t) for t in text), "no benchmark JSON written (--benchmark-json)")
+        prefix = str(env.get("PYTHONPYCACHEPREFIX", ""))
+        need(bool(prefix) and any(p.strip() and prefix.rstrip("/").endswith(p.strip().rstrip("/")) for p in cached),
+             "Python's bytecode is not kept between runs (PYTHONPYCACHEPREFIX in a cached folder)")
     elif any(t.startswith("bash .ci/run") for t in text):
         need(any("pytest gates/" in t for t in text), ".ci/run runs no gates")
     return problems

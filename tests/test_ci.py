@@ -78,6 +78,11 @@ def with_job(wf: dict, **job) -> dict:
     return wf
 
 
+def without_env(wf: dict, key: str) -> dict:
+    del wf["env"][key]
+    return wf
+
+
 def without(wf: dict, key: str) -> dict:
     del wf["jobs"]["gates"][key]
     return wf
@@ -112,6 +117,10 @@ PLANTED = {
     "no alert": (lambda: drop_steps(gpu(), "gates.alert"), "no gates.alert report"),
     "flash-attn not cached": (lambda: drop_steps(gpu(), "actions/cache@v4', 'with': {'path': '.cache/flash-attn'"),
                               "the flash-attn build is not cached"),
+    "bytecode not kept": (lambda: drop_steps(gpu(), "actions/cache@v4', 'with': {'path': '.cache/pycache'"),
+                          "Python's bytecode is not kept between runs"),
+    "bytecode not written": (lambda: without_env(gpu(), "PYTHONPYCACHEPREFIX"),
+                             "Python's bytecode is not kept between runs"),
 }
 
 

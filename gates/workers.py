@@ -117,6 +117,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "serial: needs its device(s) to itself (step timings, tensor parallel): "
                             "deselected under xdist; run with pytest gates/ -m serial")
     worker = getattr(config, "workerinput", None)
+    start_profile(config, worker["workerid"] if worker else "controller")
     if worker is None:
         return
     share = share_compile_threads(int(worker["workercount"]))
@@ -126,6 +127,31 @@ def pytest_configure(config):
     sent = worker.get(PLACEMENT_KEY)
     if sent and sent["visible"] is not None:
         see_only(sent["visible"])
+
+
+PROFILE_ENV = "STEPGATE_PROFILE_DIR"
+_PROFILE = pytest.StashKey[tuple]()
+
+
+def start_profile(config, name: str) -> None:
+    """STEPGATE_PROFILE_DIR=DIR: each process of the run (every xdist worker, the controller or a plain run) profiles
+    itself with cProfile from its configure to its end and writes DIR/<name>.prof (gw0.prof, ...; `python -m pstats`
+    reads it): where a worker's start-up and first gate spend their time under `-n`."""
+    where = os.environ.get(PROFILE_ENV)
+    if not where:
+        return
+    import cProfile
+    profile = cProfile.Profile()
+    config.stash[_PROFILE] = (profile, os.path.join(where, f"{name}.prof"))
+    profile.enable()
+
+
+def pytest_unconfigure(config):
+    profile, path = config.stash.get(_PROFILE, (None, None))
+    if profile is not None:
+        profile.disable()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        profile.dump_stats(path)
 
 
 def share_compile_threads(workers: int, env=os.environ) -> int:

@@ -419,3 +419,17 @@ def test_each_worker_takes_its_share_of_the_compile_processes(monkeypatch):
     assert workers.share_compile_threads(32, {}) == 1, "never below one"
     mine = {"TORCHINDUCTOR_COMPILE_THREADS": "12", "TORCH_WARM_POOL": "1"}
     assert workers.share_compile_threads(4, mine) == 12 and mine["TORCH_WARM_POOL"] == "1"
+
+
+def test_each_process_of_a_run_profiles_itself_where_asked(gate_dir, monkeypatch, tmp_path):
+    """STEPGATE_PROFILE_DIR: a cProfile of every worker and of the controller, readable by pstats, with the gates
+    each ran in it."""
+    import pstats
+    monkeypatch.setenv(workers.PROFILE_ENV, str(tmp_path / "prof"))
+    r = run(gate_dir, "-n", "2", "-k", "identical", subprocess=True)
+    assert r.ret == 0, r.stdout.str()[-2000:]
+    files = sorted(f.name for f in (tmp_path / "prof").iterdir())
+    assert files == ["controller.prof", "gw0.prof", "gw1.prof"], files
+    ran = [any(fn[2] == "test_identical" for fn in pstats.Stats(str(tmp_path / "prof" / f)).stats)
+           for f in ("gw0.prof", "gw1.prof")]
+    assert any(ran), "no worker's profile holds the gates it ran"

@@ -41,6 +41,10 @@ APPEND_ENV = "STEPGATE_FLASH_APPEND"
 # Many rows fill the SMs without splitting: each (row, key/value head) is a CTA per split, and at 200 and 512 rows
 # the fastest split counts gave about SPLIT_CTAS CTAs (rows x key/value heads x splits); more splits only added
 # combine work (8 splits at 200 rows against the width rule's 12 and 22; 4 at 512 rows against 12).
+# "triton": decode through kernels/triton_decode.py (split by work, not by the table's width) instead of
+# flash-attn's split-KV; prefill stays on flash-attn's varlen call. Tested on CPU in Triton's interpreter, not yet
+# measured on a GPU: off unless asked for (docs/DEVELOPING.md names the call that measures it)
+DECODE_KERNEL_ENV = "STEPGATE_DECODE_KERNEL"
 BLOCKS_PER_SPLIT = 3
 MAX_SPLITS = 32
 SPLIT_CTAS = 3072
@@ -86,6 +90,7 @@ class FlashBackend(AttentionBackend):
     graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
     graph_safe_prefill = True   # paged varlen: cu_seqlens, block table; max_seqlen_q/k are bounds (step_graphs.py)
     appends_decode_kv = True    # with_kvcache's k=, v=: pure decode steps write their K/V in the attention kernel
+    triton_chunk: int | None = None     # set with STEPGATE_DECODE_KERNEL=triton: its items' keys (decode by Triton)
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, decode_splits: int | None = None):
@@ -98,6 +103,13 @@ class FlashBackend(AttentionBackend):
         self.decode_splits = decode_splits
         if os.environ.get(APPEND_ENV) == "0":
             self.appends_decode_kv = False
+        kernel = os.environ.get(DECODE_KERNEL_ENV, "flash")
+        if kernel not in ("flash", "triton"):
+            raise ValueError(f"{DECODE_KERNEL_ENV}={kernel!r}: the decode kernel is 'flash' (flash-attn's split-KV, "
+                             f"the default) or 'triton' (kernels/triton_decode.py)")
+        if kernel == "triton":
+            from . import triton_decode
+            self.triton_chunk = triton_decode.chunk_size()
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)
@@ -162,6 +174,8 @@ class FlashBackend(AttentionBackend):
     def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None):
         self._check(k_cache)
         tag, bt, seqlens, before = batch.prepared["decode"]
+        if self.triton_chunk is not None:
+            return self._decode_triton(q, k_cache, v_cache, batch, scale, new_kv)
         splits = self.decode_splits
         if splits is None:
             splits = decode_splits_for(bt.shape[1] * k_cache.shape[1], q.shape[-1], q.shape[0], k_cache.shape[2])
@@ -175,6 +189,21 @@ class FlashBackend(AttentionBackend):
                                  softmax_scale=scale, causal=True, num_splits=splits, **append)
         return out.squeeze(1)
 
+    def _decode_triton(self, q, k_cache, v_cache, batch, scale, new_kv):
+        """kernels/triton_decode.py's decode; its work items are made by the step's first layer and kept in the
+        batch for the others (inside a captured step they are made in the graph, from the device lengths)."""
+        from . import triton_decode as td
+        _, bt, seqlens, before = batch.prepared["decode"]
+        cached = before if new_kv is not None else seqlens
+        key = ("triton-items", new_kv is not None)
+        items = batch.prepared.get(key)
+        if items is None:
+            pages, page_size = k_cache.shape[0], k_cache.shape[1]
+            grid = td.max_items(q.shape[0], bt.shape[1] * page_size, pages * page_size, self.triton_chunk)
+            items = batch.prepared[key] = td.work_items(cached, grid, self.triton_chunk)
+        return td.paged_decode(q, k_cache, v_cache, bt, cached, scale, new_kv, chunk=self.triton_chunk,
+                               items=items)
+
     def prefill(self, q, k_cache, v_cache, batch, scale):
         if self._fallback is not None:
             return self._fallback.prefill(q, k_cache, v_cache, batch, scale)
@@ -184,4 +213,5 @@ class FlashBackend(AttentionBackend):
                             causal=True, block_table=bt)
 
 
-__all__ = ["APPEND_ENV", "FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV", "decode_splits_for"]
+__all__ = ["APPEND_ENV", "DECODE_KERNEL_ENV", "FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV",
+           "decode_splits_for"]

@@ -1,0 +1,109 @@
+"""Paged decode attention split by work, in Triton: an opt-in decode kernel for the `flash` backend
+(STEPGATE_DECODE_KERNEL=triton), not yet measured on a GPU.
+
+Why: flash-attn 2's split-KV decode divides the block table's WIDTH into num_splits parts for every row alike. In a
+step of the mixed draw (rows of 4,114 and of 200 positions) most splits of most rows are empty, the longest row's
+splits each walk a chain of key blocks, and the combine kernel reduces num_splits partials for every row: on the H200
+the 32-row pure decode step's attention took 0.68 ms of split-KV and 0.19 ms of combine for 0.75 GB of K/V, a third
+of the bandwidth (docs/RESULTS.md). Here each row's cached keys are cut into items of CHUNK positions, so the work
+items are as many as the keys need (a 4,114-position row makes 17 of 256, a 200-position row one), every item is a
+program per key/value head that attends all of that head's query heads (GQA) over its keys, and a combine reduces
+each row's own items only (a one-item row is copied).
+
+Graph-safe: the item list is made on the device from the cache lengths with torch ops (no host sync), over a grid
+fixed by the batch's shape and the pool's size; items past the step's last one exit at once.
+
+The step's new key and value (new_kv, the append) are attended from registers by each row's last item, which also
+writes them to their cache slot; no program reads that slot, so no ordering between programs is needed.
+
+Correctness is tested on CPU through Triton's interpreter (tests/test_triton_decode.py); speed is not measured yet.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+CHUNK_ENV = "STEPGATE_TRITON_DECODE_CHUNK"
+CHUNK = 256             # keys an item attends: one 256-slot page (flash's page size); a multiple of BLOCK_N
+BLOCK_N = 64            # keys a program loads at a time; divides the page size
+MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a group are padded to it
+
+
+def chunk_size() -> int:
+    chunk = int(os.environ.get(CHUNK_ENV, CHUNK))
+    if chunk <= 0 or chunk % BLOCK_N:
+        raise ValueError(f"{CHUNK_ENV}={chunk}: must be a positive multiple of {BLOCK_N}")
+    return chunk
+
+
+def max_items(rows: int, width_slots: int, pool_slots: int, chunk: int) -> int:
+    """The grid's items: no step can need more than every row at the table's width, nor more than one item a row
+    plus the pool's slots in items."""
+    return max(1, min(rows * -(-width_slots // chunk), rows + -(-pool_slots // chunk)))
+
+
+def work_items(cached: torch.Tensor, grid_items: int, chunk: int):
+    """Device tensors for one step: each item's row (rows = past the last item), its first key position, whether it
+    is its row's last item; and each row's first item and item count. `cached`: int32 [rows], the keys each row has
+    in the cache (without the step's new one where it is appended)."""
+    rows = cached.shape[0]
+    n = torch.clamp((cached.long() + chunk - 1) // chunk, min=1)          # a row with no cached key still has one
+    ends = torch.cumsum(n, 0)
+    firsts = ends - n
+    i = torch.arange(grid_items, device=cached.device)
+    row = torch.searchsorted(ends, i, right=True)                        # rows: i is past the step's last item
+    valid = row < rows
+    r = torch.where(valid, row, torch.zeros_like(row))
+    start = (i - firsts[r]) * chunk
+    last = valid & (i == ends[r] - 1)
+    return (torch.where(valid, row, torch.full_like(row, rows)).to(torch.int32), start.to(torch.int32),
+            last.to(torch.int32), firsts.to(torch.int32), n.to(torch.int32))
+
+
+def _kernels():
+    """The two Triton kernels (kernels/triton_decode_kernels.py), imported on first use: triton is needed only when
+    this kernel is asked for."""
+    from .triton_decode_kernels import attend_items, combine_items
+    return attend_items, combine_items
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 chunk: int | None = None, items=None) -> torch.Tensor:
+    """q [rows, heads, d]; caches [pages, page_size, kv_heads, d]; block_table int32 [rows, width]; cached int32
+    [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
+    position `cached`). `items`: work_items(...) made once per step (else made here). -> [rows, heads, d]."""
+    attend_items, combine_items = _kernels()
+    chunk = chunk or chunk_size()
+    rows, heads, d = q.shape
+    pages, page_size, kv_heads, _ = k_cache.shape
+    if page_size % BLOCK_N or heads % kv_heads or d & (d - 1):
+        raise ValueError(f"triton decode: page size {page_size} (a multiple of {BLOCK_N}), heads {heads} over "
+                         f"{kv_heads} key/value heads, head dim {d} (a power of two)")
+    group = heads // kv_heads
+    if items is None:
+        items = work_items(cached, max_items(rows, block_table.shape[1] * page_size, pages * page_size, chunk),
+                           chunk)
+    item_row, item_start, item_last, firsts, counts = items
+    n_items = item_row.shape[0]
+    o_part = torch.empty(n_items, heads, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(n_items, heads, device=q.device, dtype=torch.float32)
+    new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)     # unread without the append
+    attend_items[(n_items, kv_heads)](
+        q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, new_k, new_v, o_part, lse,
+        scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
+        o_part.stride(0), o_part.stride(1), lse.stride(0),
+        GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
+        BLOCK_N=BLOCK_N, APPEND=new_kv is not None)
+    out = torch.empty_like(q)
+    combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
+                                 lse.stride(0), out.stride(0), out.stride(1), D=d,
+                                 MAX_COUNT=max(1, -(-block_table.shape[1] * page_size // chunk)))
+    return out
+
+
+__all__ = ["CHUNK", "CHUNK_ENV", "chunk_size", "max_items", "paged_decode", "work_items"]

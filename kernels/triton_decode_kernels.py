@@ -1,0 +1,98 @@
+"""The Triton kernels of kernels/triton_decode.py (which says what they do and why). A module of their own: Triton's
+interpreter (TRITON_INTERPRET=1, the CPU tests) finds `tl` in a kernel's module globals, and triton is imported only
+when the kernel is asked for."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
+                 new_k_ptr, new_v_ptr, o_ptr, lse_ptr, scale,
+                 num_rows, bt_stride, page_size,
+                 q_stride_row, q_stride_head,
+                 kv_stride_page, kv_stride_slot, kv_stride_head,
+                 new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
+                 o_stride_item, o_stride_head, lse_stride_item,
+                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr):
+    item = tl.program_id(0)
+    g = tl.program_id(1)                       # key/value head
+    row = tl.load(item_row_ptr + item)
+    if row < num_rows:
+        start = tl.load(item_start_ptr + item)
+        cached = tl.load(cached_ptr + row)
+        end = tl.minimum(start + CHUNK, cached)
+        h = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        hmask = h < GROUP
+        heads = g * GROUP + h
+        q = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + d[None, :],
+                    mask=hmask[:, None], other=0.0)
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        # a static trip count with a branch, not range(start, end): the item's blocks that hold keys run, the rest
+        # are skipped (and Triton's interpreter, the CPU tests, cannot take loaded values as loop bounds)
+        for j in range(CHUNK // BLOCK_N):
+            b = start + j * BLOCK_N
+            if b < end:
+                pos = b + n
+                keep = pos < end
+                page = tl.load(bt_ptr + row * bt_stride + b // page_size)       # BLOCK_N divides the page size
+                base = page * kv_stride_page + (pos % page_size) * kv_stride_slot + g * kv_stride_head
+                k = tl.load(k_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * scale                              # [GROUP_PAD, BLOCK_N] fp32
+                s = tl.where(keep[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                v = tl.load(v_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                m_i = m_new
+        if APPEND:
+            if tl.load(item_last_ptr + item) != 0:
+                # the step's own key and value: attended from registers, written to the row's next slot
+                nk = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + d)
+                nv = tl.load(new_v_ptr + row * new_v_stride_row + g * new_v_stride_head + d)
+                s1 = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1) * scale
+                m_new = tl.maximum(m_i, s1)
+                alpha = tl.exp(m_i - m_new)
+                p1 = tl.exp(s1 - m_new)
+                acc = acc * alpha[:, None] + p1[:, None] * nv.to(tl.float32)[None, :]
+                l_i = l_i * alpha + p1
+                m_i = m_new
+                page = tl.load(bt_ptr + row * bt_stride + cached // page_size)
+                slot = page * kv_stride_page + (cached % page_size) * kv_stride_slot + g * kv_stride_head
+                tl.store(k_ptr + slot + d, nk)
+                tl.store(v_ptr + slot + d, nv)
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + item * o_stride_item + heads[:, None] * o_stride_head + d[None, :], out,
+                 mask=hmask[:, None])
+        tl.store(lse_ptr + item * lse_stride_item + heads, m_i + tl.log(l_i), mask=hmask)
+
+@triton.jit
+def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, o_stride_item, o_stride_head,
+                  lse_stride_item, out_stride_row, out_stride_head, D: tl.constexpr, MAX_COUNT: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(first_ptr + row)
+    count = tl.load(count_ptr + row)
+    d = tl.arange(0, D)
+    m = tl.full([1], float("-inf"), tl.float32)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([D], tl.float32)
+    for j in range(MAX_COUNT):         # the row's items: a static bound (the table's width), as in attend_items
+        if j < count:
+            t = first + j
+            lse = tl.load(lse_ptr + t * lse_stride_item + head + tl.zeros([1], tl.int32))
+            o = tl.load(o_ptr + t * o_stride_item + head * o_stride_head + d)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp(m - m_new)
+            w = tl.exp(lse - m_new)
+            acc = acc * alpha + w * o
+            total = total * alpha + w
+            m = m_new
+    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + d,
+             (acc / total).to(out_ptr.dtype.element_ty))

@@ -1,0 +1,221 @@
+"""kernels/triton_decode.py, the decode kernel split by work: against a dense fp32 reference over the pages each
+row owns, on CPU through Triton's interpreter (on CUDA natively, with --device cuda). Rows at item and page
+boundaries, one-key rows, shuffled pages, GQA groups, the append (the new key attended and written to its slot),
+NaN in every slot a row does not own (never read), and a planted off-by-one in the cache length caught."""
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="the Triton decode kernel needs triton (pip install triton)")
+
+from kernels import triton_decode as td  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PAGE = 256
+# Off CUDA the kernels run in Triton's interpreter, which must be on before triton is first imported (its library
+# functions are made then); this process imported it earlier (torch's compiler does), so the kernel tests run in a
+# child process with TRITON_INTERPRET=1 (test_in_the_interpreter) and are skipped here.
+INTERPRETING = type(triton.language.standard.zeros).__name__ == "InterpretedFunction"
+RUNS_HERE = DEVICE == "cuda" or INTERPRETING
+kernel_test = pytest.mark.skipif(not RUNS_HERE, reason="run by test_in_the_interpreter in a child process")
+
+
+@pytest.mark.skipif(RUNS_HERE, reason="the kernel tests run in this process")
+def test_in_the_interpreter():
+    """This module's kernel tests, in a child process whose triton interprets (on CPU, numpy for the GPU)."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x"], cwd=repo,
+                       env=env, capture_output=True, text=True, timeout=900)
+    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+    # every kernel test passed there; the one skipped is this test, which runs only here
+    assert r.returncode == 0 and re.match(r"\d+ passed, 1 skipped in ", last), r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def paged_case(lengths, heads=12, kv_heads=2, d=128, seed=0, pages_extra=3):
+    """Caches whose unowned slots (free pages, page tails past a row's length) hold NaN, rows' pages shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // PAGE) for n in lengths]
+    n_pages = sum(need) + pages_extra
+    order = list(range(n_pages))
+    random.Random(seed).shuffle(order)
+    width = max(need)
+    table = torch.zeros(len(lengths), width, dtype=torch.int32)
+    k = torch.full((n_pages, PAGE, kv_heads, d), float("nan"), dtype=torch.float16)
+    v = torch.full_like(k, float("nan"))
+    keys, values = [], []
+    for r, n in enumerate(lengths):
+        own = [order.pop() for _ in range(need[r])]
+        table[r, :len(own)] = torch.tensor(own, dtype=torch.int32)
+        kr = torch.randn(n, kv_heads, d, generator=g).half()
+        vr = torch.randn(n, kv_heads, d, generator=g).half()
+        for j in range(n):
+            k[own[j // PAGE], j % PAGE] = kr[j]
+            v[own[j // PAGE], j % PAGE] = vr[j]
+        keys.append(kr)
+        values.append(vr)
+    q = torch.randn(len(lengths), heads, d, generator=g).half()
+    return q, k, v, table, keys, values
+
+
+def dense(q, keys, values, scale):
+    """fp32 softmax attention of each row over its keys; query head h reads key/value head h // group."""
+    out = []
+    for r, (kr, vr) in enumerate(zip(keys, values)):
+        group = q.shape[1] // kr.shape[1]
+        kk = kr.float().repeat_interleave(group, 1)          # [n, heads, d]
+        vv = vr.float().repeat_interleave(group, 1)
+        s = torch.einsum("hd,nhd->hn", q[r].float(), kk) * scale
+        out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vv))
+    return torch.stack(out)
+
+
+def run(q, k, v, table, cached, scale, new_kv=None, chunk=256):
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    kd, vd = dev(k), dev(v)
+    nk = None
+    if new_kv:          # keep the views' strides: each one's tensor moved, then viewed again
+        nk = tuple(dev(t._base if t._base is not None else t).as_strided(t.shape, t.stride(), t.storage_offset())
+                   for t in new_kv)
+    out = td.paged_decode(dev(q), kd, vd, dev(table), dev(torch.tensor(cached, dtype=torch.int32)), scale, nk,
+                          chunk=chunk)
+    return out.float().cpu(), kd.cpu(), vd.cpu()
+
+
+LENGTHS = {
+    "one key and item edges": [1, 255, 256, 257, 511, 512, 513],
+    "skewed like the mixed draw": [4114, 200, 37, 1030, 9],
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("chunk", [256, 512])
+@pytest.mark.parametrize("name", list(LENGTHS))
+def test_matches_a_dense_reference_and_reads_no_slot_it_does_not_own(name, chunk):
+    lengths = LENGTHS[name]
+    q, k, v, table, keys, values = paged_case(lengths)
+    scale = 128 ** -0.5
+    out, _, _ = run(q, k, v, table, lengths, scale, chunk=chunk)
+    assert torch.isfinite(out).all(), "a NaN slot (free page or page tail) was read"
+    torch.testing.assert_close(out, dense(q, keys, values, scale), atol=2e-3, rtol=2e-3)
+
+
+@kernel_test
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (4, 4, 64), (8, 1, 64)])
+def test_every_gqa_group_and_head_dim(heads, kv_heads, d):
+    lengths = [3, 300, 700]
+    q, k, v, table, keys, values = paged_case(lengths, heads, kv_heads, d, seed=1)
+    out, _, _ = run(q, k, v, table, lengths, d ** -0.5)
+    torch.testing.assert_close(out, dense(q, keys, values, d ** -0.5), atol=2e-3, rtol=2e-3)
+
+
+@kernel_test
+def test_the_append_attends_the_new_key_and_writes_it_to_its_slot():
+    """The step's own key and value (new_kv) are attended by each row's last item and written at position
+    `cached`; nothing else in the caches changes. A row with no cached key attends only its new one."""
+    lengths = [0, 255, 256, 600]
+    full = [n + 1 for n in lengths]
+    q, k, v, table, keys, values = paged_case(full, seed=2)
+    # as the model passes them: k a view of the rotated [q; k], v of the projected [q; k; v] (own row strides)
+    rows = len(full)
+    new_k = torch.cat([torch.zeros(rows, 12, 128).half(), torch.stack([kr[-1] for kr in keys])], 1)[:, 12:]
+    new_v = torch.cat([torch.zeros(rows, 14, 128).half(), torch.stack([vr[-1] for vr in values])], 1)[:, 14:]
+    assert new_k.stride(0) != new_v.stride(0)
+    before_k, before_v = k.clone(), v.clone()
+    for r, n in enumerate(lengths):             # the new position's slot: not yet written (NaN, as a free slot)
+        page = table[r, n // PAGE]
+        k[page, n % PAGE] = float("nan")
+        v[page, n % PAGE] = float("nan")
+    out, k_after, v_after = run(q, k, v, table, lengths, 0.1, new_kv=(new_k, new_v))
+    torch.testing.assert_close(out, dense(q, keys, values, 0.1), atol=2e-3, rtol=2e-3)
+    same = lambda a, b: torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))  # noqa: E731
+    assert same(k_after, before_k) and same(v_after, before_v), "the append wrote elsewhere, or not at all"
+
+
+def test_work_items_cover_each_rows_keys_once_and_the_rest_of_the_grid_is_idle():
+    cached = torch.tensor([0, 1, 256, 257, 4114], dtype=torch.int32)
+    grid = td.max_items(5, 17 * PAGE, 100 * PAGE, 256)
+    row, start, last, firsts, counts = td.work_items(cached, grid, 256)
+    assert counts.tolist() == [1, 1, 1, 2, 17] and firsts.tolist() == [0, 1, 2, 3, 5]
+    assert row[:22].tolist() == [0, 1, 2, 3, 3] + [4] * 17 and (row[22:] == 5).all(), "idle items: row = rows"
+    assert start[3:5].tolist() == [0, 256] and start[5:22].tolist() == [256 * i for i in range(17)]
+    assert last[:22].nonzero().flatten().tolist() == [0, 1, 2, 4, 21]
+    assert grid == 5 * 17, "every row at the table's width"
+    assert td.max_items(5, 17 * PAGE, 20 * PAGE, 256) == 5 + 20, "one item a row plus the pool in items"
+
+
+@kernel_test
+def test_a_planted_off_by_one_in_the_cache_length_is_caught():
+    """Lengths one short (the last key dropped): the reference comparison fails."""
+    lengths = [300, 513]
+    q, k, v, table, keys, values = paged_case(lengths, seed=3)
+    out, _, _ = run(q, k, v, table, [n - 1 for n in lengths], 128 ** -0.5)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(out, dense(q, keys, values, 128 ** -0.5), atol=2e-3, rtol=2e-3)
+
+
+def test_bad_shapes_are_refused_with_the_reason():
+    q = torch.zeros(1, 3, 96, dtype=torch.float16)
+    cache = torch.zeros(1, PAGE, 2, 96, dtype=torch.float16)
+    with pytest.raises(ValueError, match="heads 3 over 2 key/value heads, head dim 96"):
+        td.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def flash_with_triton_decode(monkeypatch):
+    """The flash backend with STEPGATE_DECODE_KERNEL=triton, made without flash-attn (its decode path does not use
+    it): its decode as the model calls it."""
+    from kernels import flash_backend as fb
+    monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "triton")
+    monkeypatch.setattr(fb, "_import_flash", lambda: (None, "no flash-attn here"))
+    with pytest.raises(fb.Unavailable):
+        fb.FlashBackend()                       # the kernel choice is read before flash-attn is looked for
+    backend = object.__new__(fb.FlashBackend)
+    backend.triton_chunk, backend.decode_splits = 256, None
+    return backend
+
+
+@kernel_test
+@pytest.mark.parametrize("append", [False, True])
+def test_the_flash_backend_decodes_through_it_when_asked(monkeypatch, append):
+    """prepare's lengths count the new key (append: it is not in the cache yet); the items are made by the first
+    layer and kept for the rest of the step."""
+    from kernels.base import AttnBatch
+    backend = flash_with_triton_decode(monkeypatch)
+    lengths = [5, 260, 700]
+    q, k, v, table, keys, values = paged_case(lengths, seed=4)
+    new_kv = None
+    if append:      # the last key of each row is the step's own
+        new_kv = (torch.stack([kr[-1] for kr in keys]), torch.stack([vr[-1] for vr in values]))
+        for r, n in enumerate(lengths):
+            k[table[r, (n - 1) // PAGE], (n - 1) % PAGE] = float("nan")
+            v[table[r, (n - 1) // PAGE], (n - 1) % PAGE] = float("nan")
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    batch = AttnBatch([1] * 3, lengths, table.to(DEVICE), seqlens, torch.arange(4, dtype=torch.int32), PAGE)
+    batch.prepared["decode"] = ("decode", table.to(DEVICE), seqlens, seqlens - 1)
+    kd, vd = k.to(DEVICE), v.to(DEVICE)
+    nk = tuple(t.to(DEVICE) for t in new_kv) if new_kv else None
+    want = dense(q, keys, values, 0.1)
+    out = backend.decode(q.to(DEVICE), kd, vd, batch, 0.1, new_kv=nk)
+    items = batch.prepared[("triton-items", append)]
+    again = backend.decode(q.to(DEVICE), kd, vd, batch, 0.1, new_kv=nk)         # the step's next layer
+    assert batch.prepared[("triton-items", append)] is items, "a later layer made the items again"
+    for o in (out, again):
+        torch.testing.assert_close(o.float().cpu(), want, atol=2e-3, rtol=2e-3)
+    if append:      # the new keys are in the cache now: a decode without the append reads them there
+        cached = backend.decode(q.to(DEVICE), kd, vd, batch, 0.1)
+        torch.testing.assert_close(cached.float().cpu(), want, atol=2e-3, rtol=2e-3)
+
+
+def test_an_unknown_decode_kernel_is_refused(monkeypatch):
+    from kernels import flash_backend as fb
+    monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "tritn")
+    with pytest.raises(ValueError, match="STEPGATE_DECODE_KERNEL='tritn': the decode kernel is 'flash'"):
+        fb.FlashBackend()

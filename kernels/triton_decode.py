@@ -98,7 +98,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
-        BLOCK_N=BLOCK_N, APPEND=new_kv is not None)
+        BLOCK_N=BLOCK_N, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda)
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
                                  lse.stride(0), out.stride(0), out.stride(1), D=d,

@@ -6,6 +6,27 @@ import triton.language as tl
 
 
 @triton.jit
+def key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g, kv_stride_page, kv_stride_slot,
+              kv_stride_head, scale, m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [b, min(b + BLOCK_N, end)) of `row` (one page: BLOCK_N divides the page size) into the online softmax of
+    the group's queries q [GROUP_PAD, D]: returns the new running max, sum and weighted values."""
+    d = tl.arange(0, D)
+    pos = b + tl.arange(0, BLOCK_N)
+    keep = pos < end
+    page = tl.load(bt_ptr + row * bt_stride + b // page_size)
+    base = page * kv_stride_page + (pos % page_size) * kv_stride_slot + g * kv_stride_head
+    k = tl.load(k_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k)) * scale                              # [GROUP_PAD, BLOCK_N] fp32
+    s = tl.where(keep[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    v = tl.load(v_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
                  new_k_ptr, new_v_ptr, o_ptr, lse_ptr, scale,
                  num_rows, bt_stride, page_size,
@@ -14,7 +35,7 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                  new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                  o_stride_item, o_stride_head, lse_stride_item,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr):
+                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr):
     item = tl.program_id(0)
     g = tl.program_id(1)                       # key/value head
     row = tl.load(item_row_ptr + item)
@@ -31,26 +52,22 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        n = tl.arange(0, BLOCK_N)
-        # a static trip count with a branch, not range(start, end): the item's blocks that hold keys run, the rest
-        # are skipped (and Triton's interpreter, the CPU tests, cannot take loaded values as loop bounds)
-        for j in range(CHUNK // BLOCK_N):
-            b = start + j * BLOCK_N
-            if b < end:
-                pos = b + n
-                keep = pos < end
-                page = tl.load(bt_ptr + row * bt_stride + b // page_size)       # BLOCK_N divides the page size
-                base = page * kv_stride_page + (pos % page_size) * kv_stride_slot + g * kv_stride_head
-                k = tl.load(k_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * scale                              # [GROUP_PAD, BLOCK_N] fp32
-                s = tl.where(keep[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                v = tl.load(v_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
+        if STATIC_LOOP:
+            # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: a static trip count
+            # whose blocks past the item's keys are skipped
+            for j in range(CHUNK // BLOCK_N):
+                b = start + j * BLOCK_N
+                if b < end:
+                    m_i, l_i, acc = key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g,
+                                              kv_stride_page, kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc,
+                                              D, BLOCK_N)
+        else:
+            # on the GPU a loop over the item's key blocks, which the compiler pipelines (the next block's loads
+            # under this block's math)
+            for b in range(start, end, BLOCK_N):
+                m_i, l_i, acc = key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g,
+                                          kv_stride_page, kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc,
+                                          D, BLOCK_N)
         if APPEND:
             if tl.load(item_last_ptr + item) != 0:
                 # the step's own key and value: attended from registers, written to the row's next slot

@@ -219,3 +219,31 @@ def test_an_unknown_decode_kernel_is_refused(monkeypatch):
     monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "tritn")
     with pytest.raises(ValueError, match="STEPGATE_DECODE_KERNEL='tritn': the decode kernel is 'flash'"):
         fb.FlashBackend()
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
+@pytest.mark.parametrize("append", [True, False])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append):
+    """The kernels as the GPU runs them (the pipelined key loop, not the interpreter's static one), compiled through
+    Triton's CUDA backend to PTX for the H200's sm_90: a GPU-only type or syntax error fails here, on CPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_decode_kernels as k
+    ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", cached_ptr="*i32", item_row_ptr="*i32",
+                item_start_ptr="*i32", item_last_ptr="*i32", new_k_ptr="*fp16", new_v_ptr="*fp16", o_ptr="*fp32",
+                lse_ptr="*fp32", scale="fp32")
+    ints = ["num_rows", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
+            "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
+            "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item"]
+    consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False)
+    target = GPUTarget("cuda", 90, 32)
+    sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
+    attend = triton.compile(ASTSource(fn=k.attend_items, signature=sig, constexprs=consts), target=target)
+    assert ".target sm_90" in attend.asm["ptx"] and "mma" in attend.asm["ptx"], "no tensor-core dot in the PTX"
+    sig_c = dict(o_ptr="*fp32", lse_ptr="*fp32", first_ptr="*i32", count_ptr="*i32", out_ptr="*fp16",
+                 **dict.fromkeys(["o_stride_item", "o_stride_head", "lse_stride_item", "out_stride_row",
+                                  "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr")
+    combine = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=dict(D=128, MAX_COUNT=17)),
+                             target=target)
+    assert ".target sm_90" in combine.asm["ptx"]

@@ -174,3 +174,26 @@ def test_profile_steps_chunk_option(tmp_path):
                  "--chunk", "1100", "--kinds", "chunk-only", "--steps", "1", "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["chunk"] == 1100 and r["kinds"]["chunk-only"]["describe"]["prompt_positions"] == 1100
+
+
+def test_the_loaded_table_reads_each_part_and_says_what_did_not_run(tmp_path):
+    """bench.loaded_table over one call's files: targets judged from the runs' summaries, the Triton decode's A/B
+    rows where those parts ran, "not run" where a part left nothing."""
+    from bench import loaded_table
+
+    def summary(part, seconds, pure):
+        d = tmp_path / part / "flash"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"closed": {loaded_table.WORKLOAD: {
+            "time_to_last_median_s": seconds, "step_pure-decode_median_ms": pure, "step_loaded_median_ms": 5.5,
+            "gap_worst_ms": 13.0}}}))
+    summary("c512", 4.0, 2.4)            # 50 req/s
+    summary("c8192", 4.0, 2.6)           # 50 req/s: under 55
+    summary("c8192-triton", 3.5, 2.1)
+    table = {r[0]: r for r in loaded_table.rows(tmp_path)}
+    assert table["closed 200, chunk 512: req/s"][2:4] == ("50.00 req/s", "PASS")
+    assert table["closed 200, chunk 8192: req/s"][2:4] == ("50.00 req/s", "FAIL")
+    assert table["worst token gap, chunk 512"][2:4] == ("13.00 ms", "FAIL")
+    assert table["closed 200, 512 rows, chunk 16384: req/s"][2:4] == ("not run", "-")
+    assert table["closed 200, c8192-triton (Triton decode): req/s; pure decode step"][2] == "57.14 req/s; 2.10 ms"
+    assert not any("r512-triton" in k for k in table), "a part that did not run has no A/B row"

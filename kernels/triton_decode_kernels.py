@@ -13,7 +13,7 @@ def key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g, kv_
     d = tl.arange(0, D)
     pos = b + tl.arange(0, BLOCK_N)
     keep = pos < end
-    page = tl.load(bt_ptr + row * bt_stride + b // page_size)
+    page = tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)    # a large pool passes 2**31 elements
     base = page * kv_stride_page + (pos % page_size) * kv_stride_slot + g * kv_stride_head
     k = tl.load(k_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale                              # [GROUP_PAD, BLOCK_N] fp32
@@ -80,7 +80,7 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                 acc = acc * alpha[:, None] + p1[:, None] * nv.to(tl.float32)[None, :]
                 l_i = l_i * alpha + p1
                 m_i = m_new
-                page = tl.load(bt_ptr + row * bt_stride + cached // page_size)
+                page = tl.load(bt_ptr + row * bt_stride + cached // page_size).to(tl.int64)
                 slot = page * kv_stride_page + (cached % page_size) * kv_stride_slot + g * kv_stride_head
                 tl.store(k_ptr + slot + d, nk)
                 tl.store(v_ptr + slot + d, nv)

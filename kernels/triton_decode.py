@@ -16,7 +16,8 @@ fixed by the batch's shape and the pool's size; items past the step's last one e
 The step's new key and value (new_kv, the append) are attended from registers by each row's last item, which also
 writes them to their cache slot; no program reads that slot, so no ordering between programs is needed.
 
-Correctness is tested on CPU through Triton's interpreter (tests/test_triton_decode.py); speed is not measured yet.
+Correctness is tested on CPU through Triton's interpreter, and the GPU path is compiled to sm_90 PTX there
+(tests/test_triton_decode.py); it has not run on a GPU, and its speed is not measured yet.
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ def work_items(cached: torch.Tensor, grid_items: int, chunk: int):
     r = torch.where(valid, row, torch.zeros_like(row))
     start = (i - firsts[r]) * chunk
     last = valid & (i == ends[r] - 1)
-    return (torch.where(valid, row, torch.full_like(row, rows)).to(torch.int32), start.to(torch.int32),
-            last.to(torch.int32), firsts.to(torch.int32), n.to(torch.int32))
+    return (row.to(torch.int32), start.to(torch.int32), last.to(torch.int32), firsts.to(torch.int32),
+            n.to(torch.int32))
 
 
 def _kernels():

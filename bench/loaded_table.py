@@ -91,10 +91,10 @@ def rows(res: Path) -> list[tuple]:
     row("closed 200, chunk 512, graphs off: req/s", "-", fmt(get(eager, "req_per_s"), " req/s"), None, "c512-eager")
     row("closed 200, chunk 8192, overlap off: req/s", "-", fmt(get(serial, "req_per_s"), " req/s"), None,
         "c8192-serial")
-    for part in ("c512-triton", "c8192-triton", "r512-triton"):   # STEPGATE_DECODE_KERNEL=triton, same call
+    for part in ("c512-splitkv", "c8192-splitkv", "r512-splitkv"):   # STEPGATE_DECODE_KERNEL=flash, same call
         r = ours(res, part)
         if r is not None:
-            row(f"closed 200, {part} (Triton decode): req/s; pure decode step", "-",
+            row(f"closed 200, {part} (flash-attn split-KV decode): req/s; pure decode step", "-",
                 f"{fmt(r['req_per_s'], ' req/s')}; {fmt(r.get('step_pure-decode_median_ms'), ' ms')}", None, part)
     gap = get(c512, "gap_worst_ms")
     row("worst token gap, chunk 512", "<= 12 ms", fmt(gap, " ms"), None if gap is None else gap <= 12, "c512")

@@ -26,8 +26,9 @@ from engine.config import LINEAGE
 from engine.scheduler import WORK_KINDS
 from engine.workload import MIXED
 
-# attention first: flash-attn's kernel names carry cutlass types
-FAMILIES = (("attention", r"flash|attn|fmha"), ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|^aten::(mm|addmm|bmm)$"),
+# attention first: flash-attn's kernel names carry cutlass types; attend_items and combine_items: kernels/triton_decode
+FAMILIES = (("attention", r"flash|attn|fmha|attend_items|combine_items"),
+            ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|^aten::(mm|addmm|bmm)$"),
             ("pointwise (compiled)", r"^triton_"), ("copy / index", r"copy|index|gather|scatter|memcpy|memset|cat"))
 
 

@@ -235,6 +235,9 @@ def pytest_report_header(config):
     except ImportError:   # pragma: no cover
         profile = "not installed"
     backends = ("required: each must run" if o.is_cuda else "skipped where they cannot run")
+    if "flash" in o.backends:      # which kernel the flash configuration's decode gates ($STEPGATE_DECODE_KERNEL)
+        from kernels.flash_backend import DECODE_KERNEL_ENV, decode_kernel
+        backends += f"; flash decodes with {decode_kernel()} (${DECODE_KERNEL_ENV})"
     return [f"stepgate: device {o.device}, dtype {o.dtype}, model {o.model} (class {o.model_class}), "
             f"engines {','.join(o.engines)}, backends {','.join(o.backends)} ({backends})",
             f"stepgate: hypothesis profile {profile}; goldens {o.golden_dir} "

@@ -1,7 +1,9 @@
-"""The `flash` backend: flash-attn 2's paged kernels over 256-slot pages (GPU only; optional install).
+"""The `flash` backend: flash-attn 2's paged prefill over 256-slot pages, and a paged decode (GPU only; flash-attn is
+an optional install).
 
-- decode: `flash_attn_with_kvcache(q[B, 1, H, d], k_cache, v_cache, cache_seqlens=int32[B], block_table=int32[B, W],
-  softmax_scale, causal=True)`: one query row per request, split-KV over each request's pages;
+- decode: kernels/triton_decode.py (the default: split by work, one query row per request), or with
+  STEPGATE_DECODE_KERNEL=flash `flash_attn_with_kvcache(q[B, 1, H, d], k_cache, v_cache, cache_seqlens=int32[B],
+  block_table=int32[B, W], softmax_scale, causal=True)`: split-KV over each request's pages;
 - prefill: `flash_attn_varlen_func(q[Tq, H, d], k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, softmax_scale, causal=True, block_table=...)`, the paged varlen kernel (flash-attn >= 2.5); causal is
   aligned bottom-right, so each chunk sees its request's history and itself. A flash-attn without paged varlen
@@ -41,10 +43,12 @@ APPEND_ENV = "STEPGATE_FLASH_APPEND"
 # Many rows fill the SMs without splitting: each (row, key/value head) is a CTA per split, and at 200 and 512 rows
 # the fastest split counts gave about SPLIT_CTAS CTAs (rows x key/value heads x splits); more splits only added
 # combine work (8 splits at 200 rows against the width rule's 12 and 22; 4 at 512 rows against 12).
-# "triton": decode through kernels/triton_decode.py (split by work, not by the table's width) instead of
-# flash-attn's split-KV; prefill stays on flash-attn's varlen call. Tested on CPU in Triton's interpreter, not yet
-# measured on a GPU: off unless asked for (docs/DEVELOPING.md names the call that measures it)
+# The decode kernel (prefill is flash-attn's varlen call either way): "triton" (the default) is
+# kernels/triton_decode.py, split by work rather than by the table's width; "flash" is flash-attn's split-KV. On the
+# H200 (1.5B shape, 32 rows) Triton's pure decode step took 2.14 ms of device time against 2.38, and closed 200 at
+# chunk 8192 ran 57.00 req/s against 49.86 in the same call (docs/RESULTS.md).
 DECODE_KERNEL_ENV = "STEPGATE_DECODE_KERNEL"
+DECODE_KERNELS = ("triton", "flash")
 BLOCKS_PER_SPLIT = 3
 MAX_SPLITS = 32
 SPLIT_CTAS = 3072
@@ -63,6 +67,27 @@ def decode_splits_for(width_slots: int, head_dim: int, rows: int, kv_heads: int)
 NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build it with "
                  "../shared/tools/flash_attn/build_flash_attn.py)")
 PATH_ENV = "STEPGATE_FLASH_ATTN_PATH"
+
+
+def decode_kernel() -> str:
+    """The decode kernel $STEPGATE_DECODE_KERNEL names (DECODE_KERNELS; triton when unset)."""
+    kernel = os.environ.get(DECODE_KERNEL_ENV) or DECODE_KERNELS[0]
+    if kernel not in DECODE_KERNELS:
+        raise ValueError(f"{DECODE_KERNEL_ENV}={kernel!r}: the decode kernel is 'triton' (kernels/triton_decode.py, "
+                         f"the default) or 'flash' (flash-attn's split-KV)")
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_reason() -> str | None:
+    """None where triton imports, else why not: the default decode kernel needs it (checked once per process)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:
+        return (f"the flash backend decodes with Triton (kernels/triton_decode.py) and triton does not import "
+                f"({type(e).__name__}: {e}); install triton, or set {DECODE_KERNEL_ENV}=flash to decode with "
+                f"flash-attn's split-KV")
+    return None
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,7 +115,7 @@ class FlashBackend(AttentionBackend):
     graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
     graph_safe_prefill = True   # paged varlen: cu_seqlens, block table; max_seqlen_q/k are bounds (step_graphs.py)
     appends_decode_kv = True    # with_kvcache's k=, v=: pure decode steps write their K/V in the attention kernel
-    triton_chunk: int | None = None     # set with STEPGATE_DECODE_KERNEL=triton: its items' keys (decode by Triton)
+    triton_chunk: int | None = None     # its items' keys where decode is Triton's (None: flash-attn's split-KV)
     dtypes = (torch.float16, torch.bfloat16)
 
     def __init__(self, decode_splits: int | None = None):
@@ -103,16 +128,17 @@ class FlashBackend(AttentionBackend):
         self.decode_splits = decode_splits
         if os.environ.get(APPEND_ENV) == "0":
             self.appends_decode_kv = False
-        kernel = os.environ.get(DECODE_KERNEL_ENV, "flash")
-        if kernel not in ("flash", "triton"):
-            raise ValueError(f"{DECODE_KERNEL_ENV}={kernel!r}: the decode kernel is 'flash' (flash-attn's split-KV, "
-                             f"the default) or 'triton' (kernels/triton_decode.py)")
-        if kernel == "triton":
+        if decode_kernel() == "triton":
             from . import triton_decode
             self.triton_chunk = triton_decode.chunk_size()
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)
+        if self.triton_chunk is not None and (reason := _triton_reason()):
+            raise Unavailable(reason)
+        self._bind_flash()
+
+    def _bind_flash(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
         self._with_kvcache = flash_attn_with_kvcache
         self._varlen = flash_attn_varlen_func
@@ -132,6 +158,8 @@ class FlashBackend(AttentionBackend):
             return "flash-attn needs a CUDA device (none is visible)"
         _, reason = _import_flash()
         if reason:
+            return reason
+        if decode_kernel() == "triton" and (reason := _triton_reason()):
             return reason
         return super().why_unavailable(device, page_size)
 
@@ -213,5 +241,5 @@ class FlashBackend(AttentionBackend):
                             causal=True, block_table=bt)
 
 
-__all__ = ["APPEND_ENV", "DECODE_KERNEL_ENV", "FlashBackend", "NOT_INSTALLED", "PATH_ENV", "SPLITS_ENV",
-           "decode_splits_for"]
+__all__ = ["APPEND_ENV", "DECODE_KERNEL_ENV", "DECODE_KERNELS", "FlashBackend", "NOT_INSTALLED", "PATH_ENV",
+           "SPLITS_ENV", "decode_kernel", "decode_splits_for"]

@@ -1,5 +1,5 @@
-"""Paged decode attention split by work, in Triton: an opt-in decode kernel for the `flash` backend
-(STEPGATE_DECODE_KERNEL=triton), not yet measured on a GPU.
+"""Paged decode attention split by work, in Triton: the `flash` backend's decode kernel (STEPGATE_DECODE_KERNEL=flash
+takes flash-attn's split-KV instead).
 
 Why: flash-attn 2's split-KV decode divides the block table's WIDTH into num_splits parts for every row alike. In a
 step of the mixed draw (rows of 4,114 and of 200 positions) most splits of most rows are empty, the longest row's
@@ -17,7 +17,9 @@ The step's new key and value (new_kv, the append) are attended from registers by
 writes them to their cache slot; no program reads that slot, so no ordering between programs is needed.
 
 Correctness is tested on CPU through Triton's interpreter, and the GPU path is compiled to sm_90 PTX there
-(tests/test_triton_decode.py); it has not run on a GPU, and its speed is not measured yet.
+(tests/test_triton_decode.py); on the H200 the same tests and the flash token, graph and page-safety gates pass with
+it, and the 32-row pure decode step's attention took 0.63 ms of device time against split-KV's 0.87
+(docs/RESULTS.md).
 """
 from __future__ import annotations
 

@@ -31,11 +31,12 @@
 #              K/V append's A/B (psteps is in the same call)
 #   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the r512 part's loaded step)
 #   steps-noappend    the step bench with STEPGATE_FLASH_APPEND=0 (after `steps`)
-#   psteps-triton, c512-triton, c8192-triton, r512-triton   psteps / c512 / c8192 / r512 with
-#              STEPGATE_DECODE_KERNEL=triton (kernels/triton_decode.py's decode; the A/B against the parts above)
+#   psteps-splitkv, c512-splitkv, c8192-splitkv, r512-splitkv   psteps / c512 / c8192 / r512 with
+#              STEPGATE_DECODE_KERNEL=flash (flash-attn's split-KV decode instead of the default Triton one: the
+#              decode kernel's A/B against the parts above)
 # Phase 1 also has (by name only, not in the default list):
-#   triton     tests/test_triton_decode.py natively on the GPU, then the flash token and graph gates with
-#              STEPGATE_DECODE_KERNEL=triton: the Triton decode's correctness before its timings
+#   triton     tests/test_triton_decode.py natively on the GPU, then the flash token, graph and page-safety gates
+#              (their flash decode is the Triton kernel, the default)
 # Phase 2 runs in this order: psteps, then the issue's figures (c512 nano32 c8192 c8192-serial r512 nano512), then
 # what the deadline may cut (psteps-noappend psteps512 profile steps steps-noappend c512-eager).
 set -u
@@ -88,7 +89,7 @@ part gates15b 120 python3 -m pytest gates/test_graphs.py --device cuda --model $
 nano nanoprep 120 32 1 8 &
 part overlap 150 python3 -m pytest tests/test_overlap.py gates/test_graphs.py --device cuda --model small-trained \
   -k "cuda or overlap" -q -p no:cacheprovider -rs &
-[[ " ${PARTS:-} " == *" triton "* ]] && part triton 240 env STEPGATE_DECODE_KERNEL=triton bash -c \
+[[ " ${PARTS:-} " == *" triton "* ]] && part triton 240 bash -c \
   "python3 -m pytest tests/test_triton_decode.py --device cuda -q -p no:cacheprovider -rs && python3 -m pytest \
   gates/test_tokens.py gates/test_graphs.py gates/test_page_safety.py --device cuda --model small-trained -k flash \
   -q -p no:cacheprovider -rs --gate-summary $RES/gate_summary_triton.json" &
@@ -113,17 +114,17 @@ part steps-noappend 80 env STEPGATE_FLASH_APPEND=0 STEPGATE_BENCH_ROUNDS=20 pyth
   gates/test_step_timings.py --device cuda --model $M15 -k "flash and not eager and not flex" -q -p no:cacheprovider \
   -rs --benchmark-json "$RES/steps_noappend.json" --benchmark-columns=median,iqr,rounds
 bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
-part psteps-triton 60 env STEPGATE_DECODE_KERNEL=triton python3 -m bench.profile_steps --model $M15 --rows 32 \
-  --out "$RES/profile_steps_triton.json"
-STEPGATE_DECODE_KERNEL=triton bench c512-triton 100 --chunk-tokens 512 --warmups 1 --reps 1
-STEPGATE_DECODE_KERNEL=triton bench c8192-triton 80 --chunk-tokens 8192 --warmups 1 --reps 1
-STEPGATE_DECODE_KERNEL=triton bench r512-triton 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
+part psteps-splitkv 60 env STEPGATE_DECODE_KERNEL=flash python3 -m bench.profile_steps --model $M15 --rows 32 \
+  --out "$RES/profile_steps_splitkv.json"
+STEPGATE_DECODE_KERNEL=flash bench c512-splitkv 100 --chunk-tokens 512 --warmups 1 --reps 1
+STEPGATE_DECODE_KERNEL=flash bench c8192-splitkv 80 --chunk-tokens 8192 --warmups 1 --reps 1
+STEPGATE_DECODE_KERNEL=flash bench r512-splitkv 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
 
 python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
   for f in planted overlap triton gates15b steps steps-noappend; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -E '[0-9]+ (passed|failed)' "$RES/logs/$f.log" | tail -1)"; done
-  for f in c512 c8192 c8192-serial r512 c512-eager c512-triton c8192-triton r512-triton; do
+  for f in c512 c8192 c8192-serial r512 c512-eager c512-splitkv c8192-splitkv r512-splitkv; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -h 'stepgate: ' "$RES/logs/$f.log" | head -2 | tr '\n' ' ')"; done
   grep -h '"prefix_cache"' "$RES"/logs/nano*.log 2>/dev/null | sed 's/^/  /'
   [ -f "$RES/logs/profile.log" ] && tail -4 "$RES/logs/profile.log" | sed 's/^/  /'
@@ -131,7 +132,7 @@ python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 
     [ -f "$RES/$j.json" ] && python3 -c "import json, sys
 for b in json.load(open(sys.argv[1]))['benchmarks']:
     print(f'  {sys.argv[2]}: {b[\"name\"]} {b[\"stats\"][\"median\"] * 1e3:.3f} ms')" "$RES/$j.json" "$j"; done
-  for f in psteps psteps-noappend psteps512 psteps-triton; do
+  for f in psteps psteps-noappend psteps512 psteps-splitkv; do
     [ -f "$RES/logs/$f.log" ] && { echo "  $f:"; grep -E "wall|ms;" "$RES/logs/$f.log" | sed 's/^/    /'; }; done
 } >> "$RES/table.md"
 cp "$RES/table.md" "$OUT/table.md"

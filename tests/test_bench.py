@@ -155,6 +155,7 @@ def test_profile_steps_on_cpu(tmp_path):
     assert family("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128, 4, false, false, "
                   "cutlass::half_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::half_t>>, ...>") == "attention"
     assert family("triton_poi_fused_mul_silu_split_0") == "pointwise (compiled)"
+    assert family("attend_items") == family("combine_items") == "attention"     # the Triton decode's two kernels
     out = tmp_path / "p.json"
     assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "2",
                  "--kinds", "pure-decode,chunk-only", "--steps", "1", "--out", str(out)]) == 0
@@ -189,11 +190,11 @@ def test_the_loaded_table_reads_each_part_and_says_what_did_not_run(tmp_path):
             "gap_worst_ms": 13.0}}}))
     summary("c512", 4.0, 2.4)            # 50 req/s
     summary("c8192", 4.0, 2.6)           # 50 req/s: under 55
-    summary("c8192-triton", 3.5, 2.1)
+    summary("c8192-splitkv", 3.5, 2.1)
     table = {r[0]: r for r in loaded_table.rows(tmp_path)}
     assert table["closed 200, chunk 512: req/s"][2:4] == ("50.00 req/s", "PASS")
     assert table["closed 200, chunk 8192: req/s"][2:4] == ("50.00 req/s", "FAIL")
     assert table["worst token gap, chunk 512"][2:4] == ("13.00 ms", "FAIL")
     assert table["closed 200, 512 rows, chunk 16384: req/s"][2:4] == ("not run", "-")
-    assert table["closed 200, c8192-triton (Triton decode): req/s; pure decode step"][2] == "57.14 req/s; 2.10 ms"
-    assert not any("r512-triton" in k for k in table), "a part that did not run has no A/B row"
+    assert table["closed 200, c8192-splitkv (flash-attn split-KV decode): req/s; pure decode step"][2] == "57.14 req/s; 2.10 ms"
+    assert not any("r512-splitkv" in k for k in table), "a part that did not run has no A/B row"

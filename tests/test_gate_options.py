@@ -88,12 +88,19 @@ def test_all_expands_without_duplicates_and_a_list_keeps_its_order():
     assert opts_of(dtype="bf16").dtype == "bfloat16", "an alias is stored by its canonical name (goldens use it)"
 
 
-def test_the_header_shows_what_the_run_gates(gate_dir):
+@pytest.mark.parametrize("env, kernel", [(None, "triton"), ("flash", "flash")])
+def test_the_header_shows_what_the_run_gates(gate_dir, monkeypatch, env, kernel):
+    """...including which kernel the flash configuration's decode runs (the same gates pass or fail either way)."""
+    if env is None:
+        monkeypatch.delenv("STEPGATE_DECODE_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("STEPGATE_DECODE_KERNEL", env)
     r = run(gate_dir, "--backend", "all,torch", "--collect-only")
     assert r.ret == 0
     r.stdout.fnmatch_lines([
         "stepgate: device cpu, dtype float32, model small (class small), engines chunked,fused,flash, "
-        "backends torch,flex,flash (skipped where they cannot run)",
+        f"backends torch,flex,flash (skipped where they cannot run; flash decodes with {kernel} "
+        "($STEPGATE_DECODE_KERNEL))",
         "stepgate: hypothesis profile * (*); goldens golden (read-only)"])
 
 

@@ -219,8 +219,40 @@ def test_the_flash_backend_decodes_through_it_when_asked(monkeypatch, append):
 def test_an_unknown_decode_kernel_is_refused(monkeypatch):
     from kernels import flash_backend as fb
     monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "tritn")
-    with pytest.raises(ValueError, match="STEPGATE_DECODE_KERNEL='tritn': the decode kernel is 'flash'"):
+    with pytest.raises(ValueError, match="STEPGATE_DECODE_KERNEL='tritn': the decode kernel is 'triton'"):
         fb.FlashBackend()
+
+
+@pytest.mark.parametrize("env, chunk", [(None, 256), ("", 256), ("triton", 256), ("flash", None)])
+def test_triton_is_the_default_decode_kernel(monkeypatch, env, chunk):
+    """Unset (or empty), the flash backend decodes with Triton; 'flash' takes flash-attn's split-KV."""
+    from kernels import flash_backend as fb
+    if env is None:
+        monkeypatch.delenv(fb.DECODE_KERNEL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(fb.DECODE_KERNEL_ENV, env)
+    monkeypatch.delenv(td.CHUNK_ENV, raising=False)
+    monkeypatch.setattr(fb, "_import_flash", lambda: (fb, None))     # any module: only its presence is asked
+    monkeypatch.setattr(fb.FlashBackend, "_bind_flash", lambda self: None)
+    assert fb.FlashBackend().triton_chunk == chunk
+
+
+def test_a_triton_that_does_not_import_makes_flash_unavailable_and_says_how_to_opt_out(monkeypatch):
+    """A broken triton must not leave the flash configuration ungated behind a green run: the backend reports it
+    cannot run (on CUDA the gates then refuse to start), naming the way back to flash-attn's decode."""
+    from kernels import flash_backend as fb
+    monkeypatch.delenv(fb.DECODE_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(fb, "_import_flash", lambda: (fb, None))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "triton", None)          # import triton raises ImportError
+    fb._triton_reason.cache_clear()
+    try:
+        reason = fb.FlashBackend.why_unavailable(torch.device("cuda"), 256)
+        assert reason and "triton does not import" in reason and "STEPGATE_DECODE_KERNEL=flash" in reason
+        monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "flash")
+        assert fb.FlashBackend.why_unavailable(torch.device("cuda"), 256) is None
+    finally:
+        fb._triton_reason.cache_clear()
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")

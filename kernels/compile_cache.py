@@ -4,6 +4,9 @@ Inductor keeps everything a later process can reuse under its cache folder: the 
 Triton code), the AOTAutograd cache, Triton's kernels and dynamo's dynamic-shape profile. Pointing that folder
 (TORCHINDUCTOR_CACHE_DIR) at DIR is all it takes; a process whose graphs are all in DIR compiles nothing (dynamo
 still traces). Inductor's precompiled C++ header stays in the temp dir, but it is only used on a miss.
+
+Kernels written in Triton directly (kernels/triton_decode.py) are cached by Triton itself, under TRITON_CACHE_DIR
+(else ~/.triton/cache, which CI does not keep): that is pointed at DIR/triton-jit.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ ENV = "STEPGATE_COMPILE_CACHE"
 
 def use_compile_cache(path: str | os.PathLike | None = None) -> str | None:
     """Point torch's compile caches at `path` (default: $STEPGATE_COMPILE_CACHE), creating it; it overrides
-    TORCHINDUCTOR_CACHE_DIR. Call it before the first compile (kernels.flex_backend does, at its first compile).
+    TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (PATH/triton-jit). Call it before the first compile
+    (kernels.flex_backend does, at its first compile; kernels.triton_decode before its first launch).
     Returns the folder, or None (caches left where they are) when neither is given."""
     path = path if path is not None else os.environ.get(ENV)
     if not path:
@@ -25,6 +29,7 @@ def use_compile_cache(path: str | os.PathLike | None = None) -> str | None:
         raise NotADirectoryError(f"{ENV}={path}: {folder} exists and is not a directory")
     folder.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton-jit")   # Triton reads it at each compile
     return str(folder)
 
 

@@ -67,7 +67,9 @@ def work_items(cached: torch.Tensor, grid_items: int, chunk: int):
 
 def _kernels():
     """The two Triton kernels (kernels/triton_decode_kernels.py), imported on first use: triton is needed only when
-    this kernel is asked for."""
+    this kernel is asked for. Their compiled code goes to $STEPGATE_COMPILE_CACHE where that is set."""
+    from .compile_cache import use_compile_cache
+    use_compile_cache()
     from .triton_decode_kernels import attend_items, combine_items
     return attend_items, combine_items
 

@@ -149,11 +149,14 @@ def compile_in_child(env: dict) -> dict:
 
 def test_use_compile_cache(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-before"))     # restored after the test
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before"))
     assert use_compile_cache() is None and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "before")
     monkeypatch.setenv(ENV, str(tmp_path / "ci" / "cache"))
     assert use_compile_cache() == str(tmp_path / "ci" / "cache")
     assert (tmp_path / "ci" / "cache").is_dir() and os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ci/cache")
+    # the Triton decode's kernels are cached by Triton itself: in the kept folder too
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "ci" / "cache" / "triton-jit")
     (tmp_path / "file").write_text("x")
     with pytest.raises(NotADirectoryError, match="STEPGATE_COMPILE_CACHE"):
         use_compile_cache(tmp_path / "file")

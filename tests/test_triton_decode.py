@@ -223,6 +223,17 @@ def test_an_unknown_decode_kernel_is_refused(monkeypatch):
         fb.FlashBackend()
 
 
+def test_its_compiled_kernels_go_to_the_kept_compile_cache(tmp_path, monkeypatch):
+    """With STEPGATE_COMPILE_CACHE (CI keeps that folder between runs) Triton caches these kernels there, not in
+    ~/.triton/cache: a warm CI run does not compile them again."""
+    monkeypatch.setenv("STEPGATE_COMPILE_CACHE", str(tmp_path / "kept"))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "before"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "before-inductor"))
+    td._kernels()
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "kept" / "triton-jit")
+    assert triton.knobs.cache.dir == str(tmp_path / "kept" / "triton-jit")
+
+
 @pytest.mark.parametrize("env, chunk", [(None, 256), ("", 256), ("triton", 256), ("flash", None)])
 def test_triton_is_the_default_decode_kernel(monkeypatch, env, chunk):
     """Unset (or empty), the flash backend decodes with Triton; 'flash' takes flash-attn's split-KV."""

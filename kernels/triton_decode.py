@@ -107,8 +107,17 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
                                  lse.stride(0), out.stride(0), out.stride(1), D=d,
-                                 MAX_COUNT=max(1, -(-block_table.shape[1] * page_size // chunk)))
+                                 MAX_COUNT=combine_bound(block_table.shape[1] * page_size, chunk))
     return out
 
 
-__all__ = ["CHUNK", "CHUNK_ENV", "chunk_size", "max_items", "paged_decode", "work_items"]
+def combine_bound(width_slots: int, chunk: int) -> int:
+    """combine_items' static trip count: the table's width in items, rounded up to a power of two. Each captured
+    decode step has its own table width, and a compile-time constant per width compiles the kernel again for each
+    (after one GPU gate run with the unrounded width, Triton's cache held 66 MB); rounded, a model's widths share
+    a few compiles. Items past a row's count are skipped, so a larger bound costs only untaken iterations."""
+    items = max(1, -(-width_slots // chunk))
+    return 1 << (items - 1).bit_length()
+
+
+__all__ = ["CHUNK", "CHUNK_ENV", "chunk_size", "combine_bound", "max_items", "paged_decode", "work_items"]

@@ -26,7 +26,9 @@ def key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g, kv_
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+# the row count and the table's width change with every captured width: specialised on (Triton compiles a variant
+# for a value divisible by 16, and one for 1), each would compile the kernel again for nothing (they only index rows)
+@triton.jit(do_not_specialize=["num_rows", "bt_stride"])
 def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
                  new_k_ptr, new_v_ptr, o_ptr, lse_ptr, scale,
                  num_rows, bt_stride, page_size,
@@ -100,7 +102,7 @@ def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, o_stride_item, 
     m = tl.full([1], float("-inf"), tl.float32)
     total = tl.zeros([1], tl.float32)
     acc = tl.zeros([D], tl.float32)
-    for j in range(MAX_COUNT):         # the row's items: a static bound (the table's width), as in attend_items
+    for j in range(MAX_COUNT):         # the row's items: a static bound (combine_bound), as in attend_items
         if j < count:
             t = first + j
             lse = tl.load(lse_ptr + t * lse_stride_item + head + tl.zeros([1], tl.int32))

@@ -289,6 +289,19 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append):
     sig_c = dict(o_ptr="*fp32", lse_ptr="*fp32", first_ptr="*i32", count_ptr="*i32", out_ptr="*fp16",
                  **dict.fromkeys(["o_stride_item", "o_stride_head", "lse_stride_item", "out_stride_row",
                                   "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr")
-    combine = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=dict(D=128, MAX_COUNT=17)),
-                             target=target)
+    consts_c = dict(D=128, MAX_COUNT=td.combine_bound(4114, 256))
+    combine = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c), target=target)
     assert ".target sm_90" in combine.asm["ptx"]
+
+
+def test_table_widths_share_compiled_kernels():
+    """Each captured decode step has its own table width: nothing the kernels are compiled for may follow it one to
+    one (a compile per width cost the GPU gate run about half a minute). The row count and table stride are not
+    specialised on; combine's trip count is rounded to a power of two and still covers every item."""
+    from kernels import triton_decode_kernels as k
+    if not INTERPRETING:       # the interpreter wraps the kernels without Triton's compile options
+        assert {"num_rows", "bt_stride"} <= set(k.attend_items.do_not_specialize)
+    widths = range(256, 32768 + 1, 256)                 # every table width of the 1.5B shape, in slots
+    bounds = [td.combine_bound(w, 256) for w in widths]
+    assert len(set(bounds)) == 8 and all(b >= -(-w // 256) for b, w in zip(bounds, widths))
+    assert td.combine_bound(1, 256) == 1 and td.combine_bound(4114, 256) == 32

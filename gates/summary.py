@@ -112,6 +112,18 @@ class Run:
             rows.append((wid, gates, busy, first, last, max(0.0, end - first - busy)))
         return rows
 
+    def unit_rows(self, shown: int = 6) -> list[tuple[str, str]]:
+        """(worker, its work units by busy time, the largest first: `unit s`, the rest summed), in worker order:
+        which units made a worker the last to finish."""
+        rows = []
+        for wid in sorted(self.workers, key=lambda w: (len(w), w)):
+            units = sorted(self.workers[wid].units.items(), key=lambda kv: -kv[1])
+            cells = [f"{unit} {busy:.1f}" for unit, busy in units[:shown]]
+            if len(units) > shown:
+                cells.append(f"{len(units) - shown} more {sum(b for _, b in units[shown:]):.1f}")
+            rows.append((wid, ", ".join(cells)))
+        return rows
+
     def slowest(self, n: int = 10) -> list[tuple[str, float]]:
         return sorted(self.durations.items(), key=lambda kv: -kv[1])[:n]
 
@@ -124,10 +136,14 @@ class Span:
     busy: float = 0.0
     first: float = float("inf")
     last: float = 0.0
+    units: dict[str, float] = field(default_factory=dict)   # busy s by work unit (gates.workers.worker_group)
 
     def add(self, report) -> None:
+        from .workers import worker_group
         self.gates += report.when == "setup"
         self.busy += report.duration
+        unit = worker_group(report.nodeid)
+        self.units[unit] = self.units.get(unit, 0.0) + report.duration
         if report.start:
             self.first, self.last = min(self.first, report.start), max(self.last, report.stop)
 
@@ -324,6 +340,9 @@ def markdown(run: Run, about: str, slowest: int = 10) -> str:
                 "|---|---:|---:|---:|---:|---:|"]
         out += [f"| {wid} | {gates} | {busy:.1f} | {first:.1f} | {last:.1f} | {idle:.1f} |"
                 for wid, gates, busy, first, last, idle in run.worker_rows()]
+        out += ["", "Each worker's work units (an engine configuration's gates, or a file's), busy seconds:", "",
+                "| worker | work units |", "|---|---|"]
+        out += [f"| {wid} | {cell(units)} |" for wid, units in run.unit_rows()]
         out.append("")
     if run.durations:
         out += [f"### Slowest gates ({min(slowest, len(run.durations))} of {len(run.durations)})", "", "| gate | seconds |", "|---|---:|"]

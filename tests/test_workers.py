@@ -305,6 +305,15 @@ def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
     assert sorted(w[0] for w in workers_table) == ["gw0", "gw1"], md
     assert sum(int(w[1]) for w in workers_table) == 11, "every gate run is some worker's"
     assert all(float(first) <= float(last) for _, _, _, first, last, _ in workers_table)
+    # each worker's work units (here one per file), the largest first, adding up to its busy time
+    units_table = dict(re.findall(r"^\| (gw\d) \| ([^|]+) \|$", md, re.M))
+    assert sorted(units_table) == ["gw0", "gw1"], md
+    units = {w: re.findall(r"(\S+) ([\d.]+)", cells) for w, cells in units_table.items()}
+    assert sorted(u for cells in units.values() for u, _ in cells) == ["test_nothing", "test_rewrite",
+                                                                        "test_synthetic"], units
+    for wid, _, busy, *_ in workers_table:
+        seconds = [float(b) for _, b in units[wid]]
+        assert seconds == sorted(seconds, reverse=True) and abs(sum(seconds) - float(busy)) <= 0.1, (wid, busy, units)
     spread.stdout.fnmatch_lines(["workers (gates, busy s, first gate began at s): gw0 */*/*, gw1 */*/*"])
     assert "### Workers" not in (gate_dir.path / "plain.md").read_text(), "a plain run has no workers"
     assert outcome_counts(run(gate_dir, "-m", "serial")) == {"passed": 1}, "without -n the serial gates run"
@@ -433,3 +442,10 @@ def test_each_process_of_a_run_profiles_itself_where_asked(gate_dir, monkeypatch
     ran = [any(fn[2] == "test_identical" for fn in pstats.Stats(str(tmp_path / "prof" / f)).stats)
            for f in ("gw0.prof", "gw1.prof")]
     assert any(ran), "no worker's profile holds the gates it ran"
+
+
+def test_a_workers_many_work_units_are_cut_to_the_largest_and_the_rest_summed():
+    run = summary.Run()
+    run.workers["gw0"] = summary.Span(units={f"u{i}": float(i) for i in range(1, 9)})
+    run.workers["gw1"] = summary.Span(units={"flash-flash": 40.0})
+    assert run.unit_rows(shown=3) == [("gw0", "u8 8.0, u7 7.0, u6 6.0, 5 more 15.0"), ("gw1", "flash-flash 40.0")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -125,6 +126,11 @@ def read_options(get) -> GateOptions:
         raise pytest.UsageError(f"--tp {tp}: must be >= 1 (1: one device, no tensor parallel)")
     engines = names("--engine", get("--engine"), tuple(LINEAGE), "engine configuration")
     backends = names("--backend", get("--backend"), tuple(kernels.BACKENDS), "attention backend")
+    if "flash" in backends:     # a typo in the decode kernel's name fails here, not in the first flash gate
+        from kernels.flash_backend import DECODE_KERNEL_ENV, DECODE_KERNELS
+        kernel = os.environ.get(DECODE_KERNEL_ENV)
+        if kernel and kernel not in DECODE_KERNELS:
+            raise unknown(f"${DECODE_KERNEL_ENV}", kernel, DECODE_KERNELS, "flash decode kernel")
     if not any(e in engines and b in backends for e, b in CANDIDATES):
         raise pytest.UsageError(f"--engine {get('--engine')} --backend {get('--backend')}: no engine configuration "
                                 f"runs on these backends; the candidates: "

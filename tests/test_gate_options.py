@@ -104,6 +104,15 @@ def test_the_header_shows_what_the_run_gates(gate_dir, monkeypatch, env, kernel)
         "stepgate: hypothesis profile * (*); goldens golden (read-only)"])
 
 
+def test_a_misspelt_decode_kernel_stops_the_run_before_any_gate(gate_dir, monkeypatch):
+    monkeypatch.setenv("STEPGATE_DECODE_KERNEL", "tritn")
+    r = run(gate_dir)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    r.stderr.fnmatch_lines(["ERROR: $STEPGATE_DECODE_KERNEL: unknown flash decode kernel 'tritn' (did you mean "
+                            "'triton'?); known: triton, flash"])
+    assert run(gate_dir, "--backend", "torch").ret == 0, "without the flash backend it is not read"
+
+
 def test_ci_loads_the_seeded_hypothesis_profile():
     from hypothesis import settings
     assert settings.get_profile("ci").derandomize

@@ -5,7 +5,8 @@
 #          run_peer.py in .device/nano-vllm/ (else shared/peers/nano-vllm/ or ../shared/peers/nano-vllm/)
 #   back under $OUT (3 files): table.md (the table and each part's exit status), table.json, results.tgz (every
 #          log, bench summary/runs/steps, the step benchmarks' JSON, gate summaries, nano-vllm's rows, profiles)
-#   knobs: BUDGET_S (460: the deadline for all parts), REPS (2: measured runs of c512; 1 for c8192 and r512),
+#   knobs: BUDGET_S (460: the deadline for all parts), REPS (2: measured runs of c512; 1 for c8192),
+#          REPS_R512 (1: measured runs of r512, whose figure moved most between calls),
 #          PARTS (all: the parts below to run, by name)
 # Phase 1, untimed, side by side on the GPU (nothing in it is a timing):
 #   planted    tests/test_step_graphs.py and test_graph_buffers.py on the GPU (fp16): captured vs eager, stale
@@ -48,6 +49,7 @@ mkdir -p "$OUT" "$RES/logs"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-460} ))
 M15=qwen2.5-1.5b-random
 REPS=${REPS:-2}
+REPS_R512=${REPS_R512:-1}
 part() {   # part NAME MAX_SECONDS CMD...: its exit status goes to status.txt (parts may run in the background)
   local name=$1 max=$2; shift 2
   [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $name "* ]] || return 0
@@ -100,7 +102,7 @@ bench c512 100 --chunk-tokens 512 --warmups 1 --reps "$REPS"
 nano nano32 80 32 200 128
 bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
 bench c8192-serial 80 --chunk-tokens 8192 --overlap off --warmups 1 --reps 1
-bench r512 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
+bench r512 $(( 75 + 20 * REPS_R512 )) --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps "$REPS_R512"
 nano nano512 80 512 200 128
 part psteps-noappend 60 env STEPGATE_FLASH_APPEND=0 python3 -m bench.profile_steps --model $M15 --rows 32 \
   --out "$RES/profile_steps_noappend.json"

@@ -30,7 +30,9 @@
 #   psteps     bench/profile_steps.py: each step kind's device time by kernel family at the step bench's state
 #   psteps-noappend   the same with STEPGATE_FLASH_APPEND=0 (pure decode steps write K/V with index_put): the
 #              K/V append's A/B (psteps is in the same call)
-#   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the r512 part's loaded step)
+#   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the worst case of r512's loaded step:
+#              its chunk follows 16,383 cached positions)
+#   ptrace512  bench/profile_trace.py: the r512 run's own steps (its second pass), each profiled alone, by family
 #   steps-noappend    the step bench with STEPGATE_FLASH_APPEND=0 (after `steps`)
 #   psteps-splitkv, c512-splitkv, c8192-splitkv, r512-splitkv   psteps / c512 / c8192 / r512 with
 #              STEPGATE_DECODE_KERNEL=flash (flash-attn's split-KV decode instead of the default Triton one: the
@@ -39,7 +41,7 @@
 #   triton     tests/test_triton_decode.py natively on the GPU, then the flash token, graph and page-safety gates
 #              (their flash decode is the Triton kernel, the default)
 # Phase 2 runs in this order: psteps, then the issue's figures (c512 nano32 c8192 c8192-serial r512 nano512), then
-# what the deadline may cut (psteps-noappend psteps512 profile steps steps-noappend c512-eager).
+# what the deadline may cut (psteps-noappend psteps512 ptrace512 profile steps steps-noappend c512-eager).
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}
@@ -108,6 +110,8 @@ part psteps-noappend 60 env STEPGATE_FLASH_APPEND=0 python3 -m bench.profile_ste
   --out "$RES/profile_steps_noappend.json"
 part psteps512 90 python3 -m bench.profile_steps --model $M15 --rows 512 --chunk 16384 --kinds loaded,chunk-only \
   --steps 10 --out "$RES/profile_steps_512.json"
+part ptrace512 120 python3 -m bench.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 40 \
+  --out "$RES/profile_trace_512.json"
 part profile 50 python3 -m bench.profile_decode --model $M15 --device cuda --steps 30 --out "$RES/profile"
 part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
@@ -134,7 +138,7 @@ python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 
     [ -f "$RES/$j.json" ] && python3 -c "import json, sys
 for b in json.load(open(sys.argv[1]))['benchmarks']:
     print(f'  {sys.argv[2]}: {b[\"name\"]} {b[\"stats\"][\"median\"] * 1e3:.3f} ms')" "$RES/$j.json" "$j"; done
-  for f in psteps psteps-noappend psteps512 psteps-splitkv; do
+  for f in psteps psteps-noappend psteps512 psteps-splitkv ptrace512; do
     [ -f "$RES/logs/$f.log" ] && { echo "  $f:"; grep -E "wall|ms;" "$RES/logs/$f.log" | sed 's/^/    /'; }; done
 } >> "$RES/table.md"
 cp "$RES/table.md" "$OUT/table.md"

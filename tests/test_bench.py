@@ -167,6 +167,24 @@ def test_profile_steps_on_cpu(tmp_path):
     assert r["kinds"]["chunk-only"]["describe"]["prompt_positions"] == 512
 
 
+def test_profile_trace_profiles_each_step_of_a_served_workload(tmp_path):
+    """The second pass of a served workload, one profile per step: the steps the run really takes (a chunk-only
+    first step, loaded steps while prompts remain), each step's families adding up to its device time, and a
+    summary per kind."""
+    from bench.profile_trace import main
+    out = tmp_path / "t.json"
+    assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "4",
+                 "--chunk", "64", "--requests", "5", "--new-tokens", "3", "--steps", "6", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    steps = r["steps"]
+    assert len(steps) == 6 and steps[0]["kind"] == "chunk-only" and steps[0]["decode_rows"] == 0
+    assert any(s["kind"] == "loaded" and s["decode_rows"] > 0 and s["prompt_positions"] > 0 for s in steps)
+    for s in steps:
+        assert s["families_ms"]["gemm"] > 0 and sum(s["families_ms"].values()) == pytest.approx(s["device_ms"])
+    assert {k: v["steps"] for k, v in r["kinds"].items()} == {
+        kind: sum(s["kind"] == kind for s in steps) for kind in {s["kind"] for s in steps}}
+
+
 def test_profile_steps_chunk_option(tmp_path):
     """--chunk sets the loaded and chunk-only steps' prompt positions, past the state's build chunk (1024) too."""
     from bench.profile_steps import main

@@ -114,7 +114,7 @@ class FlashBackend(AttentionBackend):
     page_sizes = (256,)
     graph_safe_decode = True    # decode reads only the block table and cache lengths: capturable (engine/graphs.py)
     graph_safe_prefill = True   # paged varlen: cu_seqlens, block table; max_seqlen_q/k are bounds (step_graphs.py)
-    appends_decode_kv = True    # with_kvcache's k=, v=: pure decode steps write their K/V in the attention kernel
+    appends_decode_kv = True    # pure decode steps' K/V written by the decode kernel (Triton's, or with_kvcache's k=)
     triton_chunk: int | None = None     # its items' keys where decode is Triton's (None: flash-attn's split-KV)
     dtypes = (torch.float16, torch.bfloat16)
 

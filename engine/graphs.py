@@ -19,7 +19,8 @@ cache length, so the tail is never read.
 Graphs are captured per (rows, table width): widths 16, 24, 32, 64, ... up to W (width_ladder). A step replays the narrowest width
 that holds its longest row, reading the first w columns of the table in place (a strided view). flash-attn's
 split-KV decode divides the table's width, not each row's length, among its splits, so a table as wide as the
-longest admissible request makes every step pay for it (kernels/flash_backend.py says why).
+longest admissible request makes every step pay for it (kernels/flash_backend.py says why); the Triton decode (the
+flash backend's default) splits by length, and for it the width bounds the step's work items and its combine loop.
 
 Captured graphs read the runner's KV cache tensors and the model's weights in place (their addresses are fixed
 for the engine's life) and write their logits into one static buffer per graph set. Sampling (argmax, the poison

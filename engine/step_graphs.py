@@ -2,7 +2,7 @@
 
 Attention is made graph-safe for mixed steps with two paged kernels per layer over fixed-size metadata: ONE
 variable-length call (flash-attn's `flash_attn_varlen_func` with a block table) covers the whole packed step, and
-ONE decode call (the pure decode step's kernel: split-KV, query heads of a key/value head read together) covers the
+ONE decode call (the pure decode step's kernel, query heads of a key/value head read together) covers the
 bucket's first R rows, which hold the step's decode rows. Their metadata lives in fixed-size sections of one static
 int32 buffer, refreshed in place by one host-to-device copy before each replay:
 
@@ -102,8 +102,9 @@ class StepGraphs(CapturedSteps):
         self.lead_ids = torch.arange(R, device=runner.device)            # the decode call's rows, for its mask
         self.lead_cu = torch.arange(R + 1, dtype=torch.int32, device=runner.device)
         self.prime((T,))
-        # per bucket, loaded graphs by the decode call's table width (the split-KV kernel divides the width, not a
-        # row's length, among its splits: engine/graphs.py's DecodeGraphs has the same ladder), and a chunk-only one
+        # per bucket, loaded graphs by the decode call's table width (flash-attn's split-KV divides the width, not a
+        # row's length, among its splits; the Triton decode's items are bounded by it: engine/graphs.py's DecodeGraphs
+        # has the same ladder), and a chunk-only one
         # (width 0: no decode call, which over rows that hold no decode row cost a tenth of the step)
         self.widths = width_ladder(width)
         self.capture([(b, w) for b in reversed(self.sizes) for w in [*reversed(self.widths), 0]], progress,

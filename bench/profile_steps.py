@@ -54,12 +54,25 @@ def kernels_per_step(step, steps: int, cuda: bool) -> dict[str, float]:
     return per
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.profile_steps", description=__doc__.splitlines()[0])
+def by_family(per_kernel: dict[str, float]) -> dict[str, float]:
+    """Kernel times summed by family, the largest first."""
+    fams: dict[str, float] = {}
+    for name, t in per_kernel.items():
+        fams[family(name)] = fams.get(family(name), 0.0) + t
+    return dict(sorted(fams.items(), key=lambda kv: -kv[1]))
+
+
+def engine_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model, device, dtype and engine configuration a profile runs (this and bench.profile_trace)."""
     ap.add_argument("--model", default="qwen2.5-1.5b-random")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--engine", default="flash", choices=sorted(LINEAGE))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.profile_steps", description=__doc__.splitlines()[0])
+    engine_arguments(ap)
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--chunk", type=int, default=None,
                     help="prompt positions of the loaded and chunk-only steps (default: the mixed draw's 512)")
@@ -89,14 +102,12 @@ def main(argv=None) -> int:
             step()
             wall.append((time.perf_counter() - t0) * 1e3)
         per = kernels_per_step(step, a.steps, torch.device(a.device).type == "cuda")
-        fams: dict[str, float] = {}
-        for name, us in per.items():
-            fams[family(name)] = fams.get(family(name), 0.0) + us
+        fams = by_family(per)
         top = sorted(per.items(), key=lambda kv: -kv[1])[:a.top]
         report["kinds"][kind] = dict(describe=st.describe(kind), captured=captured(st.engine.runner, kind) is not None
                                      and a.graphs == "on", wall_ms_median=statistics.median(wall),
                                      device_ms=sum(per.values()) / 1e3,
-                                     families_ms={f: us / 1e3 for f, us in sorted(fams.items(), key=lambda kv: -kv[1])},
+                                     families_ms={f: us / 1e3 for f, us in fams.items()},
                                      top_us=dict(top))
     for kind, r in report["kinds"].items():
         d = r["describe"]

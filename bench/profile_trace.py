@@ -21,10 +21,9 @@ from pathlib import Path
 import torch
 
 from engine import Engine, lineage_config
-from engine.config import LINEAGE
 from engine.workload import MIXED
 
-from .profile_steps import family, kernels_per_step
+from .profile_steps import by_family, engine_arguments, kernels_per_step
 
 
 def profile_steps_of_run(engine: Engine, specs, max_steps: int, cuda: bool) -> list[dict]:
@@ -42,14 +41,11 @@ def profile_steps_of_run(engine: Engine, specs, max_steps: int, cuda: bool) -> l
             took["rec"] = engine.step()
             sync()
             took["wall"] = (time.perf_counter() - t0) * 1e3
-        per = kernels_per_step(step, 1, cuda)
-        fams: dict[str, float] = {}
-        for name, us in per.items():
-            fams[family(name)] = fams.get(family(name), 0.0) + us / 1e3
+        fams = {f: us / 1e3 for f, us in by_family(kernels_per_step(step, 1, cuda)).items()}
         rec = took["rec"]
         rows.append(dict(index=len(rows), kind=str(rec.kind), prompt_positions=rec.prompt_positions,
                          decode_rows=rec.decode_tokens, wall_ms=took["wall"], device_ms=sum(fams.values()),
-                         families_ms=dict(sorted(fams.items(), key=lambda kv: -kv[1]))))
+                         families_ms=fams))
     return rows
 
 
@@ -68,10 +64,7 @@ def by_kind(rows: list[dict]) -> dict[str, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.profile_trace", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen2.5-1.5b-random")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--engine", default="flash", choices=sorted(LINEAGE))
+    engine_arguments(ap)
     ap.add_argument("--rows", type=int, default=32, help="max_batch")
     ap.add_argument("--chunk", type=int, default=512, help="the chunk budget")
     ap.add_argument("--requests", type=int, default=200)

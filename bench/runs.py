@@ -1,7 +1,9 @@
 """One serving benchmark's setup, one engine run and its metrics, and the rows a benchmark writes out."""
 from __future__ import annotations
 
+import gc
 import json
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -88,6 +90,33 @@ def token_gaps(results) -> list[float]:
     return [g for r in results.values() for g in gaps(r.token_times)]
 
 
+class GcWatch:
+    """The cyclic garbage collections during a timed run (gc.callbacks): how many, how many full, the longest.
+    A run that saw a long one says so in its row, instead of leaving an unexplained step or token gap."""
+
+    def __enter__(self) -> "GcWatch":
+        self.collections = self.full = 0
+        self.worst_ms = 0.0
+        self._start = None
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.collections += 1
+            self.full += info["generation"] == 2
+            self.worst_ms = max(self.worst_ms, (time.perf_counter() - self._start) * 1e3)
+            self._start = None
+
+    def metrics(self) -> dict:
+        return dict(gc_collections=self.collections, gc_full=self.full, gc_worst_ms=self.worst_ms)
+
+
 def run_engine(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: str, quiet: bool, **cfg_kw):
     """Serve `specs` on a fresh engine (fresh pool and trace, shared weights). Returns (metrics, results, trace)."""
     return serve_passes(setup, specs, open_loop, desc, quiet, 1, **cfg_kw)[0]
@@ -111,13 +140,15 @@ def serve_passes(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: 
             bar.update(n - emitted[0])
             emitted[0] = n
         setup.sync()
+        gc.collect()    # the garbage of earlier runs (engines, traces) is collected here, not on this run's clock
         eng.reset_clock()
         first_step, evictions = len(eng.trace), eng.pool.cache.evictions if eng.pool.cache else 0
         ahead, dropped = eng.steps_ahead, eng.ahead_discarded
         # quiet: no callback at all (it walks every request after each step: 20-40 ms of a 200-request run)
-        results = {rid: r for rid, r in eng.run(run_specs, open_loop=open_loop,
-                                                progress=None if quiet else on_step).items()
-                   if rid in ids}
+        with GcWatch() as watch:
+            results = {rid: r for rid, r in eng.run(run_specs, open_loop=open_loop,
+                                                    progress=None if quiet else on_step).items()
+                       if rid in ids}
         bar.close()
         trace = eng.trace[first_step:]
         captured = [g for g in (getattr(eng.runner, "graphs", None), getattr(eng.runner, "step_graphs", None)) if g is not None]
@@ -125,7 +156,8 @@ def serve_passes(setup: Setup, specs: list[RequestSpec], open_loop: bool, desc: 
                         graph_replays=sum(g.replays for g in captured), graph_capture_s=sum(g.capture_s for g in captured),
                         graph_fallbacks=getattr(getattr(eng.runner, "step_graphs", None), "fallbacks", 0),
                         graph_pool_mib=sum(g.pool_bytes for g in captured) / (1 << 20),
-                        steps_ahead=eng.steps_ahead - ahead, ahead_discarded=eng.ahead_discarded - dropped)
+                        steps_ahead=eng.steps_ahead - ahead, ahead_discarded=eng.ahead_discarded - dropped,
+                        **watch.metrics())
         hit = sum(r.cached_prefix for r in results.values())
         m.update(prefix_cache="on" if eng.pool.cache else "off", pass_no=k,
                  prefix_hit_rate=hit / max(1, sum(len(r.prompt) for r in results.values())),

@@ -191,6 +191,8 @@ class Bench:
                    gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in last) if last else None,
                    steps_ahead=median([r.get("steps_ahead", 0) for r in last]),
                    ahead_discarded=max((r.get("ahead_discarded", 0) for r in last), default=0),
+                   gc_full=max((r.get("gc_full", 0) for r in last), default=0),
+                   gc_worst_ms=max((r.get("gc_worst_ms", 0) for r in last), default=0),
                    **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in WORK_KINDS})
         if passes > 1:
             res["per_pass"] = {k: {f: median([r[f] for r in rows if r["pass_no"] == k]) for f in
@@ -200,7 +202,8 @@ class Bench:
             f"{f' (pass {passes} of {passes})' if passes > 1 else ''}: {res['time_to_last_median_s']:.3f} s "
             f"({res['tokens_per_s_median']:.1f} tokens/s, first token median {fmt(res['ttft_median_s'], 3)} s); "
             f"prefix cache {mode}: hit rate {res['prefix_hit_rate']:.3f}, {res['prefix_pages_saved']} pages saved; "
-            f"token gaps median {fmt(res['gap_median_ms'])} ms, worst {fmt(res['gap_worst_ms'])} ms")
+            f"token gaps median {fmt(res['gap_median_ms'])} ms, worst {fmt(res['gap_worst_ms'])} ms; "
+            f"garbage collections in a run: {res['gc_full']} full at most, the longest {fmt(res['gc_worst_ms'])} ms")
         return res
 
     # -- open ----------------------------------------------------------------------------------------------------

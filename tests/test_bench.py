@@ -216,3 +216,16 @@ def test_the_loaded_table_reads_each_part_and_says_what_did_not_run(tmp_path):
     assert table["closed 200, 512 rows, chunk 16384: req/s"][2:4] == ("not run", "-")
     assert table["closed 200, c8192-splitkv (flash-attn split-KV decode): req/s; pure decode step"][2] == "57.14 req/s; 2.10 ms"
     assert not any("r512-splitkv" in k for k in table), "a part that did not run has no A/B row"
+
+
+def test_gc_watch_counts_the_collections_of_a_run(small):
+    import gc
+    from bench.runs import GcWatch
+    with GcWatch() as w:
+        gc.collect()
+    assert (w.collections, w.full) == (1, 1) and w.worst_ms > 0
+    run = serve(ServingOptions(closed=True, batches=[2], uniform=[], warmups=0, reps=1, new_tokens=3, threads=1,
+                               no_progress=True), loaded=small)
+    row = run.runs[0]
+    assert {"gc_collections", "gc_full", "gc_worst_ms"} <= set(row) and row["gc_full"] >= 0
+    assert run.summary["closed"]["mixed-cpu-new3-2"]["gc_worst_ms"] == row["gc_worst_ms"]

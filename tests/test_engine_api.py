@@ -183,3 +183,60 @@ def test_a_pool_that_cannot_hold_one_longest_request_is_refused_at_construction(
     with pytest.raises(ConfigError, match=r"kv_cache_bytes=1000: a page of 64 slots takes \d+ bytes on this model, "
                                           r"and the pool needs at least 2 pages"):
         Engine(EngineConfig(kv_cache_bytes=1000), loaded=loaded)
+
+
+# -- the garbage collector during a run ----------------------------------------------------------------------------
+class Cycle:
+    """An object in a reference cycle: only the cyclic collector frees it."""
+    def __init__(self):
+        self.me = self
+
+
+def test_a_run_freezes_what_was_alive_before_it_and_thaws_after(loaded):
+    import gc
+    import weakref
+    from engine.engine import gc_frozen
+    assert gc.get_freeze_count() == 0
+    before = Cycle()
+    seen = []
+
+    def on_step(rec):
+        if not seen:
+            made = Cycle()                         # garbage made during the run is still collected during it
+            dead = weakref.ref(made)
+            del made
+            gc.collect()
+            # frozen objects are in no generation: the collector does not walk them
+            seen.append((gc.get_freeze_count(), any(o is before for o in gc.get_objects()), dead() is None))
+    e = Engine(CONFIG, loaded=loaded)
+    e.run([_spec("g", *A)], progress=on_step)
+    frozen, walked, collected = seen[0]
+    assert frozen > 0 and not walked and collected
+    assert gc.get_freeze_count() == 0              # thawed: what died during the run can be collected now
+    gone = weakref.ref(before)
+    del before
+    gc.collect()
+    assert gone() is None
+    with gc_frozen():                              # nested blocks share one freeze; the last to leave thaws
+        with gc_frozen():
+            pass
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_process_that_froze_objects_itself_keeps_its_freeze(loaded):
+    import gc
+    gc.freeze()
+    try:
+        kept = gc.get_freeze_count()
+        Engine(CONFIG, loaded=loaded).run([_spec("h", *A)])
+        assert gc.get_freeze_count() >= kept > 0
+    finally:
+        gc.unfreeze()
+    Engine(CONFIG, loaded=loaded).run([_spec("i", *A)])     # and a later run freezes and thaws again on its own
+    assert gc.get_freeze_count() == 0
+
+
+def _spec(rid, prompt, budget):
+    from engine.workload import RequestSpec
+    return RequestSpec(rid, prompt, budget)

@@ -209,6 +209,31 @@ def test_minus_n_alone_keeps_an_engine_configurations_gates_on_one_worker(gate_d
     assert all(len(w) == 1 for w in where.values()), where
 
 
+def test_units_go_longest_first_by_their_summed_seconds():
+    units = {"chunked-torch": ["a::x[chunked-torch]", "b::x[chunked-torch]"], "b": ["b::z"],
+             "fused-flex": ["a::y[fused-flex]", "b::y[fused-flex]"], "c": ["c::new"]}
+    seconds = {"a::x[chunked-torch]": 1.0, "b::x[chunked-torch]": 2.0, "b::z": 4.0, "a::y[fused-flex]": 5.0,
+               "b::y[fused-flex]": 6.0}                                  # c::new unknown: the mean, 3.6
+    assert workers.longest_first(units, seconds) == ["fused-flex", "b", "c", "chunked-torch"]
+    assert workers.longest_first(units, {}) == ["chunked-torch", "fused-flex", "b", "c"]    # nothing known: by gates
+
+
+def test_minus_n_starts_the_longest_units_first_by_the_committed_durations(gate_dir):
+    """The planted order: the durations name flash-flash, then fused-flex, the longest units (by default
+    chunked-torch's gates come first); with -n 2 each worker's first gate is of one of those two."""
+    (gate_dir.path / "gates" / "test_grouped.py").write_text(GROUPED)
+    ids = [f"gates/test_grouped.py::test_gate[{g}-{c}]" for g in ("smoke", "tokens", "tiny_pool")
+           for c in ("chunked-torch-64", "fused-torch-64", "fused-flex-64", "flash-flash-256")]
+    (gate_dir.path / ".test_durations").write_text(json.dumps(
+        {n: 30.0 if "flash-flash" in n else 20.0 if "fused-flex" in n else 1.0 for n in ids}))
+    r = run(gate_dir, "gates/test_grouped.py", "-n", "2", subprocess=True)
+    assert r.ret == pytest.ExitCode.OK, r.stdout.str()[-3000:]
+    ran = {path.stem: path.read_text().split() for path in gate_dir.path.glob("ran-gw*.txt")}
+    assert sorted(cfgs[0] for cfgs in ran.values()) == ["flash-flash", "fused-flex"], ran
+    assert sorted(c for cfgs in ran.values() for c in cfgs) == sorted(c.rsplit("-", 1)[0] for c in
+                                                                        [i.split("-", 1)[1][:-1] for i in ids])
+
+
 def test_finer_work_units_split_a_configuration_by_file(gate_dir):
     """--work-units configuration-file: a configuration's gates of one file stay on one worker, and its files can
     go to different workers (the two units of each configuration here)."""

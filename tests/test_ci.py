@@ -164,8 +164,9 @@ def stale_durations(durations: dict[str, float], repo: Path = REPO) -> list[str]
     return out
 
 
-def test_the_committed_durations_name_the_gates_as_they_are():
-    durations = json.loads((REPO / ".test_durations").read_text())
+@pytest.mark.parametrize("name", [".test_durations", ".test_durations.cuda"])     # the CPU suite's, the GPU suite's
+def test_the_committed_durations_name_the_gates_as_they_are(name):
+    durations = json.loads((REPO / name).read_text())
     assert len(durations) > 50 and stale_durations(durations) == []
     assert {n.split("::")[0] for n in durations} >= {"gates/test_tokens.py", "gates/test_kernels.py"}
     planted = {**durations, "gates/test_tokens.py::test_against_hf_renamed[x]": 1.0}

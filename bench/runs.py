@@ -193,6 +193,29 @@ def run_metrics(results: dict, trace: list, pool_pages: int, **extra) -> dict:
     return m
 
 
+def closed_summary(times: list[float], rows: list[dict], passes: int, mode: str) -> dict:
+    """One closed workload's summary from its measured runs' rows (`rows`, every pass) and times to last request:
+    medians over the reps' last passes, the worst token gap and garbage collection of any, each pass's medians."""
+    last = [r for r in rows if r["pass_no"] == passes]
+    res = dict(time_to_last_median_s=median(times), times_s=times, prefix_cache=mode, passes=passes,
+               tokens_per_s_median=median([r["tokens_per_s"] for r in last]),
+               ttft_median_s=median([r["ttft_median_s"] for r in last]),
+               prefix_hit_rate=median([r["prefix_hit_rate"] for r in last]),
+               prefix_pages_saved=median([r["prefix_pages_saved"] for r in last]),
+               gap_median_ms=median([r["gap_median_ms"] for r in last]),
+               gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in last) if last else None,
+               steps_ahead=median([r.get("steps_ahead", 0) for r in last]),
+               ahead_discarded=max((r.get("ahead_discarded", 0) for r in last), default=0),
+               gc_full=max((r.get("gc_full", 0) for r in last), default=0),
+               gc_worst_ms=max((r.get("gc_worst_ms", 0) for r in last), default=0),
+               **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in WORK_KINDS})
+    if passes > 1:
+        res["per_pass"] = {k: {f: median([r[f] for r in rows if r["pass_no"] == k]) for f in
+                               ("time_to_last_s", "ttft_median_s", "tokens_per_s", "prefix_hit_rate")}
+                           for k in range(1, passes + 1)}
+    return res
+
+
 @dataclass
 class ServingRun:
     """What one serving benchmark measured: a row per run, per open-run request, per measured step; a summary."""

@@ -38,12 +38,11 @@ from pathlib import Path
 import torch
 
 from engine.config import LINEAGE
-from engine.scheduler import WORK_KINDS
 from engine.workload import RequestSpec, Workload, poisson_arrivals
 
 from .cli import cannot_run, cli
 from .peer import Peer
-from .runs import ServingRun, Setup, run_engine, serve_passes
+from .runs import ServingRun, Setup, closed_summary, run_engine, serve_passes
 from .stats import floats, fmt, ints, log, median
 
 PROG = "bench.serving"
@@ -181,23 +180,7 @@ class Bench:
                 self.closed_tokens[name] = {k.split("~")[0]: r.tokens for k, r in results.items()}
                 self.keep_steps(self.run_no, "closed", name, trace)
         rows = [r for r in self.runs if r["part"] == "closed" and r["workload"] == name and not r["warmup"]]
-        last = [r for r in rows if r["pass_no"] == passes]
-        res = dict(time_to_last_median_s=median(times), times_s=times, prefix_cache=mode, passes=passes,
-                   tokens_per_s_median=median([r["tokens_per_s"] for r in last]),
-                   ttft_median_s=median([r["ttft_median_s"] for r in last]),
-                   prefix_hit_rate=median([r["prefix_hit_rate"] for r in last]),
-                   prefix_pages_saved=median([r["prefix_pages_saved"] for r in last]),
-                   gap_median_ms=median([r["gap_median_ms"] for r in last]),
-                   gap_worst_ms=max((r["gap_worst_ms"] or 0) for r in last) if last else None,
-                   steps_ahead=median([r.get("steps_ahead", 0) for r in last]),
-                   ahead_discarded=max((r.get("ahead_discarded", 0) for r in last), default=0),
-                   gc_full=max((r.get("gc_full", 0) for r in last), default=0),
-                   gc_worst_ms=max((r.get("gc_worst_ms", 0) for r in last), default=0),
-                   **{f"step_{k}_median_ms": median([r[f"step_{k}_median_ms"] for r in last]) for k in WORK_KINDS})
-        if passes > 1:
-            res["per_pass"] = {k: {f: median([r[f] for r in rows if r["pass_no"] == k]) for f in
-                                   ("time_to_last_s", "ttft_median_s", "tokens_per_s", "prefix_hit_rate")}
-                               for k in range(1, passes + 1)}
+        res = closed_summary(times, rows, passes, mode)
         log(f"closed {name}: time to last request, median of {len(times)}"
             f"{f' (pass {passes} of {passes})' if passes > 1 else ''}: {res['time_to_last_median_s']:.3f} s "
             f"({res['tokens_per_s_median']:.1f} tokens/s, first token median {fmt(res['ttft_median_s'], 3)} s); "

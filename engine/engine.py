@@ -1,8 +1,6 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace."""
 from __future__ import annotations
 
-import contextlib
-import gc
 import os
 import threading
 import time
@@ -13,6 +11,7 @@ import torch
 from . import errors, inputs
 from .config import KV_CACHE_BYTES, EngineConfig
 from .dtypes import torch_dtype
+from .heap import gc_frozen
 from .loader import load_model
 from .poison_report import poison_error
 from .pool import PagePool, pages_for
@@ -26,41 +25,6 @@ TP_GRAPHS_ENV = "STEPGATE_TP_GRAPHS"
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
 SCORE_OWNER = ("score",)
-
-_frozen_lock = threading.Lock()
-_frozen_holders = 0          # gc_frozen() blocks open now; -1 while the process's own gc.freeze() is left alone
-
-
-@contextlib.contextmanager
-def gc_frozen():
-    """Inside the block, the cyclic garbage collector leaves alone every object alive at entry.
-
-    Why: a full collection walks every object the process holds (torch, dynamo, the model, an engine's graphs:
-    about 0.2 s on the H200 host); one that lands inside a serving run stalls every running request's next token by
-    that much (seen: a 0.29 s stall before a 512-row run's first step). Objects made inside the block are collected
-    as usual; what was alive at entry and dies inside is collected after the block. Nested and concurrent blocks
-    share one freeze (the last to leave thaws); a process that froze objects itself (gc.freeze() before the first
-    block) keeps its own policy: the block then changes nothing."""
-    global _frozen_holders
-    with _frozen_lock:
-        if _frozen_holders == 0 and gc.get_freeze_count():
-            _frozen_holders = -1            # someone else's freeze: leave it, and the collector, as they are
-        if _frozen_holders >= 0:
-            if _frozen_holders == 0:
-                gc.freeze()
-            _frozen_holders += 1
-        mine = _frozen_holders > 0
-    try:
-        yield
-    finally:
-        with _frozen_lock:
-            if mine:
-                _frozen_holders -= 1
-                if _frozen_holders == 0:
-                    gc.unfreeze()
-            elif _frozen_holders == -1:
-                _frozen_holders = 0
-
 
 @dataclass
 class StepRecord:

@@ -195,7 +195,7 @@ class Cycle:
 def test_a_run_freezes_what_was_alive_before_it_and_thaws_after(loaded):
     import gc
     import weakref
-    from engine.engine import gc_frozen
+    from engine.heap import gc_frozen
     assert gc.get_freeze_count() == 0
     before = Cycle()
     seen = []

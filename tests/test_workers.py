@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import KV_CACHE_BYTES
-from gates import options, summary, workers
+from gates import durations, options, summary, workers
 from gates.workers import KV_ENV, placement
 
 REPO = Path(__file__).resolve().parent.parent
@@ -214,8 +214,8 @@ def test_units_go_longest_first_by_their_summed_seconds():
              "fused-flex": ["a::y[fused-flex]", "b::y[fused-flex]"], "c": ["c::new"]}
     seconds = {"a::x[chunked-torch]": 1.0, "b::x[chunked-torch]": 2.0, "b::z": 4.0, "a::y[fused-flex]": 5.0,
                "b::y[fused-flex]": 6.0}                                  # c::new unknown: the mean, 3.6
-    assert workers.longest_first(units, seconds) == ["fused-flex", "b", "c", "chunked-torch"]
-    assert workers.longest_first(units, {}) == ["chunked-torch", "fused-flex", "b", "c"]    # nothing known: by gates
+    assert durations.longest_first(units, seconds) == ["fused-flex", "b", "c", "chunked-torch"]
+    assert durations.longest_first(units, {}) == ["chunked-torch", "fused-flex", "b", "c"]    # nothing known: by gates
 
 
 def test_minus_n_starts_the_longest_units_first_by_the_committed_durations(gate_dir):

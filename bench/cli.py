@@ -29,7 +29,19 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
                     help="launch each foreseeable pure decode step before the step before it is read back "
                          "(EngineConfig.overlap): auto = where pure decode steps are captured; off = to compare")
+    ap.add_argument("--decode-kernel", default=None,
+                    help="the backend's decode kernel (EngineConfig.decode_kernel): flash: triton (default) or flash "
+                         "(flash-attn's split-KV); flex: rows (default) or packed")
+    ap.add_argument("--decode-append", choices=("auto", "on", "off"), default="auto",
+                    help="the decode kernel writes a pure decode step's keys and values itself "
+                         "(EngineConfig.decode_append): auto = where the backend can; off = index_put writes, to compare")
     return ap
+
+
+def kernel_options(a) -> dict:
+    """The EngineConfig fields the shared kernel arguments give."""
+    return dict(decode_kernel=getattr(a, "decode_kernel", None),
+                decode_append=GRAPHS[getattr(a, "decode_append", "auto")])
 
 
 def device_and_dtype(device: str, dtype: str | None, threads: int | None = None) -> tuple[torch.device, str]:

@@ -52,7 +52,7 @@ from engine.scheduler import CHUNK_TOKENS, StepKind
 from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
 from gates.compare import TIE_THRESHOLD
 
-from .cli import GRAPHS, cannot_run, cli, device_and_dtype
+from .cli import GRAPHS, cannot_run, cli, device_and_dtype, kernel_options
 from .plots import draw_disturbance
 from .stats import fmt, floats, gaps, ints, log, progress, write_csv
 
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
     def config(ct, p):
         return lineage_config(a.engine, device=a.device, dtype=dtype, chunk_tokens=ct, prefill_share=p,
                               kv_cache_bytes=a.kv_cache_bytes, sync_trace=True, max_batch=8,
-                              cuda_graphs=GRAPHS[a.cuda_graphs])
+                              cuda_graphs=GRAPHS[a.cuda_graphs], **kernel_options(a))
 
     probe = Engine(config(chunks[0], 1.0), loaded=loaded)
     page = probe.pool.page_size
@@ -263,7 +263,8 @@ def main(argv=None) -> int:
         same = what == "identical"
         if not ok:
             (problems if strict else notes).append(f"chunk {ct}, p {p}: tokens {what}")
-        row = {"model": loaded[2], "device": a.device, "dtype": dtype, "engine": a.engine, "chunk_tokens": ct,
+        row = {"model": loaded[2], "device": a.device, "dtype": dtype, "engine": a.engine, "served": e.served.key(),
+               "chunk_tokens": ct,
                "prefill_share": e.scheduler.prefill_share, "b_tokens": b_tokens, "b_at_s": b_at, "c_after_s": c_after,
                "b_alone_s": None, "b_slowdown": None, "wall_s": time.perf_counter() - t, "tokens_identical": same,
                "tokens_check": what,

@@ -176,8 +176,8 @@ def main(argv=None) -> int:
     for name in names:
         cls = kernels.backend_class(name)
         reason = cls.why_unavailable(device, P)
-        if reason is None and hasattr(cls, "why_unsupported_dtype"):
-            reason = cls.why_unsupported_dtype(dtype)
+        if reason is None:
+            reason = cls.why_unsupported(dtype=dtype)
         if reason:
             print(f"  {name}: skipped: {reason}")
             continue

@@ -16,7 +16,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import WORK_KINDS
 from engine.workload import MIXED, MIXED_CPU, SHARED, SHARED_CPU, UNIFORM, UNIFORM_CPU, RequestSpec, Workload
 
-from .cli import GRAPHS, device_and_dtype
+from .cli import GRAPHS, device_and_dtype, kernel_options
 from .stats import gaps, log, median, progress, quantile, write_csv
 
 GIB = 1 << 30
@@ -55,6 +55,7 @@ class Setup:
         loaded = loaded or load_model(o.model, torch_dtype(dtype), o.device)
         return cls(o.model, o.device, dtype, o.engine, chunk, o.max_batch, mixed, uniform, cpu_scaled, loaded,
                    extra=dict(cuda_graphs=GRAPHS[o.cuda_graphs], overlap=GRAPHS[getattr(o, "overlap", "auto")],
+                              **kernel_options(o),
                               progress=not o.no_progress,
                               max_model_len=o.max_model_len), shared=shared)
 

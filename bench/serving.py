@@ -126,6 +126,7 @@ class Bench:
     def describe(self) -> dict:
         s = self.s
         return dict(model=s.model, device=s.device, dtype=s.dtype, engine=s.engine, engine_config=LINEAGE[s.engine],
+                    served=self.served.describe(),
                     chunk_tokens=s.chunk_tokens, max_batch=s.max_batch, mixed=s.mixed.name, uniform=s.uniform.name,
                     torch=torch.__version__, python=platform.python_version(), host=platform.node(),
                     gpu=torch.cuda.get_device_name() if torch.device(s.device).type == "cuda" else None,
@@ -134,8 +135,13 @@ class Bench:
 
     def base_row(self, part, workload, **kw) -> dict:
         s = self.s
-        return dict(part=part, engine=s.engine, model=s.model, device=s.device, dtype=s.dtype, workload=workload,
-                    **kw)
+        return dict(part=part, engine=s.engine, served=self.served.key(), model=s.model, device=s.device,
+                    dtype=s.dtype, workload=workload, **kw)
+
+    @property
+    def served(self):
+        """The configuration the runs serve, every None decided for this device (EngineConfig.resolved)."""
+        return self.s.config().resolved()
 
     def keep_steps(self, run_id, part, workload, trace):
         for t in trace:

@@ -94,9 +94,16 @@ class EngineConfig:
     tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
     trace_limit: int | None = None       # keep the last this many steps in Engine.trace (None: every step)
     prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)
-    # launch a pure decode step before the step before it is read back, when the scheduler can foresee it
-    # (Engine.step); None: on where pure decode steps are captured on CUDA, not in poison mode
+    # launch a step before the step before it is read back, when the scheduler can foresee it (Engine.step); None: on
+    # where steps are captured on CUDA at tp 1. Poison mode keeps it on (freed pages are poisoned before the launch)
     overlap: bool | None = None
+    # the backend's kernels (kernels/): its decode kernel (None: the backend's default: flash 'triton', flex 'rows',
+    # torch 'gather'); flash-attn's split count where it decodes (None: per call); the decode kernel writing a pure
+    # decode step's K/V itself (None: where the backend can); flex compiling dynamic lengths (None: on CUDA)
+    decode_kernel: str | None = None
+    decode_splits: int | None = None
+    decode_append: bool | None = None
+    flex_dynamic: bool | None = None
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -114,8 +121,17 @@ class EngineConfig:
         integer("trace_limit", self.trace_limit, 1, none="every step kept")
         for name in ("poison", "sync_trace", "progress", "prefix_cache", "capture_graphs"):
             flag(name, getattr(self, name))
-        for name in ("compile_warmup", "cuda_graphs", "compile_elementwise", "overlap"):
+        for name in ("compile_warmup", "cuda_graphs", "compile_elementwise", "overlap", "decode_append",
+                     "flex_dynamic"):
             flag(name, getattr(self, name), none=True)
+        integer("decode_splits", self.decode_splits, 0, none="per call, from the table's width and the rows")
+        if self.decode_kernel is not None and not isinstance(self.decode_kernel, str):
+            raise ConfigError(f"decode_kernel={self.decode_kernel!r}: must be a kernel's name (or None: the "
+                              f"backend's default)")
+        try:
+            self.backend_options()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         try:
             canonical_dtype(self.dtype)
         except ValueError as e:
@@ -132,8 +148,85 @@ class EngineConfig:
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)
 
+    def backend_options(self) -> dict:
+        """The backend's kernel choices, every None decided (kernels.AttentionBackend.options)."""
+        from kernels import backend_class
+        return backend_class(self.backend).options(self.decode_kernel, self.decode_splits, self.decode_append,
+                                                   self.flex_dynamic, device_type=device_type(self.device))
+
+    def resolved(self, graphs: bool | None = None, overlap: bool | None = None) -> "EngineConfig":
+        """This configuration with every None that picks what runs decided for its device: the kernels, captured
+        steps, overlap, the compiled elementwise pieces and warm-up (the pool's size and max_model_len need the
+        model: Engine.served). `graphs`, `overlap`: as an engine decided them (None: decide here)."""
+        on_cuda = device_type(self.device) == "cuda"
+        if graphs is None:
+            graphs = graphs_problem(self) is None and self.cuda_graphs is not False
+        if overlap is None:
+            overlap = self.overlap if self.overlap is not None else (
+                graphs and self.capture_graphs and on_cuda and self.tp == 1)
+        opts = self.backend_options()
+        return replace(self, cuda_graphs=graphs, overlap=bool(overlap), capture_graphs=graphs and self.capture_graphs and on_cuda,
+                       compile_elementwise=on_cuda if self.compile_elementwise is None else self.compile_elementwise,
+                       compile_warmup=on_cuda if self.compile_warmup is None else self.compile_warmup,
+                       decode_kernel=opts["decode_kernel"], decode_splits=opts["decode_splits"],
+                       decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"])
+
     def describe(self) -> dict:
+        """Every field, as given (None where undecided): `resolved().describe()` says what runs."""
         return asdict(self)
+
+    def key(self) -> str:
+        """A resolved configuration's choices that pick what runs, in one short line for a benchmark row:
+        forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows."""
+        c = self
+        kernel = f"{c.decode_kernel}{'+append' if c.decode_append else ''}"
+        if c.decode_splits is not None:
+            kernel += f"/splits{c.decode_splits}"
+        return "/".join([c.forward, c.backend, f"p{c.page_size}", kernel,
+                         "graphs" if c.cuda_graphs else "eager", "overlap" if c.overlap else "serial",
+                         "prefix" if c.prefix_cache else "noprefix", f"chunk{c.chunk_tokens}", f"rows{c.max_batch}",
+                         f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else []))
+
+
+# Fields that say how a run is observed or sized, not what it computes: two configurations that differ only in
+# these serve the same tokens at the same steps (pool sizes are checked by the gates' own workloads).
+# The device and dtype are in a golden's name already (a gate run may say cuda:1 for cuda).
+OBSERVING_FIELDS = ("poison", "record_topk", "sync_trace", "progress", "trace_limit", "tp_timeout", "num_pages",
+                    "kv_cache_bytes", "max_model_len", "compile_warmup", "device", "dtype")
+
+
+def config_differences(recorded: dict, current: dict) -> list[str]:
+    """'field: recorded -> current' for each field that picks what runs and differs; a field the record lacks
+    (written before it existed) is not a difference."""
+    return [f"{k}: {recorded[k]!r} -> {current[k]!r}" for k in sorted(current)
+            if k not in OBSERVING_FIELDS and k in recorded and recorded[k] != current[k]]
+
+
+def device_type(device) -> str:
+    return str(device).split(":")[0]
+
+
+def graphs_problem(config) -> str | None:
+    """Why this configuration cannot run captured steps (None: it can). On a CPU nothing is captured, but a
+    backend whose kernels are correct over the captured steps' static buffers (`static_steps`: the torch one) runs
+    that path uncaptured when asked (cuda_graphs=True), so the CPU gates reach steps launched ahead too."""
+    from kernels import backend_class
+    cls = backend_class(config.backend)
+    if device_type(config.device) != "cuda":
+        if config.cuda_graphs and getattr(cls, "static_steps", False):
+            return None
+        return "CUDA graphs need a CUDA device" + (
+            "" if getattr(cls, "static_steps", False) else f" (the {config.backend!r} backend's kernels do not run "
+                                                           f"the captured steps' static buffers on a CPU)")
+    if config.tp > 1 and config.cuda_graphs is None:
+        # the one two-GPU run of captured steps at tp 2 (2026-12-01, docs/RESULTS.md) built its graphs, then stopped
+        # answering mid-benchmark: eager unless asked for (cuda_graphs=True), until a two-GPU run shows them safe
+        return ("captured steps at tp > 1 are off unless asked for (cuda_graphs=True): on two H200s a tp 2 engine "
+                "with them built and then hung (docs/RESULTS.md)")
+    if not cls.graph_safe_decode:
+        return (f"the {config.backend!r} backend's decode is not graph-safe (its per-step tensors change shape); the "
+                f"'flash' backend's is")
+    return None
 
 
 # The lineage: each generation is a golden reference for the next. `hf` is transformers itself (gates/reference.py).

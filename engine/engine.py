@@ -1,7 +1,7 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace."""
 from __future__ import annotations
 
-import os
+import copy
 import threading
 import time
 from dataclasses import dataclass
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from . import errors, inputs
-from .config import KV_CACHE_BYTES, EngineConfig
+from .config import KV_CACHE_BYTES, EngineConfig, graphs_problem
 from .dtypes import torch_dtype
 from .heap import gc_frozen
 from .loader import load_model
@@ -20,8 +20,6 @@ from .runner import ModelRunner, build_runner
 from .scheduler import CancelResult, Chunk, Foresight, Scheduler, StepKind, StepPlan
 from .tp_layers import rank_shape
 from .workload import RequestSpec
-
-TP_GRAPHS_ENV = "STEPGATE_TP_GRAPHS"
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
 SCORE_OWNER = ("score",)
@@ -39,6 +37,7 @@ class StepRecord:
     duration: float           # seconds (device synchronised around the step when sync_trace is on)
     admission_blocked: bool = False   # the queue's head waited for pages while a row was free
     withheld: int = 0         # long prompts whose next prompt chunk waited for the decoders (prefill share)
+    ahead: bool = False       # the step was launched ahead, during the step before (EngineConfig.overlap)
 
 
 class Engine:
@@ -78,6 +77,9 @@ class Engine:
             self.runner = TPRunner.start(config, self.model, dtype, num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
         self.overlap = self.use_overlap(config)
+        # what this engine serves: every None of the config decided (golden meta, the gate summary, bench rows)
+        self.served = config.resolved(graphs=self.runner.graphs is not None, overlap=self.overlap).with_(
+            num_pages=num_pages, max_model_len=self.max_model_len)
         self._ahead: tuple[Foresight, object] | None = None   # the step launched ahead, its samples
         self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
         self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match
@@ -106,33 +108,18 @@ class Engine:
 
     @staticmethod
     def use_cuda_graphs(config: EngineConfig) -> bool:
-        """cuda_graphs None: on where they can run (CUDA, a backend whose decode is graph-safe); True: required."""
-        from kernels import backend_class
-        reason = None
-        if torch.device(config.device).type != "cuda":
-            reason = "CUDA graphs need a CUDA device"
-        elif config.tp > 1 and os.environ.get(TP_GRAPHS_ENV) != "1":
-            # the one two-GPU run of captured steps at tp 2 (2026-12-01, docs/RESULTS.md) built its graphs, then
-            # stopped answering mid-benchmark: eager until a two-GPU run shows them safe (the CPU emulation passes).
-            # STEPGATE_TP_GRAPHS=1 lets them on again, for the run that finds where they hang.
-            reason = ("captured steps at tp > 1 are off: on two H200s a tp 2 engine with them built and then hung "
-                      f"(docs/RESULTS.md); tp > 1 runs eagerly ({TP_GRAPHS_ENV}=1 to debug them)")
-        elif not backend_class(config.backend).graph_safe_decode:
-            reason = (f"the {config.backend!r} backend's decode is not graph-safe (its per-step tensors change "
-                      f"shape); the 'flash' backend's is")
+        """cuda_graphs None: on where they can run (CUDA, a backend whose decode is graph-safe, tp 1); True: required
+        (on a CPU: the captured steps' path run uncaptured, for a backend whose kernels allow it)."""
+        reason = graphs_problem(config)
         if config.cuda_graphs and reason:
             raise errors.ConfigError(f"cuda_graphs=True but {reason}")
         return reason is None and config.cuda_graphs is not False
 
     def use_overlap(self, config: EngineConfig) -> bool:
-        """overlap None: on where the runner can launch a pure decode step ahead (its graphs exist) and they are
-        captured, and not in poison mode; True: required."""
+        """overlap None: on where the runner can launch a step ahead (its graphs exist) and they are captured; True:
+        required. Poison mode keeps it: the pages a step frees are poisoned before the step launched after it."""
         reason = None
-        if config.poison:
-            # poison mode NaNs each step's freed pages before the next step runs; a step launched ahead would
-            # run before them, and a read of a page freed by the step before it would go unseen
-            reason = "poison mode checks each step against the pages freed before it"
-        elif not hasattr(self.runner, "launch_ahead") or self.runner.graphs is None:
+        if not hasattr(self.runner, "launch_ahead") or self.runner.graphs is None:
             reason = "launching a step ahead needs the captured pure decode steps (cuda_graphs, tp 1)"
         if config.overlap and reason:
             raise errors.ConfigError(f"overlap=True but {reason}")
@@ -257,7 +244,8 @@ class Engine:
             blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
             # the forward's own view: a submit or cancel during it changes no page of the plan's requests
             pages_of = dict(self.pool.owned)
-        if ahead is not None and self.matches(ahead[0], plan):
+        ran_ahead = ahead is not None and self.matches(ahead[0], plan)
+        if ran_ahead:
             pending = ahead[1]          # launched during the step before, on the rows this schedule chose
             self.steps_ahead += 1
         else:
@@ -272,6 +260,10 @@ class Engine:
             # step to the next without waiting for this step's readback, bookkeeping and the next one's packing
             with self.lock:
                 step = self.scheduler.next_step(plan)
+                # poison mode: the pages this step frees are poisoned before the step launched after it, as they
+                # would be between two serial steps, so that a step launched ahead that reads one is caught
+                freeing = self.pages_freed_by(plan) if cfg.poison and step is not None else []
+            self.runner.poison_pages(freeing)
             launched = self.runner.launch_ahead(step, pages_of, pending, cfg.forward) if step is not None else None
             if launched is not None:
                 self._ahead = (step, launched)
@@ -283,6 +275,9 @@ class Engine:
             if out is not None:
                 sampled = plan.sampled
                 if cfg.poison and any(out.nonfinite):
+                    if self._ahead is not None:         # the report re-runs this step: nothing may be in flight
+                        self._sync()
+                        self._ahead = None
                     err = poison_error(self, plan, sampled, out.nonfinite)   # reads the cache as the step left it
                     self.scheduler.finish_step()   # keep the pool consistent before raising
                     raise err
@@ -295,12 +290,21 @@ class Engine:
                             self.topk.setdefault(r.request_id, []).append((ids, vals))
             freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
             rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
-                             len(plan.admitted), start, end - start, blocked, plan.withheld)
+                             len(plan.admitted), start, end - start, blocked, plan.withheld, ran_ahead)
             self.trace.append(rec)
             if cfg.trace_limit is not None and len(self.trace) > cfg.trace_limit:
                 del self.trace[:len(self.trace) - cfg.trace_limit]
         self.runner.poison_pages(freed)    # no step can admit into them before this: one thread steps at a time
         return rec
+
+    def pages_freed_by(self, plan: StepPlan) -> list[int]:
+        """The pages that the end of `plan`'s step will free, before its tokens are known: its bookkeeping run on a
+        copy of the scheduler (which retires what finishes by its budget, caches full pages and frees the rest);
+        which pages it frees does not depend on the tokens. A cancel during the step frees more; the step launched
+        ahead is then dropped (Engine.matches), and those pages are poisoned at the step's end as usual."""
+        scheduler, copied = copy.deepcopy((self.scheduler, plan))
+        copied.apply([0] * len(copied.sampled), 0.0)
+        return scheduler.finish_step()
 
     @staticmethod
     def matches(step: Foresight, plan: StepPlan) -> bool:

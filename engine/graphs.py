@@ -29,7 +29,6 @@ see graphed steps exactly like eager ones. Loaded and chunk-only steps: engine/s
 """
 from __future__ import annotations
 
-import os
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -59,10 +58,6 @@ def ladder(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
-# "pow2": the width ladder without 24 (16, 32, 64, ...), for an A/B of the intermediate width in one device call
-LADDER_ENV = "STEPGATE_WIDTH_LADDER"
-
-
 def width_ladder(width: int) -> list[int]:
     """Captured block-table widths (pages): 16, 24, 32, 64, 128, ... below `width`, then `width` itself. 24: the
     split-KV kernel gives each split about 3 key blocks of the table's width (kernels/flash_backend.py), so a row
@@ -71,7 +66,7 @@ def width_ladder(width: int) -> list[int]:
     out, w = [], 16
     while w < width:
         out.append(w)
-        if w == 16 and os.environ.get(LADDER_ENV) != "pow2" and width > 24:
+        if w == 16 and width > 24:
             out.append(24)
         w *= 2
     return out + [width]
@@ -241,7 +236,8 @@ class DecodeGraphs(CapturedSteps):
 
     def __init__(self, runner: "ModelRunner", max_batch: int, width: int, progress: bool = True,
                  capture: bool = True):
-        if not getattr(runner.backend, "graph_safe_decode", False):
+        # uncaptured (a CPU), a backend whose kernels are right over the static buffers is enough
+        if not (runner.backend.graph_safe_decode or not capture and runner.backend.static_steps):
             raise RuntimeError(f"the {runner.backend.name!r} backend's decode cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_decode")
         self.sizes = ladder(max_batch)

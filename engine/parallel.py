@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kernels import envs
+
 from . import tp_layers
 from .config import EngineConfig
 from .errors import RankDisagreementError, WorkerError
@@ -29,7 +31,7 @@ from .tp_worker import WorkerSpec, worker_main
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
 # on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.
-START_METHOD = os.environ.get("STEPGATE_TP_START", "forkserver")
+START_METHOD = envs.get("STEPGATE_TP_START")
 WORKER_SETUP = None      # tests: a picklable callable(rank) every worker runs first (to plant a bug in a worker)
 POLL_S = 0.05            # how often a wait looks at the workers' processes
 GRACE_S = 2.0            # after a failed collective: how long the other ranks get to report what happened

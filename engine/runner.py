@@ -8,15 +8,17 @@ from __future__ import annotations
 import gc
 import sys
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from kernels import AttnBatch, get_backend
+from kernels import AttnBatch, Unavailable, get_backend
 from kernels.base import AttentionBackend
 
+from .census import StepPath, kernel_paths, step_kind
 from .model import ForwardContext, Qwen2
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
@@ -76,9 +78,11 @@ class Sampled:
 
 class ModelRunner:
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
-                 poison: bool = False, record_topk: int = 0, pad_page: bool = False):
+                 poison: bool = False, record_topk: int = 0, pad_page: bool = False,
+                 backend_options: dict | None = None):
         """pad_page: one more page than the pool's (index num_pages), never owned by a request, that the padding
-        rows of a captured decode step write and read (CUDA graphs)."""
+        rows of a captured decode step write and read (CUDA graphs). backend_options: its kernel choices
+        (EngineConfig.backend_options())."""
         self.model = model
         self.shape = model.shape
         self.device = torch.device(device)
@@ -87,7 +91,13 @@ class ModelRunner:
         self.num_pages = num_pages
         self.poison = poison
         self.record_topk = record_topk
-        self.backend: AttentionBackend = get_backend(backend, self.device, page_size)
+        self.backend: AttentionBackend = get_backend(backend, self.device, page_size, **(backend_options or {}))
+        # refused here, before any launch, rather than computed wrong (a head dim a kernel is not built for)
+        reason = self.backend.why_unsupported(model.shape.head_dim, dtype, model.shape.num_heads,
+                                              model.shape.num_kv_heads)
+        if reason:
+            raise Unavailable(f"attention backend {backend!r} cannot serve this model: {reason}")
+        self.census: Counter = Counter()     # the paths this runner's steps took (path_census)
         s = self.shape
         fill = float("nan") if poison else 0.0
         self.pad_page = num_pages if pad_page else None
@@ -271,13 +281,18 @@ class ModelRunner:
                use_graphs: bool = True) -> torch.Tensor:
         """The step's sampled rows' logits (a captured step's: a view of the static logits, sampled before the next
         replay)."""
+        hit = any(r.cached_prefix for r in plan.admitted)
         if use_graphs and self.graphs is not None and not plan.chunks and self.graphs.fits(len(plan.decodes)):
             # a pure decode step is the same in both forward modes: replay the captured one
-            return self.graphs.replay(plan.decodes, pages_of)
+            logits = self.graphs.replay(plan.decodes, pages_of)
+            self.count(plan.chunks, plan.decodes, forward_mode, self.graphs, prefix_hit=hit)
+            return logits
         if use_graphs and self.step_graphs is not None and plan.chunks and forward_mode == "fused":
             logits = self.step_graphs.replay(plan.chunks, plan.decodes, pages_of)
             if logits is not None:
+                self.count(plan.chunks, plan.decodes, forward_mode, self.step_graphs, prefix_hit=hit)
                 return logits
+        self.count(plan.chunks, plan.decodes, forward_mode, None, prefix_hit=hit)
         if forward_mode == "fused":
             return self.forward(plan.chunks, plan.decodes, pages_of)
         # chunked: prompt chunks, then the decode batch, as two forwards
@@ -298,12 +313,31 @@ class ModelRunner:
         if not step.chunks:
             if self.graphs is None or not self.graphs.fits(len(step.rows)):
                 return None
-            return self.sample_async(self.graphs.replay(step.rows, pages_of, source.tokens))
+            logits = self.graphs.replay(step.rows, pages_of, source.tokens)
+            self.count(step.chunks, step.rows, forward_mode, self.graphs, ahead=True)
+            return self.sample_async(logits)
         sg = self.step_graphs
         if sg is None or forward_mode != "fused" or sg.bucket_for(step.chunks, step.rows) is None:
             return None
         # a chunk-only step after one that sampled nothing (a prompt's earlier chunks) takes no token from it
-        return self.sample_async(sg.replay(step.chunks, step.rows, pages_of, source.tokens if step.rows else None))
+        logits = sg.replay(step.chunks, step.rows, pages_of, source.tokens if step.rows else None)
+        self.count(step.chunks, step.rows, forward_mode, sg, ahead=True)
+        return self.sample_async(logits)
+
+    def count(self, chunks, decodes, forward_mode: str, graphs, ahead: bool = False, prefix_hit: bool = False):
+        """One step in the path census (engine/census.py): `graphs`, the captured steps it replayed (None: eager)."""
+        if graphs is None:
+            mode, bucket = "eager", "-"
+        else:
+            mode = "captured" if graphs.capture_graphs else "uncaptured"
+            bucket = "x".join(map(str, graphs.last_key))
+        self.census[StepPath(step_kind(bool(chunks), bool(decodes)),
+                             kernel_paths(self.backend, bool(chunks), bool(decodes), forward_mode), mode, bucket,
+                             ahead, prefix_hit)] += 1
+
+    def path_census(self) -> list[dict]:
+        """The census as rows (StepPath.row), most taken first."""
+        return [path.row(n) for path, n in self.census.most_common()]
 
     def sample(self, logits: torch.Tensor) -> StepOutput:
         """Greedy, read back now."""
@@ -347,7 +381,8 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     from .engine import Engine      # its use_cuda_graphs decides (and the tests emulate through it)
     graphs = Engine.use_cuda_graphs(config)
     runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
-                        poison=config.poison, record_topk=config.record_topk, pad_page=graphs, **runner_kw)
+                        poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
+                        backend_options=config.backend_options(), **runner_kw)
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile
@@ -355,10 +390,13 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
                               max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
                               page_size=config.page_size)
     if graphs:   # after the backend's warm-up: a capture must not include a compile
-        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress,
-                                     capture=config.capture_graphs)
-        if config.forward == "fused" and config.tp == 1 and getattr(runner.backend, "graph_safe_prefill", False):
+        # off CUDA nothing can be captured: the captured steps' path (static buffers, steps launched ahead) runs
+        # uncaptured, for a backend whose kernels allow it (engine.config.graphs_problem)
+        capture = config.capture_graphs and on_cuda
+        runner.capture_decode_graphs(config.max_batch, table_width, progress=config.progress, capture=capture)
+        static_prefill = runner.backend.graph_safe_prefill or (not on_cuda and runner.backend.static_steps)
+        if config.forward == "fused" and config.tp == 1 and static_prefill:
             # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
             runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
-                                       progress=config.progress, capture=config.capture_graphs)
+                                       progress=config.progress, capture=capture)
     return runner

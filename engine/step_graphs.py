@@ -81,7 +81,8 @@ class StepGraphs(CapturedSteps):
 
     def __init__(self, runner: "ModelRunner", max_tokens: int, max_batch: int, width: int, progress: bool = True,
                  capture: bool = True):
-        if not getattr(runner.backend, "graph_safe_prefill", False):
+        # uncaptured (a CPU), a backend whose kernels are right over the static buffers is enough
+        if not (runner.backend.graph_safe_prefill or not capture and runner.backend.static_steps):
             raise RuntimeError(f"the {runner.backend.name!r} backend's prefill cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_prefill")
         if runner.pad_page is None:

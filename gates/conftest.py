@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import kernels
-from engine.config import LINEAGE
+from engine.config import LINEAGE, config_differences, lineage_config
 from engine.dtypes import torch_dtype
 from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
@@ -75,7 +75,8 @@ class Runs:
         label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:
             wl = get_workload(workload)
-            kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides)
+            kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides,
+                      **self.opts.overrides(backend))
             kw.update(overrides)
             ref = EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
             try:
@@ -125,11 +126,23 @@ class Runs:
         if o.regen and (reference, workload) not in self.cache:
             regenerate(o.model, workload, reference, o.device, o.dtype, o.golden_dir, o.threshold)
             self.cache[(reference, workload)] = True
+        command = regen_command(o.model, workload, reference, o.device, o.dtype, o.golden_dir)
         try:
-            return read_golden(base, regen_command(o.model, workload, reference, o.device, o.dtype, o.golden_dir),
-                               model_checksum=self.model_checksum)[0]
+            records, meta = read_golden(base, command, model_checksum=self.model_checksum)
         except GoldenError as e:
             pytest.fail(str(e), pytrace=False)
+        if reference != "hf":
+            # a golden is the reference engine's tokens under the configuration it served then: compared with what
+            # that engine serves now, or it would pass a change of kernel, split or capture without a word
+            recorded = (meta.get("reference") or {}).get("config") or {}
+            now = lineage_config(reference, device=o.device, dtype=o.dtype,
+                                 chunk_tokens=get_workload(workload).chunk_tokens).resolved().describe()
+            diffs = config_differences(recorded, now)
+            if diffs:
+                pytest.fail(f"golden {base}.meta.json was made under another configuration of {reference!r} than "
+                            f"the one it serves here now ({'; '.join(diffs)}): its tokens are not this engine's "
+                            f"reference. Regenerate it if the change was intended: {command}", pytrace=False)
+        return records
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.config import config_differences
 from engine.loader import model_checksum
 from engine.workload import SMOKE_CPU, Workload, get_workload
 
@@ -173,9 +174,9 @@ def regenerate(model, workload_name: str, reference_name: str, device: str, dtyp
     base = golden_path(golden_dir, model, workload_name, reference_name, device, dtype)
     if not check:
         check_writable(base.parent)
-    old = None
+    old, old_meta = None, {}
     try:
-        old, _ = read_golden(base)
+        old, old_meta = read_golden(base)
     except GoldenError as e:
         out(f"{base}: no usable previous golden ({e})")
     if check and old is None:
@@ -188,6 +189,10 @@ def regenerate(model, workload_name: str, reference_name: str, device: str, dtyp
     else:
         write_golden(base, records, meta)
         out(f"wrote {base}.meta.json / .json.gz ({len(records)} requests)")
+    moved = config_differences((old_meta.get("reference") or {}).get("config") or {},
+                               (meta.get("reference") or {}).get("config") or {})
+    if moved:
+        out(f"configuration of {reference_name} changed against the old golden: {'; '.join(moved)}")
     if old is None:
         return None
     # what moved: the old golden is the reference, the new one the candidate; teacher-force with the new engine

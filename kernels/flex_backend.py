@@ -12,7 +12,7 @@ builds gather indices of exactly the slots each sequence owns below its length, 
 - decode, 'rows' layout (the default): one query row per request as a batch entry, [R, heads, 1, d], each against
   its own history padded to the longest, [R, kv_heads, L, d], with the length mask. Block sparsity skips the padded
   blocks, but the gather writes R x L slots;
-- decode, 'packed' layout (`FlexBackend('packed')` or STEPGATE_FLEX_DECODE=packed): the decode rows are the queries of
+- decode, 'packed' layout (`FlexBackend('packed')`, EngineConfig(decode_kernel='packed')): the decode rows are the queries of
   one call, [1, heads, R, d], against every request's valid history packed back to back, [1, kv_heads, Tk, d], with
   the document mask; the gather copies each valid slot once, but every key block is computed for all R rows.
 
@@ -28,8 +28,8 @@ On CUDA the padded lengths are dynamic (`torch.compile(dynamic=True)`, batch and
 sizing): one graph per kind (decode, prefill) serves every rung, which is why the ladder starts at two blocks (a dim
 of one block would be specialised into a graph of its own). Batch and heads stay static because Inductor's split-KV
 decode kernel needs them so, and the compiled function tells Inductor the lengths are whole blocks (its fast path).
-On CPU each padded shape compiles statically (see `dynamic_shapes` for why); STEPGATE_FLEX_DYNAMIC=0/1 forces
-either. `warmup(...)` runs every shape of the ladder an engine configuration can reach (see `ladder_shapes`), so
+On CPU each padded shape compiles statically (see `dynamic_shapes` for why); EngineConfig(flex_dynamic=...)
+forces either. `warmup(...)` runs every shape of the ladder an engine configuration can reach (see `ladder_shapes`), so
 that no measured step includes a compile; `compiled_shapes` lists what this process has run. A new (heads,
 kv_heads, head_dim, dtype, device, scale) compiles anew. Dynamo's recompile limit is raised so that it never falls
 back to eager flex_attention after 8 graphs.
@@ -44,29 +44,24 @@ kernel and `flash` the decode kernel for speed (bench/kernel_bench.py measures b
 from __future__ import annotations
 
 import functools
-import os
 import shutil
 
 import torch
 import torch._dynamo
 
+from . import envs
 from .base import AttentionBackend, AttnBatch
 from .flex_shapes import BLOCK, MIN_BLOCKS, ROWS, block_mask_from_dense, kv_bucket, ladder, q_bucket, rows_bucket
 
-DYNAMIC_ENV = "STEPGATE_FLEX_DYNAMIC"
 COMPILER = "inductor"  # torch.compile's backend; tests/test_flex_compile.py checks the dynamic path with "aot_eager"
 
 
 def dynamic_shapes(device_type: str = "cuda") -> bool:
-    """Whether flex compiles dynamic lengths on this device type: STEPGATE_FLEX_DYNAMIC=1 (always), 0 (never: one
-    graph per padded shape) or unset (CUDA only). Not on CPU by default: Inductor's C++ flex template (torch 2.13)
-    writes its split sizes into the generated code by text replacement of a size symbol's name (`ks1`), which also
-    hits longer names (`ks18` -> `cur_kvSplitSize8`), and the code then fails to compile (seen on the prefill mask)."""
-    v = os.environ.get(DYNAMIC_ENV, "")
-    if v not in ("", "0", "1"):
-        raise ValueError(f"{DYNAMIC_ENV} must be 0 (one compile per padded shape), 1 (dynamic lengths) or unset "
-                         f"(dynamic on CUDA), got {v!r}")
-    return v == "1" if v else device_type == "cuda"
+    """Whether flex compiles dynamic lengths by default on this device type (EngineConfig.flex_dynamic decides; None
+    takes this): on CUDA only. Not on CPU: Inductor's C++ flex template (torch 2.13) writes its split sizes into the
+    generated code by text replacement of a size symbol's name (`ks1`), which also hits longer names (`ks18` ->
+    `cur_kvSplitSize8`), and the code then fails to compile (seen on the prefill mask)."""
+    return device_type == "cuda"
 
 
 def _attend_blocks(q, k, v, block_mask, scale):
@@ -115,21 +110,37 @@ class FlexBackend(AttentionBackend):
     name = "flex"
 
     DECODE_LAYOUTS = ("rows", "packed")
+    decode_kernels = DECODE_LAYOUTS
+    prefill_kernel = "packed"
+    head_dims = (64, 128)       # what the kernel gate compiles and checks (each head dim compiles its own kernels)
 
-    def __init__(self, decode_layout: str | None = None):
-        """decode_layout: 'rows' (default; STEPGATE_FLEX_DECODE overrides): one flex batch entry per request, each
-        against its own history padded to the longest one; 'packed': the decode rows as the queries of one flex call
-        over all requests' histories packed back to back (see the module's docstring for both, and timings)."""
-        layout = decode_layout or os.environ.get("STEPGATE_FLEX_DECODE", "rows")
-        if layout not in self.DECODE_LAYOUTS:
-            raise ValueError(f"flex decode layout must be one of {self.DECODE_LAYOUTS}, got {layout!r}")
-        self.decode_layout = layout
+    def __init__(self, decode_kernel: str | None = None, decode_splits: int | None = None,
+                 decode_append: bool | None = None, dynamic: bool | None = None):
+        """decode_kernel, the decode layout: 'rows' (the default): one flex batch entry per request, each against its
+        own history padded to the longest one; 'packed': the decode rows as the queries of one flex call over all
+        requests' histories packed back to back (see the module's docstring for both, and timings). dynamic: compile
+        dynamic lengths (None: dynamic_shapes' default for the device the first call runs on)."""
+        super().__init__(decode_kernel, decode_splits, decode_append, dynamic)
+        self._dynamic_given = dynamic
         self.compiled_shapes: set[tuple] = set()
+
+    @property
+    def decode_layout(self) -> str:
+        return self.decode_kernel
+
+    @decode_layout.setter
+    def decode_layout(self, layout: str) -> None:
+        self.decode_kernel = layout
+
+    @classmethod
+    def default_dynamic(cls, device_type: str) -> bool:
+        return dynamic_shapes(device_type)
 
     # -- availability ----------------------------------------------------------------------------------------
     @classmethod
-    def why_unavailable(cls, device: torch.device, page_size: int | None = None) -> str | None:
-        reason = super().why_unavailable(device, page_size)
+    def why_unavailable(cls, device: torch.device, page_size: int | None = None,
+                        decode_kernel: str | None = None) -> str | None:
+        reason = super().why_unavailable(device, page_size, decode_kernel)
         if reason:
             return reason
         reason = _flex_import_error()
@@ -148,9 +159,9 @@ class FlexBackend(AttentionBackend):
             return None
         if device.type == "cpu":
             # Inductor compiles flex to C++ on CPU (measured here: ~10-25 s per new shape cold, ~2 s from its cache)
-            if os.environ.get("STEPGATE_FLEX_CPU", "1") == "0":
+            if envs.get("STEPGATE_FLEX_CPU") == "0":
                 return "FlexAttention needs CUDA here: CPU runs are switched off (STEPGATE_FLEX_CPU=0)"
-            if not (os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+            if not (envs.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
                 return "FlexAttention needs CUDA here: compiling it on CPU needs a C++ compiler and none was found"
             return None
         return f"FlexAttention needs CUDA here: device type {device.type!r} is not supported"
@@ -224,7 +235,7 @@ class FlexBackend(AttentionBackend):
     def _attend(self, q, k, v, mask, scale):
         key = (tuple(q.shape), tuple(k.shape), q.dtype, q.device.type, float(scale))
         self.compiled_shapes.add(key)
-        if dynamic_shapes(q.device.type):
+        if self._dynamic_given if self._dynamic_given is not None else dynamic_shapes(q.device.type):
             for t in (q, k, v):      # batch and heads: static (the split-KV decode kernel needs them so)
                 torch._dynamo.mark_static(t, 0)
                 torch._dynamo.mark_static(t, 1)
@@ -346,4 +357,4 @@ class FlexBackend(AttentionBackend):
 
 
 __all__ = ["FlexBackend", "q_bucket", "kv_bucket", "rows_bucket", "ladder", "block_mask_from_dense", "dynamic_shapes",
-           "BLOCK", "MIN_BLOCKS", "ROWS", "DYNAMIC_ENV"]
+           "BLOCK", "MIN_BLOCKS", "ROWS"]

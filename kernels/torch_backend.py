@@ -29,6 +29,11 @@ CUDA_SDPA = [SDPBackend.MATH]
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    decode_kernels = ("gather",)
+    prefill_kernel = "gather"
+    # right over static buffers (its gathers follow the device lengths; the host gives only bounds), but not graph-safe
+    # for real use: a captured decode would gather the table's whole width, 32k positions a row on the 1.5B shape
+    static_steps = True
 
     def prepare(self, batch: AttnBatch, kind: str) -> None:
         # per-sequence lengths come from the device tensors; the host gives only the shapes (sequences, query rows,

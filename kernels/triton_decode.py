@@ -24,21 +24,12 @@ it, and the 32-row pure decode step's attention took 0.63 ms of device time agai
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-CHUNK_ENV = "STEPGATE_TRITON_DECODE_CHUNK"
 CHUNK = 256             # keys an item attends: one 256-slot page (flash's page size); a multiple of BLOCK_N
 BLOCK_N = 64            # keys a program loads at a time; divides the page size
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a group are padded to it
-
-
-def chunk_size() -> int:
-    chunk = int(os.environ.get(CHUNK_ENV, CHUNK))
-    if chunk <= 0 or chunk % BLOCK_N:
-        raise ValueError(f"{CHUNK_ENV}={chunk}: must be a positive multiple of {BLOCK_N}")
-    return chunk
 
 
 def max_items(rows: int, width_slots: int, pool_slots: int, chunk: int) -> int:
@@ -81,7 +72,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
     position `cached`). `items`: work_items(...) made once per step (else made here). -> [rows, heads, d]."""
     attend_items, combine_items = _kernels()
-    chunk = chunk or chunk_size()
+    chunk = chunk or CHUNK
     rows, heads, d = q.shape
     pages, page_size, kv_heads, _ = k_cache.shape
     if page_size % BLOCK_N or heads % kv_heads or d & (d - 1):
@@ -120,4 +111,4 @@ def combine_bound(width_slots: int, chunk: int) -> int:
     return 1 << (items - 1).bit_length()
 
 
-__all__ = ["CHUNK", "CHUNK_ENV", "chunk_size", "combine_bound", "max_items", "paged_decode", "work_items"]
+__all__ = ["CHUNK", "combine_bound", "max_items", "paged_decode", "work_items"]

@@ -152,6 +152,16 @@ def decode_tables(mp: pytest.MonkeyPatch, change: Callable, kv_change: Callable 
     mp.setattr(ModelRunner, "_attn_batch", bugged)
 
 
+def ahead_tokens(mp: pytest.MonkeyPatch) -> None:
+    """A pure decode step launched ahead (EngineConfig.overlap) gathers each row's input token from the next row's
+    sample: the bug is only in the launched-ahead path (engine/graphs.py's gather of the step before's samples)."""
+    import engine.graphs
+
+    def shifted(tokens, source):
+        tokens.copy_(source.index_select(0, (tokens + 1) % source.shape[0]))
+    mp.setattr(engine.graphs, "gather_tokens", shifted)
+
+
 def stale_read(mp: pytest.MonkeyPatch) -> None:
     """Decode row i reads its history through row i-1's block-table row: another request's pages."""
     decode_tables(mp, lambda tables: tables[:1] + tables[:-1] if len(tables) >= 2 else tables)
@@ -277,6 +287,9 @@ PLANTS = {
     "chunk-position": Plant("every prompt chunk but a prompt's first one position late",
                             token_cause("its last prompt chunk", "only when its prompt is chunked"), chunk_position,
                             number_changing=True),
+    "ahead-tokens": Plant("a pure decode step launched ahead takes each row's token from the next row's sample",
+                          r"steps launched ahead[\s\S]*not a near tie under 0\.02", ahead_tokens,
+                          number_changing=True),
     "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
                         poison_cause(r"(?!\1 )\S+") + "|" + token_cause("a decode row", "only when batched with"),
                         stale_read, number_changing=True),

@@ -76,7 +76,7 @@ def test_captured_table_is_kept_whole():
 def test_out_of_range_split_count_is_refused(monkeypatch):
     monkeypatch.setattr("kernels.flash_backend._import_flash", lambda: (None, "not here"))
     with pytest.raises(ValueError, match="0..128"):
-        FlashBackend(decode_splits=129)
+        FlashBackend(decode_kernel="flash", decode_splits=129)
 
 
 def test_decode_with_new_kv_appends_at_the_last_position():
@@ -91,27 +91,23 @@ def test_decode_with_new_kv_appends_at_the_last_position():
     b._with_kvcache = with_kvcache
     bt = batch([1, 300, 513], width=4)
     b.prepare(bt, "decode")
-    cache = torch.zeros(8, 256, 2, 16, dtype=torch.float16)
-    q = torch.randn(3, 4, 16, dtype=torch.float16)
-    k, v = torch.randn(3, 2, 16, dtype=torch.float16), torch.randn(3, 2, 16, dtype=torch.float16)
+    cache = torch.zeros(8, 256, 2, 64, dtype=torch.float16)
+    q = torch.randn(3, 4, 64, dtype=torch.float16)
+    k, v = torch.randn(3, 2, 64, dtype=torch.float16), torch.randn(3, 2, 64, dtype=torch.float16)
     b.decode(q, cache, cache, bt, 0.25)
     b.decode(q, cache, cache, bt, 0.25, new_kv=(k, v))
     assert calls[0]["cache_seqlens"].tolist() == [1, 300, 513] and "k" not in calls[0]
     assert calls[1]["cache_seqlens"].tolist() == [0, 299, 512]
-    assert calls[1]["k"].shape == (3, 1, 2, 16) and torch.equal(calls[1]["k"][:, 0], k)
+    assert calls[1]["k"].shape == (3, 1, 2, 64) and torch.equal(calls[1]["k"][:, 0], k)
     assert torch.equal(calls[1]["v"][:, 0], v)
     assert calls[0]["num_splits"] == calls[1]["num_splits"]
 
 
-@pytest.mark.parametrize("value, appends", [(None, True), ("1", True), ("0", False)])
+@pytest.mark.parametrize("value, appends", [(None, True), (True, True), (False, False)])
 def test_append_can_be_turned_off_for_an_ab_run(monkeypatch, value, appends):
-    from kernels.flash_backend import APPEND_ENV
-    if value is None:
-        monkeypatch.delenv(APPEND_ENV, raising=False)
-    else:
-        monkeypatch.setenv(APPEND_ENV, value)
+    """EngineConfig.decode_append: None takes the backend's default (flash appends)."""
     monkeypatch.setattr("kernels.flash_backend._import_flash", lambda: (None, "not here"))
     b = object.__new__(FlashBackend)
-    with pytest.raises(Exception, match="not here"):     # the switch is read before flash-attn is imported
-        FlashBackend.__init__(b)
+    with pytest.raises(Exception, match="not here"):     # the choice is made before flash-attn is imported
+        FlashBackend.__init__(b, decode_kernel="flash", decode_append=value)
     assert b.appends_decode_kv is appends

@@ -13,7 +13,7 @@ import torch
 
 from kernels import why_unavailable
 from kernels.compile_cache import ENV, use_compile_cache
-from kernels.flex_backend import BLOCK, DYNAMIC_ENV, MIN_BLOCKS, dynamic_shapes, kv_bucket, ladder, q_bucket
+from kernels.flex_backend import BLOCK, MIN_BLOCKS, FlexBackend, dynamic_shapes, kv_bucket, ladder, q_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -47,16 +47,17 @@ def test_ladder_starts_at_two_blocks_and_wastes_at_most_a_third():
         assert q_bucket(n) >= n and q_bucket(n) % BLOCK == 0
 
 
-def test_dynamic_switch_is_checked(monkeypatch):
-    monkeypatch.delenv(DYNAMIC_ENV, raising=False)
+def test_dynamic_switch_is_a_config_field():
+    """Dynamic lengths by default on CUDA only; EngineConfig.flex_dynamic forces either, and the resolved
+    configuration records what ran."""
+    from engine import EngineConfig
+    from engine.errors import ConfigError
     assert dynamic_shapes("cuda") and not dynamic_shapes("cpu")
-    monkeypatch.setenv(DYNAMIC_ENV, "0")
-    assert not dynamic_shapes("cuda")
-    monkeypatch.setenv(DYNAMIC_ENV, "1")
-    assert dynamic_shapes("cpu")
-    monkeypatch.setenv(DYNAMIC_ENV, "yes")
-    with pytest.raises(ValueError, match="STEPGATE_FLEX_DYNAMIC must be 0"):
-        dynamic_shapes("cpu")
+    assert EngineConfig(backend="flex").resolved().flex_dynamic is False
+    assert EngineConfig(backend="flex", flex_dynamic=True).resolved().flex_dynamic is True
+    assert FlexBackend(dynamic=True)._dynamic_given is True
+    with pytest.raises(ConfigError, match="flex_dynamic='yes'"):
+        EngineConfig(backend="flex", flex_dynamic="yes")
 
 
 def test_dynamic_lengths_share_one_graph_per_kind(monkeypatch):
@@ -66,14 +67,13 @@ def test_dynamic_lengths_share_one_graph_per_kind(monkeypatch):
     needs_flex()
     import kernels.flex_backend as fb
     from gates.kernel_check import check_kernel
-    monkeypatch.setenv(DYNAMIC_ENV, "1")
     monkeypatch.setattr(fb, "COMPILER", "aot_eager")
     torch._dynamo.reset()
     for kind, cases in (("decode", [([5, 100], None), ([5, 900, 17], None), ([3000, 4], None)]),
                         ("prefill", [([128], [128]), ([600, 900, 40], [300, 400, 40]), ([1, 2000], [1, 100])])):
         g0 = frames()
         for kv_lens, q_lens in cases:
-            check_kernel("flex", kind, num_heads=4, kv_heads=2, head_dim=64, page_size=64, kv_lens=kv_lens,
+            check_kernel(FlexBackend(dynamic=True), kind, num_heads=4, kv_heads=2, head_dim=64, page_size=64, kv_lens=kv_lens,
                          q_lens=q_lens)
         assert frames() - g0 == 1, f"{kind}: {frames() - g0} graphs for three padded lengths"
     assert breaks() == 0

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine import Engine
-from engine.config import lineage_config
+from engine.config import EngineConfig, lineage_config
 from engine.pool import PagePool
 from engine.request import Request
 from engine.scheduler import Foresight, NextRow, Scheduler, StepKind
@@ -251,3 +251,53 @@ def test_overlap_config():
     with pytest.raises(ConfigError, match="overlap"):
         lineage_config("fused", overlap="yes")
     assert Engine(lineage_config("fused", progress=False)).overlap is False
+
+
+# -- poison mode keeps steps launched ahead (issue 32) --------------------------------------------------------------
+def freed_page_read(monkeypatch, engine, poison_before_launch: bool = True) -> None:
+    """Plant: a step launched ahead reads, through its first row's first block-table entry, a page that the step in
+    flight before it frees at its end, instead of that row's own first page. `poison_before_launch=False` takes the
+    engine's foresight of those pages away (as before: they were poisoned only at the end of that step)."""
+    runner, freeing = engine.runner, []
+    foresee, launch_ahead = engine.pages_freed_by, runner.launch_ahead
+
+    def pages_freed_by(plan):
+        freeing[:] = foresee(plan)
+        return list(freeing) if poison_before_launch else []
+
+    def launch(step, pages_of, source, forward_mode):
+        if freeing and step.rows:
+            rid = step.rows[0].request.request_id
+            pages_of = {**pages_of, rid: [freeing[0]] + pages_of[rid][1:]}
+        return launch_ahead(step, pages_of, source, forward_mode)
+    monkeypatch.setattr(engine, "pages_freed_by", pages_freed_by)
+    monkeypatch.setattr(runner, "launch_ahead", launch)
+
+
+def test_poison_mode_keeps_steps_launched_ahead_and_poisons_freed_pages_before_them(monkeypatch, loaded):
+    """Poison mode no longer turns overlap off: the pages a step frees are poisoned before the step launched after it
+    (Engine.pages_freed_by foresees them), so a step launched ahead that reads a page freed by the step before it
+    gets NaN logits and the engine names it, as it would between two serial steps. Without that foresight (as
+    before), the same read finds the page's stale, finite contents and nothing is reported."""
+    from engine import PoisonedLogitsError
+
+    def engine():
+        # no prefix cache: a finished request's full pages are then freed, not kept cached; its first page is full
+        # (every slot written), so reading it unpoisoned finds finite keys
+        e = Engine(EngineConfig(cuda_graphs=True, overlap=True, poison=True, progress=False, prefix_cache=False),
+                   loaded=loaded)
+        assert e.overlap
+        for i, (n, budget) in enumerate([(70, 3), (70, 12), (9, 12), (40, 12)]):
+            e.submit([3 + (i * 7 + j) % 50 for j in range(n)], budget, request_id=f"r{i}")
+        return e
+    clean = engine()
+    clean.run()
+    assert clean.steps_ahead > 0
+    planted = engine()
+    freed_page_read(monkeypatch, planted)
+    with pytest.raises(PoisonedLogitsError, match=r"non-finite logits for \['r1'\]"):
+        planted.run()
+    unseen = engine()
+    freed_page_read(monkeypatch, unseen, poison_before_launch=False)
+    unseen.run()          # the read goes unseen: the page still holds its last owner's keys and values
+    assert unseen.steps_ahead > 0

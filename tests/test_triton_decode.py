@@ -172,15 +172,14 @@ def test_bad_shapes_are_refused_with_the_reason():
 
 
 def flash_with_triton_decode(monkeypatch):
-    """The flash backend with STEPGATE_DECODE_KERNEL=triton, made without flash-attn (its decode path does not use
-    it): its decode as the model calls it."""
+    """The flash backend with decode_kernel='triton', made without flash-attn (its decode path does not use it): its
+    decode as the model calls it."""
     from kernels import flash_backend as fb
-    monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "triton")
     monkeypatch.setattr(fb, "_import_flash", lambda: (None, "no flash-attn here"))
     with pytest.raises(fb.Unavailable):
-        fb.FlashBackend()                       # the kernel choice is read before flash-attn is looked for
+        fb.FlashBackend(decode_kernel="triton")     # the kernel choice is read before flash-attn is looked for
     backend = object.__new__(fb.FlashBackend)
-    backend.triton_chunk, backend.decode_splits = 256, None
+    backend.triton_chunk, backend.decode_splits, backend.decode_kernel = 256, None, "triton"
     return backend
 
 
@@ -217,10 +216,13 @@ def test_the_flash_backend_decodes_through_it_when_asked(monkeypatch, append):
 
 
 def test_an_unknown_decode_kernel_is_refused(monkeypatch):
+    from engine import EngineConfig
+    from engine.errors import ConfigError
     from kernels import flash_backend as fb
-    monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "tritn")
-    with pytest.raises(ValueError, match="STEPGATE_DECODE_KERNEL='tritn': the decode kernel is 'triton'"):
-        fb.FlashBackend()
+    with pytest.raises(ValueError, match="decode_kernel='tritn': the flash backend decodes with 'triton' or 'flash'"):
+        fb.FlashBackend(decode_kernel="tritn")
+    with pytest.raises(ConfigError, match="decode_kernel='tritn'"):
+        EngineConfig(backend="flash", page_size=256, decode_kernel="tritn")
 
 
 def test_its_compiled_kernels_go_to_the_kept_compile_cache(tmp_path, monkeypatch):
@@ -234,34 +236,31 @@ def test_its_compiled_kernels_go_to_the_kept_compile_cache(tmp_path, monkeypatch
     assert triton.knobs.cache.dir == str(tmp_path / "kept" / "triton-jit")
 
 
-@pytest.mark.parametrize("env, chunk", [(None, 256), ("", 256), ("triton", 256), ("flash", None)])
-def test_triton_is_the_default_decode_kernel(monkeypatch, env, chunk):
-    """Unset (or empty), the flash backend decodes with Triton; 'flash' takes flash-attn's split-KV."""
+@pytest.mark.parametrize("kernel, chunk", [(None, 256), ("triton", 256), ("flash", None)])
+def test_triton_is_the_default_decode_kernel(monkeypatch, kernel, chunk):
+    """EngineConfig.decode_kernel None: the flash backend decodes with Triton; 'flash' takes flash-attn's split-KV;
+    the resolved configuration names the kernel either way."""
+    from engine import EngineConfig
     from kernels import flash_backend as fb
-    if env is None:
-        monkeypatch.delenv(fb.DECODE_KERNEL_ENV, raising=False)
-    else:
-        monkeypatch.setenv(fb.DECODE_KERNEL_ENV, env)
-    monkeypatch.delenv(td.CHUNK_ENV, raising=False)
     monkeypatch.setattr(fb, "_import_flash", lambda: (fb, None))     # any module: only its presence is asked
     monkeypatch.setattr(fb.FlashBackend, "_bind_flash", lambda self: None)
-    assert fb.FlashBackend().triton_chunk == chunk
+    assert fb.FlashBackend(decode_kernel=kernel).triton_chunk == chunk
+    cfg = EngineConfig(backend="flash", page_size=256, decode_kernel=kernel)
+    assert cfg.resolved().describe()["decode_kernel"] == (kernel or "triton")
 
 
 def test_a_triton_that_does_not_import_makes_flash_unavailable_and_says_how_to_opt_out(monkeypatch):
     """A broken triton must not leave the flash configuration ungated behind a green run: the backend reports it
     cannot run (on CUDA the gates then refuse to start), naming the way back to flash-attn's decode."""
     from kernels import flash_backend as fb
-    monkeypatch.delenv(fb.DECODE_KERNEL_ENV, raising=False)
     monkeypatch.setattr(fb, "_import_flash", lambda: (fb, None))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setitem(sys.modules, "triton", None)          # import triton raises ImportError
     fb._triton_reason.cache_clear()
     try:
         reason = fb.FlashBackend.why_unavailable(torch.device("cuda"), 256)
-        assert reason and "triton does not import" in reason and "STEPGATE_DECODE_KERNEL=flash" in reason
-        monkeypatch.setenv(fb.DECODE_KERNEL_ENV, "flash")
-        assert fb.FlashBackend.why_unavailable(torch.device("cuda"), 256) is None
+        assert reason and "triton does not import" in reason and "decode_kernel='flash'" in reason
+        assert fb.FlashBackend.why_unavailable(torch.device("cuda"), 256, "flash") is None
     finally:
         fb._triton_reason.cache_clear()
 

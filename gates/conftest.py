@@ -11,6 +11,7 @@ from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
+from . import coverage
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
 from .options import CANDIDATES, GateOptions, gate_options, is_gate_file  # noqa: F401  (CANDIDATES: the gates')
 from .reference import EngineReference, make_reference
@@ -87,6 +88,7 @@ class Runs:
                            f"chunk_tokens {c.chunk_tokens}, {c.device} {c.dtype}")
                 raise
             self.finish(ref.last_engine)
+            coverage.served(label, ref.last_engine)
             self.cache[key] = (records, ref.last_engine)
         # every gate that uses a run fails on its schedule (strict FCFS, eviction at the end of the step, pages back)
         check_engine(self.cache[key][1], label)

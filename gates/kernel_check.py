@@ -137,12 +137,35 @@ def _lens_str(xs, limit=12) -> str:
     return f"[{s}{',...' if len(xs) > limit else ''}] ({len(xs)} seqs)"
 
 
-def run_kernel(backend: AttentionBackend, kind: str, case: PagedCase, scale: float) -> torch.Tensor:
+def run_kernel(backend: AttentionBackend, kind: str, case: PagedCase, scale: float,
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     batch = case.batch()
     with torch.inference_mode():
         backend.prepare(batch, kind)
-        fn = backend.decode if kind == "decode" else backend.prefill
-        return fn(case.q, case.k_cache, case.v_cache, batch, scale)
+        if kind == "decode":
+            return backend.decode(case.q, case.k_cache, case.v_cache, batch, scale,
+                                  **({"new_kv": new_kv} if new_kv is not None else {}))
+        return backend.prefill(case.q, case.k_cache, case.v_cache, batch, scale)
+
+
+def last_slots(case: PagedCase) -> torch.Tensor:
+    """Each sequence's last cache slot (page * page_size + offset): where a decode row's own key goes."""
+    P = case.page_size
+    return torch.tensor([t[(k - 1) // P] * P + (k - 1) % P for t, k in zip(case.tables, case.kv_lens)],
+                        device=case.k_cache.device)
+
+
+def take_appended(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' own keys and values taken out of the cache, their slots poisoned: what a step hands a decode
+    kernel that appends (the kernel must write them there, and attend to them)."""
+    kvh, d = case.k_cache.shape[2], case.k_cache.shape[3]
+    slots = last_slots(case)
+    out = []
+    for cache in (case.k_cache, case.v_cache):
+        flat = cache.view(-1, kvh, d)
+        out.append(flat[slots].clone())
+        flat[slots] = float("nan")
+    return out[0], out[1]
 
 
 def describe(name, kind, case: PagedCase, dtype) -> str:
@@ -171,7 +194,7 @@ def locate(case: PagedCase, err: torch.Tensor) -> str:
 
 def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_heads=4, kv_heads=2, head_dim=64,
                  page_size=64, kv_lens=(1, 65, 257), q_lens=None, seed=0, num_pages=None, high_pages=False,
-                 poison=True, case: PagedCase | None = None) -> dict:
+                 poison=True, case: PagedCase | None = None, append: bool = False) -> dict:
     """The kernel gate: run `backend`'s `kind` kernel ('prefill' or 'decode') on a poisoned paged cache and hold
     it to flash-attn's rule against fp32 attention on the cache rebuilt from its pages. Raises AssertionError
     naming the backend, the kernel, the shape and the error; returns {'err', 'base', 'tol'} when it passes.
@@ -188,12 +211,15 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
     be = _as_backend(backend, case.k_cache.device, case.page_size)
     name = getattr(be, "name", type(be).__name__)
     scale = case.q.shape[2] ** -0.5
-    what = describe(name, kind, case, dtype)
-    out = run_kernel(be, kind, case, scale)
-    if tuple(out.shape) != tuple(case.q.shape):
-        raise AssertionError(f"{what}: output shape {tuple(out.shape)}, expected {tuple(case.q.shape)}")
+    what = describe(name, kind, case, dtype) + (", the rows' own keys appended by the kernel" if append else "")
     ref = reference_attention(case, scale, torch.float32)
     base = 0.0 if dtype == torch.float32 else float((reference_attention(case, scale, dtype).float() - ref).abs().max())
+    new_kv = take_appended(case) if append else None
+    out = run_kernel(be, kind, case, scale, new_kv)
+    if tuple(out.shape) != tuple(case.q.shape):
+        raise AssertionError(f"{what}: output shape {tuple(out.shape)}, expected {tuple(case.q.shape)}")
+    if append:
+        check_appended(what, case, new_kv)
     tol = 2 * base + EPS
     err_t = (out.float() - ref).abs()
     bad = int((~torch.isfinite(out)).sum())
@@ -206,6 +232,21 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
             f"{SHORT.get(dtype, dtype)} attention's error) + {EPS:g} = {tol:.3e}; {why}; worst at "
             f"{locate(case, err_t)}")
     return {"err": err, "base": base, "tol": tol}
+
+
+def check_appended(what: str, case: PagedCase, new_kv) -> None:
+    """An appending decode kernel wrote each row's own key and value at its last slot, exactly."""
+    kvh, d = case.k_cache.shape[2], case.k_cache.shape[3]
+    slots = last_slots(case)
+    for name, cache, want in (("key", case.k_cache, new_kv[0]), ("value", case.v_cache, new_kv[1])):
+        got = cache.view(-1, kvh, d)[slots]
+        bad = ~(got == want).all(-1).all(-1)
+        if bool(bad.any()):
+            row = int(bad.nonzero()[0])
+            raise AssertionError(f"{what}: sequence {row}'s own {name} is not in the cache at its last slot "
+                                 f"{int(slots[row])} (page {case.tables[row][(case.kv_lens[row] - 1) // case.page_size]}"
+                                 f", kv_len {case.kv_lens[row]}) after the decode: the append wrote it elsewhere or "
+                                 f"not at all ({int(bad.sum())} of {len(slots)} rows)")
 
 
 def compare_decode_kernels(backends, case: PagedCase) -> dict:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from . import coverage
 from .compare import GateReport
 from .options import is_gate_file
 
@@ -34,9 +35,11 @@ def record(report: GateReport) -> GateReport:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     rep = yield
-    if PENDING:             # a new list: the item's own user_properties are shared by its three reports
-        rep.user_properties = [*rep.user_properties, *((KEY, {**g, "test": item.nodeid}) for g in PENDING)]
+    if PENDING or coverage.PENDING:   # a new list: the item's own user_properties are shared by its three reports
+        rep.user_properties = [*rep.user_properties, *((KEY, {**g, "test": item.nodeid}) for g in PENDING),
+                               *coverage.PENDING]
         PENDING.clear()
+        coverage.PENDING.clear()
     return rep
 
 
@@ -63,6 +66,10 @@ class Run:
     order: dict[str, int] = field(default_factory=dict)         # each test's place in the collection
     began: float = field(default_factory=time.time)             # the run's start (the controller's configure)
     workers: dict[str, "Span"] = field(default_factory=dict)    # xdist worker id -> what it ran, and when
+    census: dict = field(default_factory=dict)          # the path census of every engine run (gates/coverage.py)
+    served: dict[str, str] = field(default_factory=dict)         # engine run -> its served configuration's key
+    checked: dict[str, int] = field(default_factory=dict)       # kernel path -> kernel gate cases that passed
+    backends: tuple[str, ...] = ()                                # the run's selected backends
 
     def in_collection_order(self) -> None:
         """Gates and failures in the order of their tests, whichever worker finished first."""
@@ -75,6 +82,12 @@ class Run:
         """Take one test report; True if it brought a gate record."""
         new = [value for name, value in report.user_properties if name == KEY]
         self.gates += new
+        for name, value in report.user_properties:
+            if name == coverage.SERVED_KEY:
+                coverage.merge(self.census, value["rows"])
+                self.served[value["label"]] = value["served"]
+            elif name == coverage.CHECKED_KEY:
+                self.checked[value] = self.checked.get(value, 0) + 1
         if not is_gate_file(report.nodeid):
             return bool(new)
         self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
@@ -101,6 +114,12 @@ class Run:
             self.failures.append(last)
             self.outcomes["failed"] = self.outcomes.get("failed", 0) + 1
         last.when, last.lines = "timeout", hang_lines(stacks)
+
+    def coverage_problems(self) -> list[str]:
+        """The coverage gate's failures; none where the kernel gate did not run (a run of a few gate files)."""
+        if not self.checked:
+            return []
+        return coverage.problems(self.census, self.checked, coverage.declared_here(self.checked, self.backends))
 
     def worker_rows(self) -> list[tuple[str, int, float, float, float, float]]:
         """(worker, gates, busy s, first gate's start, last gate's end, idle s) in worker order; idle: the run's
@@ -191,9 +210,10 @@ def timed_out(item, stacks: str) -> None:
 
 class GateSummary:
     def __init__(self, config):
+        from .options import gate_options
         self.json_path = Path(config.getoption("--gate-summary"))
         self.md_path = Path(config.getoption("--gate-summary-md"))
-        self.run = Run()
+        self.run = Run(backends=gate_options(config).backends)
         self.stacks_dir: str | None = None
 
     @pytest.hookimpl(optionalhook=True)
@@ -218,6 +238,9 @@ class GateSummary:
                 self.run.timed_out(report.nodeid, stacks.read_text())
 
     def pytest_sessionfinish(self, session):
+        # the coverage gate: a path taken that no kernel check covered, or a declared one nothing ran, fails the run
+        if self.run.coverage_problems() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         self.finish(session.config)
         if self.stacks_dir:
             shutil.rmtree(self.stacks_dir, ignore_errors=True)
@@ -239,6 +262,13 @@ class GateSummary:
         if not (self.run.gates or self.run.durations):
             return
         tr = terminalreporter
+        bad = self.run.coverage_problems()
+        if bad:
+            tr.section("stepgate path coverage gate: FAILED", red=True)
+            for line in bad:
+                tr.write_line(line, red=True)
+            tr.write_line("Check the path in the kernel gate (its cases come from kernels.declared_paths), or stop "
+                          "taking or declaring it.", red=True)
         tr.section("stepgate gate summary")
         for line in lines(self.run.gates):
             tr.write_line(line)
@@ -326,6 +356,23 @@ def markdown(run: Run, about: str, slowest: int = 10) -> str:
         if sites:
             out += ["", "Accepted flips (near ties under the 0.02 rule in both engines' raw logits):", ""]
             out += [f"- {cell(gate)}: {flip_line(site)}" for gate, site in sites]
+        out.append("")
+    if run.census:
+        bad = run.coverage_problems()
+        verdict = ("**FAILED**" if bad else "ok") if run.checked else "not judged: the kernel gate did not run"
+        out += [f"### Path census (the coverage gate: {verdict})", "",
+                "Steps the gates' engines ran, by path; the kernel paths each took were checked by the kernel gate "
+                "against fp32 attention on a cache rebuilt from the pages (checks passed per path below).", "",
+                "| step kind | kernel paths | mode | buckets (rows or tokens x width) | launched ahead | prefix hit | "
+                "steps |", "|---|---|---|---|---|---|---:|"]
+        out += [f"| {kind} | {cell(kp)} | {mode} | {cell(b)} | {'yes' if ahead else ''} | {'yes' if hit else ''} | "
+                f"{n} |" for kind, kp, mode, b, ahead, hit, n in coverage.census_table(run.census)]
+        if run.checked:
+            out += ["", "Kernel paths checked: " + ", ".join(f"`{p}` ({n})" for p, n in sorted(run.checked.items()))]
+        out += [f"- **{cell(line)}**" for line in bad] if run.checked else []
+        if run.served:
+            out += ["", "Served configurations (EngineConfig.resolved().key()):", ""]
+            out += [f"- {cell(label)}: `{key}`" for label, key in sorted(run.served.items())]
         out.append("")
     if run.failures:
         out += [f"### Failures ({len(run.failures)})", ""]

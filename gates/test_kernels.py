@@ -17,8 +17,13 @@ bf16 on CUDA (or just --dtype). Backends: kernels.BACKENDS (or --backend); one t
 reason. On CPU the long histories, bf16 FlexAttention and FlexAttention's other shapes (each compiles ~5-25 s on
 CPU) are marked slow; `-m slow` runs them.
 
-Beside the grid: a cache of thousands of pages; on CUDA a cache tensor over 2^31 elements (gpu marker); flex's
-second decode layout (FlexBackend('packed')); and every decode kernel against the torch one on the same pages.
+The grid's kernels are the backends' declared paths (kernels.declared_paths): each decode kernel, with and without
+the fused append where the backend has one, and each prefill kernel; every case that passes is recorded for the
+coverage gate (gates/coverage.py). Head dims: the Qwen2 family's (64, 128) and the model under test's; a backend
+refuses the head dims it was not built for (test_unsupported_shapes_are_refused).
+
+Beside the grid: a cache of thousands of pages; on CUDA a cache tensor over 2^31 elements (gpu marker); and every
+decode kernel against the torch one on the same pages.
 
 The checking code lives in gates/kernel_check.py.
 """
@@ -31,9 +36,12 @@ import torch
 
 import kernels
 
+from . import coverage
 from .kernel_check import (CPU_FLEX_SHAPE, DECODE_LENS, LONG_SHAPES, PAGE_SIZES, PREFILL_LENS, SHAPES, SHORT,
-                           check_kernel, compare_decode_kernels, make_case)
+                           check_kernel, compare_decode_kernels, make_case, run_kernel)
 from .options import gate_options
+
+PATHS = {p.name: p for p in kernels.declared_paths()}
 
 # torch.compile (FlexAttention) warns about TorchScript's deprecation from inside torch itself
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
@@ -59,41 +67,55 @@ def _dtypes(config) -> list[torch.dtype]:
     return [torch.float16, torch.bfloat16] if o.is_cuda else [torch.float32, torch.bfloat16]
 
 
+def _head_dims(config) -> list[tuple[int, int, int]]:
+    """The grid's (heads, kv heads, head dim) shapes: SHAPES (the Qwen2 family's head dims, 64 and 128), and the
+    model under test's own where --model brings another."""
+    o = gate_options(config)
+    try:
+        from engine.loader import model_config
+        c = model_config(o.model_arg)
+    except (OSError, ValueError, KeyError):   # a model the loader cannot read fails its engine gates, with the reason
+        return list(SHAPES)
+    heads = c["num_attention_heads"]
+    own = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
+    return list(SHAPES) + ([own] if own not in SHAPES else [])
+
+
 def _grid_params(config):
+    """One case per declared kernel path (kernels.declared_paths: the registry, so that a new path is gated by
+    construction), shape, page size, dtype and history set."""
     cuda = _is_cuda(config)
     explicit_dtype = gate_options(config).dtype_given
     out = []
-    for name in _backends(config):
-        for kind, lens in (("decode", DECODE_LENS), ("prefill", PREFILL_LENS)):
-            for lens_name in lens:
-                shapes = SHAPES if lens_name != "long" else LONG_SHAPES
-                for (H, kvh, d) in shapes:
-                    for P in PAGE_SIZES:
-                        for dt in _dtypes(config):
-                            marks = []
-                            if not cuda:
-                                slow = lens_name == "long"
-                                if dt == torch.bfloat16 and not explicit_dtype:
-                                    # a few bf16 cases on CPU: GQA 12/2, head dim 128, torch only
-                                    if name != "torch" or (H, kvh, d) != (12, 2, 128) or lens_name == "long":
-                                        continue
-                                if name == "flex" and ((H, kvh, d) != CPU_FLEX_SHAPE or dt != torch.float32):
-                                    slow = True
-                                if slow:
-                                    marks.append(pytest.mark.slow)
-                            out.append(pytest.param(name, kind, H, kvh, d, P, dt, lens_name, marks=marks,
-                                                    id=f"{name}-{kind}-h{H}kv{kvh}d{d}-p{P}-{SHORT[dt]}-{lens_name}"))
+    for path in kernels.declared_paths(_backends(config)):
+        name, kind = path.backend, path.op
+        lens = DECODE_LENS if kind == "decode" else PREFILL_LENS
+        for lens_name in lens:
+            shapes = _head_dims(config) if lens_name != "long" else LONG_SHAPES
+            for (H, kvh, d) in shapes:
+                for P in PAGE_SIZES:
+                    for dt in _dtypes(config):
+                        marks = []
+                        if not cuda:
+                            slow = lens_name == "long"
+                            if dt == torch.bfloat16 and not explicit_dtype:
+                                # a few bf16 cases on CPU: GQA 12/2, head dim 128, torch only
+                                if name != "torch" or (H, kvh, d) != (12, 2, 128) or lens_name == "long":
+                                    continue
+                            if name == "flex" and ((H, kvh, d) != CPU_FLEX_SHAPE or dt != torch.float32 or
+                                                   (path.kernel == "packed" and kind == "decode" and P != 64)):
+                                slow = True
+                            if slow:
+                                marks.append(pytest.mark.slow)
+                        out.append(pytest.param(path.name, H, kvh, d, P, dt, lens_name, marks=marks,
+                                                id=f"{path.name}-h{H}kv{kvh}d{d}-p{P}-{SHORT[dt]}-{lens_name}"))
     return out
 
 
 def pytest_generate_tests(metafunc):
     if metafunc.function.__name__ == "test_kernel_gate":
-        metafunc.parametrize("backend,kind,heads,kv_heads,head_dim,page_size,dtype,lens_name",
+        metafunc.parametrize("path,heads,kv_heads,head_dim,page_size,dtype,lens_name",
                              _grid_params(metafunc.config))
-    elif metafunc.function.__name__ == "test_flex_packed_decode_layout":
-        dts = _dtypes(metafunc.config)
-        marks = [] if _is_cuda(metafunc.config) else [pytest.mark.slow]
-        metafunc.parametrize("dtype", [pytest.param(dt, marks=marks, id=SHORT[dt]) for dt in dts])
     elif "backend" in metafunc.fixturenames:
         metafunc.parametrize("backend", _backends(metafunc.config))
 
@@ -103,10 +125,11 @@ def device(request) -> str:
     return _device(request.config)
 
 
-def skip_unless_runs(name: str, device, page_size: int, dtype: torch.dtype | None = None) -> None:
+def skip_unless_runs(name: str, device, page_size: int, dtype: torch.dtype | None = None,
+                     decode_kernel: str | None = None) -> None:
     """Skip, with the backend's own reason, where it cannot run; never silently."""
     cls = kernels.backend_class(name)
-    reason = cls.why_unavailable(torch.device(device), page_size)
+    reason = cls.why_unavailable(torch.device(device), page_size, decode_kernel)
     if reason is None and dtype is not None:
         reason = cls.why_unsupported(dtype=dtype)
     if reason:
@@ -118,15 +141,55 @@ def _default_dtype(request) -> torch.dtype:
 
 
 # -- the gates ----------------------------------------------------------------------------------------------------
-def test_kernel_gate(backend, kind, heads, kv_heads, head_dim, page_size, dtype, lens_name, device):
-    """One kernel, one shape, one dtype, on a poisoned cache with shuffled block tables, against the fp32 reference."""
-    skip_unless_runs(backend, device, page_size, dtype)
-    if kind == "decode":
+def test_kernel_gate(path, heads, kv_heads, head_dim, page_size, dtype, lens_name, device):
+    """One declared kernel path, one shape, one dtype, on a poisoned cache with shuffled block tables, against the
+    fp32 reference. A decode path with the append gets each row's own key and value apart from the cache (their
+    slots poisoned) and must write them there as well as attend to them."""
+    p = PATHS[path]
+    skip_unless_runs(p.backend, device, page_size, dtype, p.kernel if p.op == "decode" else None)
+    reason = kernels.backend_class(p.backend).why_unsupported(head_dim, dtype, heads, kv_heads)
+    if reason:
+        pytest.skip(f"{p.backend} refuses this shape (test_unsupported_shapes_are_refused shows it): {reason}")
+    if p.op == "decode":
         kv_lens, q_lens = DECODE_LENS[lens_name], None
     else:
         q_lens, kv_lens = zip(*PREFILL_LENS[lens_name])
-    check_kernel(backend, kind, device=device, dtype=dtype, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                 page_size=page_size, kv_lens=kv_lens, q_lens=q_lens, seed=heads * 1000 + head_dim + page_size)
+    backend = kernels.get_backend(p.backend, device, page_size, **p.options())
+    check_kernel(backend, p.op, device=device, dtype=dtype, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                 page_size=page_size, kv_lens=kv_lens, q_lens=q_lens, seed=heads * 1000 + head_dim + page_size,
+                 append=p.append)
+    coverage.checked(p)
+
+
+REFUSED_HEAD_DIMS = (32, 80, 256)     # head dims no backend that declares its own was built for
+
+
+def test_unsupported_shapes_are_refused(backend, device):
+    """A backend that declares its head dims, dtypes or GQA ratios refuses anything else with Unavailable before a
+    kernel launches: an engine over such a model fails at construction, a call at its first layer, never with
+    wrong or non-finite attention (or a device-side assert)."""
+    cls = kernels.backend_class(backend)
+    if cls.head_dims is None:
+        pytest.skip(f"{backend} declares no head dims: it runs any")
+    refused = [d for d in REFUSED_HEAD_DIMS if d not in cls.head_dims]
+    for d in refused:
+        reason = cls.why_unsupported(head_dim=d)
+        assert reason and f"not {d}" in reason, (backend, d, reason)
+    assert cls.why_unsupported(head_dim=cls.head_dims[0]) is None
+    dtype = _dtypes_of(cls)[0]
+    P = min(cls.page_sizes) if cls.page_sizes else 64
+    if kernels.why_unavailable(backend, device, P) is not None:
+        return      # where it cannot run, the declaration is what refuses (checked above)
+    be = kernels.get_backend(backend, device, P)
+    for d in refused:
+        case = make_case(device=device, dtype=dtype, num_heads=4, kv_heads=2, head_dim=d, page_size=P,
+                         kv_lens=[1, 65], seed=5)
+        with pytest.raises(kernels.Unavailable, match=f"not {d}"):
+            run_kernel(be, "decode", case, d ** -0.5)
+
+
+def _dtypes_of(cls) -> list[torch.dtype]:
+    return list(cls.dtypes) if cls.dtypes else [torch.float32]
 
 
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
@@ -198,14 +261,3 @@ def test_decode_kernels_agree(backend, device, request):
     compare_decode_kernels([backend], case)
 
 
-@pytest.mark.parametrize("kind_lens", ["edges", "long"])
-def test_flex_packed_decode_layout(dtype, kind_lens, device, request):
-    """flex's other decode layout (the rows as queries of one call over packed histories, FlexBackend('packed'))
-    under the same gate."""
-    from kernels.flex_backend import FlexBackend
-    if not _is_cuda(request.config) and kind_lens == "long":
-        pytest.skip("long histories of the packed decode layout run on CUDA only (CPU compile time)")
-    skip_unless_runs("flex", device, 64, dtype)
-    H, kvh, d = CPU_FLEX_SHAPE if not _is_cuda(request.config) else (12, 2, 128)
-    check_kernel(FlexBackend("packed"), "decode", device=device, dtype=dtype, num_heads=H, kv_heads=kvh, head_dim=d,
-                 page_size=64, kv_lens=DECODE_LENS[kind_lens], seed=13)

@@ -17,6 +17,8 @@ import kernels
 from kernels import AttnBatch
 from kernels.base import AttentionBackend
 
+from .failure import GateFailure
+
 SHORT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 EPS = 1e-5          # absolute slack on top of 2x the plain-attention error (flash-attn's tests use the same)
 
@@ -69,12 +71,14 @@ def make_case(*, device, dtype, num_heads, kv_heads, head_dim, page_size, kv_len
     high_pages: take the sequences' pages from the top of a large cache (index overflow)."""
     device = torch.device(device)
     q_lens = list(q_lens) if q_lens is not None else [1] * len(kv_lens)
-    assert len(q_lens) == len(kv_lens) and all(0 < q <= k for q, k in zip(q_lens, kv_lens)), (q_lens, kv_lens)
+    if len(q_lens) != len(kv_lens) or not all(0 < q <= k for q, k in zip(q_lens, kv_lens)):
+        raise ValueError(f"q_lens {q_lens} and kv_lens {kv_lens}: one query length per history, 0 < q <= kv")
     P = page_size
     need = [-(-k // P) for k in kv_lens]
     total = sum(need)
     N = num_pages or (1 + 2 * total + 8)
-    assert N > total, f"{N} pages cannot hold {total}"
+    if N <= total:
+        raise ValueError(f"num_pages {N} cannot hold the {total} pages the histories need, plus the null page")
     rng = random.Random(seed)
     pool = list(range(max(1, N - 2 * total - 1), N)) if high_pages else list(range(1, N))
     pages = rng.sample(pool, total)                 # random order: block tables are shuffled
@@ -196,11 +200,12 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
                  page_size=64, kv_lens=(1, 65, 257), q_lens=None, seed=0, num_pages=None, high_pages=False,
                  poison=True, case: PagedCase | None = None, append: bool = False) -> dict:
     """The kernel gate: run `backend`'s `kind` kernel ('prefill' or 'decode') on a poisoned paged cache and hold
-    it to flash-attn's rule against fp32 attention on the cache rebuilt from its pages. Raises AssertionError
+    it to flash-attn's rule against fp32 attention on the cache rebuilt from its pages. Raises GateFailure
     naming the backend, the kernel, the shape and the error; returns {'err', 'base', 'tol'} when it passes.
 
     backend: a name in kernels.BACKENDS, a backend class, or an instance (planted bugs pass instances)."""
-    assert kind in ("prefill", "decode"), kind
+    if kind not in ("prefill", "decode"):
+        raise ValueError(f"kind {kind!r}: 'prefill' or 'decode'")
     if case is None:
         if kind == "decode":
             q_lens = None
@@ -217,7 +222,7 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
     new_kv = take_appended(case) if append else None
     out = run_kernel(be, kind, case, scale, new_kv)
     if tuple(out.shape) != tuple(case.q.shape):
-        raise AssertionError(f"{what}: output shape {tuple(out.shape)}, expected {tuple(case.q.shape)}")
+        raise GateFailure(f"{what}: output shape {tuple(out.shape)}, expected {tuple(case.q.shape)}")
     if append:
         check_appended(what, case, new_kv)
     tol = 2 * base + EPS
@@ -227,7 +232,7 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
     if bad or not err <= tol:
         why = (f"{bad} non-finite outputs of {out.numel()}: it loaded a slot it does not own or past a length "
                f"(poisoned with NaN)") if bad else "wrong values"
-        raise AssertionError(
+        raise GateFailure(
             f"{what}: max error {err:.3e} vs the fp32 reference exceeds 2 x {base:.3e} (plain "
             f"{SHORT.get(dtype, dtype)} attention's error) + {EPS:g} = {tol:.3e}; {why}; worst at "
             f"{locate(case, err_t)}")
@@ -243,7 +248,7 @@ def check_appended(what: str, case: PagedCase, new_kv) -> None:
         bad = ~(got == want).all(-1).all(-1)
         if bool(bad.any()):
             row = int(bad.nonzero()[0])
-            raise AssertionError(f"{what}: sequence {row}'s own {name} is not in the cache at its last slot "
+            raise GateFailure(f"{what}: sequence {row}'s own {name} is not in the cache at its last slot "
                                  f"{int(slots[row])} (page {case.tables[row][(case.kv_lens[row] - 1) // case.page_size]}"
                                  f", kv_len {case.kv_lens[row]}) after the decode: the append wrote it elsewhere or "
                                  f"not at all ({int(bad.sum())} of {len(slots)} rows)")
@@ -252,7 +257,7 @@ def check_appended(what: str, case: PagedCase, new_kv) -> None:
 def compare_decode_kernels(backends, case: PagedCase) -> dict:
     """Run each backend's decode kernel on the same pages and hold each to the torch backend's output: they must
     agree within 3x the plain-attention error + EPS (each within 2x of the fp32 reference, torch within 1x).
-    Raises AssertionError naming the pair; returns {name: max difference vs torch}."""
+    Raises GateFailure naming the pair; returns {name: max difference vs torch}."""
     dtype = case.k_cache.dtype
     scale = case.q.shape[2] ** -0.5
     torch_out = run_kernel(kernels.get_backend("torch", case.k_cache.device), "decode", case, scale).float()
@@ -267,7 +272,7 @@ def compare_decode_kernels(backends, case: PagedCase) -> dict:
         diff = float(torch.nan_to_num(d_t, nan=float("inf")).max())
         diffs[be.name] = diff
         if not diff <= tol:
-            raise AssertionError(
+            raise GateFailure(
                 f"{describe(be.name, 'decode', case, dtype)}: differs from the torch decode kernel on the same pages "
                 f"by {diff:.3e} > 3 x {base:.3e} + {EPS:g} = {tol:.3e}; {int((~torch.isfinite(out)).sum())} "
                 f"non-finite; worst at {locate(case, d_t)}")

@@ -14,6 +14,7 @@ from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS
 from engine.scheduler import Scheduler
 from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
 
+from .failure import GateFailure
 from .reference import EngineReference
 
 
@@ -71,8 +72,9 @@ def serve(loaded, specs: list[RequestSpec], prefill_share: float, *, engine="fus
 
 
 def assert_no_problems(problems: list[str], what: str) -> None:
-    assert not problems, f"{what}: {len(problems)} problems:\n  " + "\n  ".join(problems[:12]) + \
-        (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else "")
+    if problems:
+        raise GateFailure(f"{what}: {len(problems)} problems:\n  " + "\n  ".join(problems[:12]) +
+                          (f"\n  ... {len(problems) - 12} more" if len(problems) > 12 else ""))
 
 
 def apply(plan) -> None:
@@ -110,10 +112,9 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         plan = sched.schedule()
         long_left = longp.state is State.PREFILL and longp.prompt_left > short
         long_work = any(c.request is longp for c in plan.chunks) and long_left
-        if not plan.decodes and longp.state is State.PREFILL:
-            assert any(c.request is longp for c in plan.chunks), (
-                f"step {plan.index}: the long prompt's chunk was withheld while nobody decodes (debt "
-                f"{sched.debt:.4g} s): debt must count only runnable decoders")
+        if not plan.decodes and longp.state is State.PREFILL and not any(c.request is longp for c in plan.chunks):
+            raise GateFailure(f"step {plan.index}: the long prompt's chunk was withheld while nobody decodes (debt "
+                              f"{sched.debt:.4g} s): debt must count only runnable decoders")
         extra = extra_ratio * t_decode * plan.prompt_positions / C
         duration = (t_decode if plan.decodes else 0.0) + extra
         apply(plan)
@@ -121,7 +122,7 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         if i > warmup:
             steps.append((plan.index, bool(plan.decodes), long_work, duration, extra))
     else:
-        raise AssertionError("the long prompt never finished filling (a hang)")
+        raise GateFailure("the long prompt never finished filling (a hang)")
     # cycles: from a step with long work up to the next one, decoders runnable throughout
     long_at = [k for k, s in enumerate(steps) if s[2]]
     cycles = []
@@ -145,12 +146,13 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
             due = max(due, min(due + owed, max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * (e + t_decode))))
             ahead = f", plus the last long chunk's own debt ahead, estimated as this one's ({owed:.4g} s)"
         tol = 1e-6 * max(1.0, due)
-        assert due - tol <= n * t_decode < due + t_decode + tol, (
-            f"p={p_used}: after the loaded step {seg[0][0]} ({t_loaded:.4g} s, {e:.4g} s beyond a pure decode step of "
-            f"{t_decode:.4g} s) the decoders got {n} pure decode steps = {n * t_decode:.4g} s; the debt rule gives "
-            f"(t - t_d)(1 - p)/p = {owed:.4g} s, saturated at max({DEBT_CAP_SECONDS}, {DEBT_CAP_STEPS} t) = "
-            f"{cap:.4g} s{ahead}: {due:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
-            + (" (the debt did not saturate)" if n * t_decode > cap + t_decode and not before_last else ""))
+        if not due - tol <= n * t_decode < due + t_decode + tol:
+            raise GateFailure(
+                f"p={p_used}: after the loaded step {seg[0][0]} ({t_loaded:.4g} s, {e:.4g} s beyond a pure decode "
+                f"step of {t_decode:.4g} s) the decoders got {n} pure decode steps = {n * t_decode:.4g} s; the debt "
+                f"rule gives (t - t_d)(1 - p)/p = {owed:.4g} s, saturated at max({DEBT_CAP_SECONDS}, "
+                f"{DEBT_CAP_STEPS} t) = {cap:.4g} s{ahead}: {due:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
+                + (" (the debt did not saturate)" if n * t_decode > cap + t_decode and not before_last else ""))
         decode_time += n * t_decode
         prompt_time += e + (last_long[4] if before_last else 0.0)
         lo += due
@@ -160,9 +162,11 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         share = decode_time / (decode_time + prompt_time)
         target_lo, target_hi = lo / (lo + prompt_time), hi / (hi + prompt_time) if hi + prompt_time else 1.0
         target = 1 - p_used
-        assert target_lo - 1e-9 <= share <= target_hi + 1e-9, (
-            f"p={p_used}: decoders' share of the time while the long prompt fills is {share:.4f}, expected "
-            f"[{target_lo:.4f}, {target_hi:.4f}] (1 - p = {target:.4f} unsaturated, within one decode step a cycle)")
+        if not target_lo - 1e-9 <= share <= target_hi + 1e-9:
+            raise GateFailure(
+                f"p={p_used}: decoders' share of the time while the long prompt fills is {share:.4f}, expected "
+                f"[{target_lo:.4f}, {target_hi:.4f}] (1 - p = {target:.4f} unsaturated, within one decode step a "
+                f"cycle)")
     return {"cycles": len(cycles), "share": share, "target": target, "steps": len(steps),
             "withheld": sched.withheld_steps}
 

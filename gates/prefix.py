@@ -22,6 +22,7 @@ from engine.prefix_cache import short
 from engine.scheduler import Scheduler
 
 from .compare import compare
+from .failure import GateFailure
 from .reference import EngineReference, records_of
 
 # Served with more requests than rows (4), the CPU workloads' chunk budget, and a pool of 21 pages whatever their size
@@ -96,7 +97,7 @@ def serve_turns(engine, turns: list[Turn], prompts: dict[str, list[int]] | None 
         for t in ready:
             submit(t)
         todo = [t for t in todo if t not in ready]
-    raise AssertionError(f"serving the turns did not finish: {len(todo)} next turns never submitted (a hang)")
+    raise GateFailure(f"serving the turns did not finish: {len(todo)} next turns never submitted (a hang)")
 
 
 class EvictionWatch:
@@ -134,20 +135,23 @@ class EvictionWatch:
         for page in self.pending:
             key = short(pool.cache.evicted_keys.get(page))
             who = holders.get(page, [])
-            assert len(who) == 1 and who[0] in admitted, (
-                f"step {plan.index}: page {page} (hash {key} when evicted) is held by {who or 'nobody'}; only the "
-                f"request admitted for it (one of {sorted(admitted)}) may hold an evicted page")
+            if not (len(who) == 1 and who[0] in admitted):
+                raise GateFailure(
+                    f"step {plan.index}: page {page} (hash {key} when evicted) is held by {who or 'nobody'}; only "
+                    f"the request admitted for it (one of {sorted(admitted)}) may hold an evicted page")
             r = admitted[who[0]]
             k = pool.owned[r.request_id].index(page)
-            assert k >= r.cached_prefix // pool.page_size, (
-                f"step {plan.index}: page {page} (hash {key} when evicted) is {r.request_id}'s page {k}, one it "
-                f"found cached: an evicted page was handed out as a hit")
+            if k < r.cached_prefix // pool.page_size:
+                raise GateFailure(
+                    f"step {plan.index}: page {page} (hash {key} when evicted) is {r.request_id}'s page {k}, one it "
+                    f"found cached: an evicted page was handed out as a hit")
             for layer, (kc, vc) in enumerate(runner.kv_caches):
                 finite = int(torch.isfinite(kc[page]).sum() + torch.isfinite(vc[page]).sum())
-                assert finite == 0, (
-                    f"step {plan.index}: page {page} (hash {key} when evicted, now {r.request_id}'s page {k}) has "
-                    f"{finite} finite K/V values in layer {layer} before its new owner's first write: an evicted "
-                    f"page must be NaN before reuse")
+                if finite:
+                    raise GateFailure(
+                        f"step {plan.index}: page {page} (hash {key} when evicted, now {r.request_id}'s page {k}) "
+                        f"has {finite} finite K/V values in layer {layer} before its new owner's first write: an "
+                        f"evicted page must be NaN before reuse")
             self.checked += 1
         self.pending = []
         pool.check()

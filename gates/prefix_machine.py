@@ -32,7 +32,7 @@ from engine.prefix_cache import short
 from engine.request import Request
 from engine.scheduler import Scheduler
 
-from .stepping import PHASE_OF, SteppingMachine, check
+from .stepping import PHASE_OF, SteppingMachine, check, violated
 
 TOTAL = "free + cached + owned = total"
 COUNT = "a page's count equals its holders"
@@ -375,7 +375,7 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
             try:
                 pool.check()
             except PoolInvariantError as e:
-                raise AssertionError(f"{TOTAL} violated: pool.check(): {e}") from None
+                raise violated(TOTAL, f"pool.check(): {e}") from None
             held = {p for rid in self.running for p in self.model[rid].table}
             check(len(pool.free) == self.free and len(held) + self.free + len(self.lru) == self.cap, TOTAL,
                   lambda: f"{len(pool.free)} free + {len(cache.lru)} cached + {len(held)} held; the model has "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.scheduler import StepKind
 
+from .failure import GateFailure
 from .step_states import FixedState
 
 
@@ -54,12 +55,12 @@ def measure_pair(fast, slow, reps: int = 15, warmup: int = 2, sync=None) -> tupl
 
 def check_faster(fast_name: str, fast, slow_name: str, slow, reps: int = 15, warmup: int = 2, sync=None,
                  max_ratio: float = 1.0) -> Ratio:
-    """Assert that `fast` is cheaper than `slow` (median(fast) < max_ratio * median(slow)), measured interleaved in
+    """Check that `fast` is cheaper than `slow` (median(fast) < max_ratio * median(slow)), measured interleaved in
     one run. Returns both medians; the failure message gives both."""
     f, s = measure_pair(fast, slow, reps, warmup, sync)
     r = Ratio(fast_name, slow_name, f, s, reps)
-    assert f < max_ratio * s, (f"ratio gate: {fast_name} is not cheaper than {slow_name} "
-                               f"(want ratio < {max_ratio:g}): {r}")
+    if not f < max_ratio * s:
+        raise GateFailure(f"ratio gate: {fast_name} is not cheaper than {slow_name} (want ratio < {max_ratio:g}): {r}")
     return r
 
 

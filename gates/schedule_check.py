@@ -12,8 +12,11 @@ gates/test_admission.py, does that). Every gate run of an engine is checked here
 - every page back: at the end of the run nothing is owned and the pool's own invariants hold."""
 from __future__ import annotations
 
+from engine.errors import PoolInvariantError
 from engine.request import State
 from engine.schedule_log import ScheduleLog
+
+from .failure import GateFailure
 
 # Invariant names: every failure message starts with one of these, followed by " violated: " (gates/test_admission.py
 # uses the same names).
@@ -34,7 +37,7 @@ STATE = "request state"
 SHOWN = 5     # problems quoted in a failure message
 
 
-class ScheduleViolation(AssertionError):
+class ScheduleViolation(GateFailure):
     """A finished engine run broke an admission or eviction invariant; the message names it, the step and the
     requests."""
 
@@ -114,7 +117,7 @@ def pool_problems(pool) -> list[str]:
                    f"after the run (held by {owners[:SHOWN]})")
     try:
         pool.check()
-    except AssertionError as e:
+    except PoolInvariantError as e:
         out.append(f"{TOTAL} violated: {e}")
     return out
 

@@ -21,6 +21,7 @@ from engine.request import Request, State
 from engine.scheduler import WORK_KINDS, Chunk, StepKind, StepPlan
 from engine.workload import MIXED, MIXED_CPU, SEED, UNIFORM_CPU, Workload
 
+from .failure import GateFailure
 from .options import gate_options
 
 ROWS = 32                                   # decode rows of the fixed state (max batch)
@@ -160,7 +161,8 @@ class FixedState:
             while e.scheduler.waiting or any(r.state is not State.DECODE for r in e.scheduler.running):
                 e.step()
             rows = [r for r in e.scheduler.running if r.state is State.DECODE]
-            assert len(rows) == self.rows, f"fixed state: {len(rows)} decoding rows, {self.rows} wanted"
+            if len(rows) != self.rows:
+                raise GateFailure(f"fixed state: {len(rows)} decoding rows, {self.rows} wanted")
             self._decodes = rows
         return self._decodes
 

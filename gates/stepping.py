@@ -7,16 +7,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from engine.request import State
 
+from .failure import GateFailure
+
 PHASE_OF = {State.WAITING: "waiting", State.PREFILL: "prefill", State.DECODE: "decode",
             State.FINISHED: "finished", State.CANCELLED: "cancelled"}
 
 
-def violated(invariant_name: str, detail: str) -> AssertionError:
-    return AssertionError(f"{invariant_name} violated: {detail}")
+def violated(invariant_name: str, detail: str) -> GateFailure:
+    return GateFailure(f"{invariant_name} violated: {detail}")
 
 
 def check(ok: bool, invariant_name: str, detail) -> None:
-    """assert, with a message that names the invariant; `detail` may be a callable (built only on failure)."""
+    """Raise GateFailure unless `ok`, with a message that names the invariant; `detail` may be a callable (built
+    only on failure)."""
     if not ok:
         raise violated(invariant_name, detail() if callable(detail) else detail)
 

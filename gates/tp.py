@@ -8,6 +8,7 @@ from __future__ import annotations
 from engine.workload import RequestSpec
 
 from .compare import GateReport, compare
+from .failure import GateFailure
 from .reference import EngineReference
 
 
@@ -27,7 +28,8 @@ def finish(engine) -> None:
     """After a tp > 1 run: fail on any rank's problem, then stop the workers (the pool, results and trace stay)."""
     try:
         problems = rank_problems(engine)
-        assert not problems, f"tp={engine.config.tp}: " + "\n  ".join(problems)
+        if problems:
+            raise GateFailure(f"tp={engine.config.tp}: " + "\n  ".join(problems))
     finally:
         engine.close()
 

@@ -18,7 +18,9 @@ from engine.loader import load_model
 from engine.pool import PagePool
 from engine.prefix_cache import ROOT, PrefixCache
 from engine.request import State
+from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
+from gates.failure import GateFailure
 from gates.prefix import pair_problems, serve_pair
 from gates.prefix_machine import make_prefix_machine
 from gates.reference import EngineReference
@@ -91,7 +93,7 @@ def test_gate_fails_on_planted_bug(bug):
         run_state_machine_as_test(make_prefix_machine(pool_cls, scheduler_cls, page_size=4), settings=FIND)
 
 
-# -- the same bugs in a served engine: the on-vs-off gate and its eviction watch (gates/prefix.py) -----------------
+# -- in a served engine: the on-vs-off gate and its eviction watch (gates/prefix.py) -----------------------------
 @pytest.fixture(scope="module")
 def loaded():
     return load_model(None, torch.float32, "cpu")
@@ -112,3 +114,12 @@ def test_eviction_watch_fails_on_an_evicted_referenced_page(loaded):
                                              r"\(hash [0-9a-f]{12}\) is evictable \(in the LRU\) while held by "
                                              r"\['[\w-]+'\])"):
         serve_pair(loaded, "fused", "torch", "cpu", "float32", pool_cls=EvictsReferencedPool)
+
+
+def test_eviction_watch_fails_on_an_evicted_page_left_unpoisoned(loaded, monkeypatch):
+    """A runner that poisons no page: an evicted page keeps its old K/V when its new owner is admitted."""
+    monkeypatch.setattr(ModelRunner, "poison_pages", lambda self, pages: None)
+    with pytest.raises(GateFailure, match=r"^step \d+: page \d+ \(hash [0-9a-f]{12} when evicted, now [\w-]+'s page "
+                                          r"\d+\) has \d+ finite K/V values in layer 0 before its new owner's first "
+                                          r"write: an evicted page must be NaN before reuse"):
+        serve_pair(loaded, "fused", "torch", "cpu", "float32")

@@ -24,7 +24,8 @@ from engine.errors import RankDisagreementError, WorkerError
 from engine.loader import load_model
 from engine.workload import RequestSpec
 from gates.compare import TIE_THRESHOLD
-from gates.tp import rank_problems, tp_vs_tp1
+from gates.failure import GateFailure
+from gates.tp import finish, rank_problems, tp_vs_tp1
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,8 @@ def test_worker_that_does_not_poison_is_caught(loaded, monkeypatch):
     with Engine(config(), loaded=loaded) as eng:
         eng.run(specs())
         problems = rank_problems(eng)
+        with pytest.raises(GateFailure, match=r"^tp=2: rank 1: .*not NaN \(a freed page was not poisoned"):
+            finish(eng)           # what a gate run at --tp 2 calls after each candidate's run
     assert problems and all(p.startswith("rank 1: ") for p in problems), problems
     assert "not NaN (a freed page was not poisoned on this rank)" in problems[0]
 

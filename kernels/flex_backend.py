@@ -246,9 +246,11 @@ class FlexBackend(AttentionBackend):
         return _flex(False, COMPILER)(q, k, v, mask, float(scale))
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
+        self.check_call(q, k_cache)
         return self._in_inference_mode(self._prefill, q, k_cache, v_cache, batch, scale)
 
     def decode(self, q, k_cache, v_cache, batch, scale):
+        self.check_call(q, k_cache)
         return self._in_inference_mode(self._decode, q, k_cache, v_cache, batch, scale)
 
     @staticmethod

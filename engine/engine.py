@@ -17,6 +17,7 @@ from .poison_report import poison_error
 from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
+from .schedule_log import ScheduleLog
 from .scheduler import CancelResult, Chunk, Foresight, Scheduler, StepKind, StepPlan
 from .tp_layers import rank_shape
 from .workload import RequestSpec
@@ -64,9 +65,12 @@ class Engine:
     pages released there). Fields read directly (requests, trace, pool, scheduler) are consistent only between
     steps, or under `engine.lock`."""
 
-    def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None):
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None,
+                 schedule_log: ScheduleLog | None = None):
         """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
-        small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines."""
+        small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines.
+        `schedule_log`: where the scheduler records every admission, release and step end, for a check of the whole
+        run (gates/schedule_check.py: pass ScheduleLog()); None: nothing is recorded, so memory stays flat."""
         self.config = config
         dtype = torch_dtype(config.dtype)
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
@@ -85,7 +89,7 @@ class Engine:
                 f"{self.pool.pages_needed(self.max_model_len)} pages of {config.page_size} slots, but the pool holds "
                 f"{self.pool.capacity} (num_pages={num_pages}, one of them the null page): give more pages or a "
                 f"smaller max_model_len")
-        self.scheduler = Scheduler.from_config(self.pool, config)
+        self.scheduler = Scheduler.from_config(self.pool, config, schedule_log)
         max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
         width = self.pool.pages_needed(self.max_model_len)
         if config.tp == 1:

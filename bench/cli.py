@@ -10,6 +10,12 @@ import torch
 from engine.config import LINEAGE
 
 GRAPHS = {"auto": None, "on": True, "off": False}     # --cuda-graphs -> EngineConfig.cuda_graphs
+# The engine configuration a benchmark measures unless told: the one served on that device type (flash-attn's paged
+# decode on CUDA; a broken flash-attn install then fails with its reason rather than measure the eager torch engine)
+SERVED = {"cuda": "flash", "cpu": "fused"}
+DEVICE_HELP = "cpu, cuda or cuda:N (default: cpu)"
+ENGINE_HELP = (f"engine configuration (default: the one served on the device: "
+               f"{', '.join(f'{e} on {d.upper()}' for d, e in SERVED.items())})")
 
 
 def cli(prog: str, doc: str) -> argparse.ArgumentParser:
@@ -17,9 +23,9 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
     ap.add_argument("--model", default="small", help="small, small-trained, qwen2.5-1.5b-random, or a checkpoint directory")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help=DEVICE_HELP)
     ap.add_argument("--dtype", default=None, help="float32 / float16 / bfloat16 (default: fp32 cpu, fp16 cuda)")
-    ap.add_argument("--engine", default="fused", choices=sorted(LINEAGE))
+    ap.add_argument("--engine", default=None, choices=sorted(LINEAGE), help=ENGINE_HELP)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads (default: torch's). On a shared CPU, 1 avoids OpenMP threads "
                          "waiting on a descheduled sibling, which can make a step 50x slower")
@@ -42,6 +48,22 @@ def kernel_options(a) -> dict:
     """The EngineConfig fields the shared kernel arguments give."""
     return dict(decode_kernel=getattr(a, "decode_kernel", None),
                 decode_append=GRAPHS[getattr(a, "decode_append", "auto")])
+
+
+def served_engine(device: str) -> str:
+    """The engine configuration served on `device` (SERVED)."""
+    return SERVED.get(torch.device(device).type, "fused")
+
+
+def parse(ap: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """ap.parse_args, with --engine resolved from --device when not given."""
+    a = ap.parse_args(argv)
+    if a.engine is None:
+        try:
+            a.engine = served_engine(a.device)
+        except RuntimeError as e:      # torch's refusal of a device string it cannot parse
+            ap.error(f"--device {a.device}: {e}")
+    return a
 
 
 def device_and_dtype(device: str, dtype: str | None, threads: int | None = None) -> tuple[torch.device, str]:

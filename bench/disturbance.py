@@ -51,8 +51,9 @@ from engine.loader import is_small, load_model
 from engine.scheduler import CHUNK_TOKENS, StepKind
 from engine.workload import CPU_CHUNK_TOKENS, RequestSpec
 from gates.compare import TIE_THRESHOLD
+from gates.prog import prog
 
-from .cli import GRAPHS, cannot_run, cli, device_and_dtype, kernel_options
+from .cli import GRAPHS, cannot_run, cli, device_and_dtype, kernel_options, parse
 from .plots import draw_disturbance
 from .stats import fmt, floats, gaps, ints, log, progress, write_csv
 
@@ -179,7 +180,7 @@ def table(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    ap = cli(f"python -m {PROG}", __doc__)
+    ap = cli(prog(PROG), __doc__)
     ap.add_argument("--chunk-tokens", default=None, help="chunk budgets, comma separated (default 512; 128 small)")
     ap.add_argument("--shares", default="1,0.75,0.5,0.25", help="prefill shares p, comma separated")
     ap.add_argument("--b-tokens", type=int, default=None,
@@ -187,22 +188,22 @@ def parse_args(argv=None):
                          "4096 for the small model)")
     ap.add_argument("--b-at", type=float, default=None, help="seconds after A's arrival that B arrives (5; small 1)")
     ap.add_argument("--c-after", type=float, default=None, help="seconds after B that C arrives (0.5; small 0.1)")
-    ap.add_argument("--a-prompt", type=int, default=64)
+    ap.add_argument("--a-prompt", type=int, default=64, help="A's prompt length (64)")
     ap.add_argument("--a-budget", type=int, default=None, help="A's generation budget (default: min(8192, "
                     "max positions - prompt)); A is cancelled once B and C have their first tokens")
-    ap.add_argument("--b-budget", type=int, default=4)
-    ap.add_argument("--c-prompt", type=int, default=48)
-    ap.add_argument("--c-budget", type=int, default=8)
+    ap.add_argument("--b-budget", type=int, default=4, help="B's generation budget (4)")
+    ap.add_argument("--c-prompt", type=int, default=48, help="C's prompt length (48)")
+    ap.add_argument("--c-budget", type=int, default=8, help="C's generation budget (8)")
     ap.add_argument("--kv-cache-bytes", type=int, default=None, help="the pool (default: 16 GiB cuda, 256 MiB cpu)")
     ap.add_argument("--max-run-s", type=float, default=120.0, help="give up a run after this many seconds")
     ap.add_argument("--no-alone", action="store_true", help="skip the B-alone baseline")
     ap.add_argument("--alone-reps", type=int, default=3, help="B-alone runs per chunk budget (median)")
     ap.add_argument("--strict-tokens", action=argparse.BooleanOptionalAction, default=None,
                     help="fail (exit 1) on a token difference that is not a near tie (default: in float32 only)")
-    ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--out", default="results/disturbance")
-    ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    ap.add_argument("--seed", type=int, default=7, help="seed of the prompts' token ids (7)")
+    ap.add_argument("--out", default="results/disturbance", help="folder of the CSV, JSON and plot")
+    ap.add_argument("--no-progress", action="store_true", help="no progress lines")
+    return parse(ap, argv)
 
 
 def main(argv=None) -> int:

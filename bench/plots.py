@@ -61,12 +61,12 @@ def draw_serving(out: Path) -> list[str]:
     if steps_p.exists():
         with open(steps_p) as f:
             steps = list(csv.DictReader(f))
-        data = [[float(s["duration_ms"]) for s in steps if s["kind"] == k] for k in WORK_KINDS]
-        if any(data):
+        # only the kinds that ran: a run without (say) loaded steps has no box, and no label, for them
+        present = [(k, d) for k in WORK_KINDS if (d := [float(s["duration_ms"]) for s in steps if s["kind"] == k])]
+        if present:
             fig, ax = plt.subplots(figsize=(6, 4))
-            kinds = [k for k, d in zip(WORK_KINDS, data) if d]
-            ax.boxplot([d for d in data if d], showfliers=False)
-            ax.set_xticks(range(1, len(kinds) + 1), [f"{k}\n(n={len(d)})" for k, d in zip(kinds, data) if d])
+            ax.boxplot([d for _, d in present], showfliers=False)
+            ax.set_xticks(range(1, len(present) + 1), [f"{k}\n(n={len(d)})" for k, d in present])
             ax.set(ylabel="step time (ms)", title="step time by kind (device synchronised)")
             fig.tight_layout()
             fig.savefig(out / "step_time_by_kind.png", dpi=120)

@@ -40,7 +40,9 @@ import torch
 from engine.config import LINEAGE
 from engine.workload import RequestSpec, Workload, poisson_arrivals
 
-from .cli import cannot_run, cli
+from gates.prog import prog
+
+from .cli import cannot_run, cli, parse
 from .peer import Peer
 from .runs import ServingRun, Setup, closed_summary, run_engine, serve_passes
 from .stats import floats, fmt, ints, log, median
@@ -303,7 +305,7 @@ def summarise_open(rows) -> dict:
 
 
 def parse_args(argv=None):
-    ap = cli(f"python -m {PROG}", __doc__)
+    ap = cli(prog(PROG), __doc__)
     ap.add_argument("--out", default="results", help="results folder; rows go to <out>/<engine>/")
     ap.add_argument("--closed", action="store_true", help="closed runs")
     ap.add_argument("--open", action="store_true", help="open runs (Poisson arrivals), with the capped control")
@@ -331,7 +333,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-stop", action="store_true", help="run every --rates value even past saturation")
     ap.add_argument("--chunk-tokens", type=int, default=None,
                     help="prompt positions per step (default: the workload's: 512; 128 for the CPU variants)")
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=32, help="most requests holding rows at once (32)")
     ap.add_argument("--peer-attn", default="sdpa", help="attn_implementation of the peer (sdpa, eager, "
                     "flash_attention_2, ...); transformers may switch sdpa to flash when flash-attn is installed")
     ap.add_argument("--peer-warmups", type=int, default=None, help="the peer's warm-up runs per workload (--warmups)")
@@ -343,7 +345,7 @@ def parse_args(argv=None):
     ap.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds before a peer run is abandoned")
     ap.add_argument("--append", action="store_true", help="add to the files in <out>/<engine>/ instead of rewriting")
     ap.add_argument("--no-progress", action="store_true", help="no tqdm bars")
-    a = ap.parse_args(argv)
+    a = parse(ap, argv)
     given = {f.name: getattr(a, f.name) for f in fields(ServingOptions)}
     given.update(batches=ints(a.batches) if a.batches is not None else None,
                  uniform=ints(a.uniform) if a.uniform is not None else None, shared=ints(a.shared),

@@ -2,8 +2,8 @@
 from .config import LINEAGE, PREDECESSOR, EngineConfig, lineage_config
 from .engine import Engine, StepRecord
 from .errors import (BadArrivalTimeError, BadBudgetError, BadPromptError, BadRequestIdError, ConfigError,
-                     DuplicateRequestIdError, EmptyPromptError, ExceedsMaxPositionsError, NeverFitsError,
-                     PoisonedLogitsError, PoolInvariantError, RequestError, RequestNotDoneError,
+                     DuplicateRequestIdError, EmptyPromptError, ExceedsMaxPositionsError, NeverFitsError, NoRoomError,
+                     PoisonedLogitsError, PoolInvariantError, PoolTooLargeError, RequestError, RequestNotDoneError,
                      TokenOutOfVocabError, UnknownRequestError)
 from .request import RequestResult
 from .scheduler import CancelResult, StepKind
@@ -13,4 +13,5 @@ __all__ = ["Engine", "EngineConfig", "StepRecord", "LINEAGE", "PREDECESSOR", "li
            "CancelResult", "StepKind", "RequestSpec", "Workload", "get_workload", "RequestError", "EmptyPromptError",
            "TokenOutOfVocabError", "ExceedsMaxPositionsError", "BadBudgetError", "NeverFitsError",
            "DuplicateRequestIdError", "PoisonedLogitsError", "BadPromptError", "BadRequestIdError",
-           "BadArrivalTimeError", "UnknownRequestError", "RequestNotDoneError", "ConfigError", "PoolInvariantError"]
+           "BadArrivalTimeError", "UnknownRequestError", "RequestNotDoneError", "ConfigError", "PoolInvariantError",
+           "PoolTooLargeError", "NoRoomError"]

@@ -17,12 +17,26 @@ from .poison_report import poison_error
 from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
+from .schedule_log import ScheduleLog
 from .scheduler import CancelResult, Chunk, Foresight, Scheduler, StepKind, StepPlan
 from .tp_layers import rank_shape
 from .workload import RequestSpec
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
 SCORE_OWNER = ("score",)
+
+def free_memory(device: str) -> int | None:
+    """Bytes the KV pool may take on `device` now: free GPU memory, or the memory the OS says is available without
+    swapping (None where neither can be read)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
 
 @dataclass
 class StepRecord:
@@ -50,15 +64,23 @@ class Engine:
     pages released there). Fields read directly (requests, trace, pool, scheduler) are consistent only between
     steps, or under `engine.lock`."""
 
-    def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None):
+    def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None,
+                 schedule_log: ScheduleLog | None = None):
         """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
-        small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines."""
+        small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines.
+        `schedule_log`: where the scheduler records every admission, release and step end, for a check of the whole
+        run (gates/schedule_check.py: pass ScheduleLog()); None: nothing is recorded, so memory stays flat."""
         self.config = config
         dtype = torch_dtype(config.dtype)
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
         self.shape = self.model.shape
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
-        num_pages = self.pool_pages(config, dtype)
+        num_pages = self.pool_pages(config, dtype)     # checks tp against the model's heads first
+        # at tp > 1 each rank takes the top k of its own vocabulary shard before they are merged
+        most = self.shape.vocab_size // config.tp
+        if config.record_topk > most:
+            raise errors.ConfigError(f"record_topk={config.record_topk}: more than the {most} tokens of the model's "
+                                     f"vocabulary" + (f" shard at tp={config.tp}" if config.tp > 1 else ""))
         self.pool = PagePool(num_pages, config.page_size, prefix_cache=config.prefix_cache)
         if config.max_model_len is not None and self.pool.pages_needed(self.max_model_len) > self.pool.capacity:
             raise errors.ConfigError(
@@ -66,7 +88,7 @@ class Engine:
                 f"{self.pool.pages_needed(self.max_model_len)} pages of {config.page_size} slots, but the pool holds "
                 f"{self.pool.capacity} (num_pages={num_pages}, one of them the null page): give more pages or a "
                 f"smaller max_model_len")
-        self.scheduler = Scheduler.from_config(self.pool, config)
+        self.scheduler = Scheduler.from_config(self.pool, config, schedule_log)
         max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
         width = self.pool.pages_needed(self.max_model_len)
         if config.tp == 1:
@@ -94,17 +116,28 @@ class Engine:
     def pool_pages(self, config: EngineConfig, dtype) -> int:
         """The pool's pages, null page included: num_pages, or as many as kv_cache_bytes holds, but no more than
         max_batch rows of the longest request can use."""
-        if config.num_pages is not None:
-            return config.num_pages
-        kind = torch.device(config.device).type
-        budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
         # tp > 1: each rank holds its own key/value heads of every page, so the budget is per rank (per GPU)
         per_page = ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp), config.page_size, dtype)
-        if budget // per_page < 2:
-            raise errors.ConfigError(f"kv_cache_bytes={config.kv_cache_bytes}: a page of {config.page_size} slots "
-                                     f"takes {per_page} bytes on this model, and the pool needs at least 2 pages "
-                                     f"(one is the null page): {2 * per_page} bytes")
-        return min(budget // per_page, config.max_batch * pages_for(self.max_model_len, config.page_size) + 1)
+        if config.num_pages is not None:
+            pages, field = config.num_pages, f"num_pages={config.num_pages}"
+        else:
+            kind = torch.device(config.device).type
+            budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
+            if budget // per_page < 2:
+                raise errors.ConfigError(f"kv_cache_bytes={config.kv_cache_bytes}: a page of {config.page_size} "
+                                         f"slots takes {per_page} bytes on this model, and the pool needs at least 2 "
+                                         f"pages (one is the null page): {2 * per_page} bytes")
+            pages = min(budget // per_page, config.max_batch * pages_for(self.max_model_len, config.page_size) + 1)
+            field = f"kv_cache_bytes={config.kv_cache_bytes}"
+        # before anything is allocated: a pool of 10**8 pages would first build a free list of gigabytes, then fail
+        # untyped in torch (or swap the machine to a halt)
+        free = free_memory(config.device)
+        if free is not None and pages * per_page > free:
+            raise errors.PoolTooLargeError(
+                f"{field}: {pages} pages of {config.page_size} slots take {pages * per_page / 2**30:.3g} GiB of KV "
+                f"cache on this model ({per_page} bytes a page), more than the {free / 2**30:.3g} GiB free on "
+                f"{config.device}: give fewer pages (or a smaller kv_cache_bytes)")
+        return pages
 
     @staticmethod
     def use_cuda_graphs(config: EngineConfig) -> bool:
@@ -176,14 +209,7 @@ class Engine:
 
     def validate(self, prompt, budget, request_id: str) -> tuple[list[int], int]:
         """(the prompt as a list of token ids, the budget as an int), or a RequestError. Reads no mutable state."""
-        tokens = inputs.prompt_of(prompt, request_id)
-        if not tokens:
-            raise errors.EmptyPromptError(f"{request_id}: empty prompt")
-        vocab = self.shape.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:     # at C speed; the loop only to name the first one outside
-            i, t = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab)
-            raise errors.TokenOutOfVocabError(
-                f"{request_id}: prompt[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        tokens = self.token_ids(prompt, request_id)
         budget = inputs.budget_of(budget, request_id)
         if len(tokens) + budget > self.max_model_len:
             raise errors.ExceedsMaxPositionsError(
@@ -191,6 +217,17 @@ class Engine:
                 f"max positions served ({self.max_model_len}; the model's: {self.shape.max_positions})")
         self.pool.check_fits(request_id, len(tokens), budget)
         return tokens, budget
+
+    def token_ids(self, prompt, who: str) -> list[int]:
+        """The prompt as a non-empty list of token ids inside the vocabulary, or a RequestError naming `who`."""
+        tokens = inputs.prompt_of(prompt, who)
+        if not tokens:
+            raise errors.EmptyPromptError(f"{who}: empty prompt")
+        vocab = self.shape.vocab_size
+        if min(tokens) < 0 or max(tokens) >= vocab:     # at C speed; the loop only to name the first one outside
+            i, t = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab)
+            raise errors.TokenOutOfVocabError(f"{who}: prompt[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        return tokens
 
     def cancel(self, request_id) -> CancelResult:
         """Stop a request; any thread may call it, also while another steps. It keeps what it emitted and emits
@@ -356,15 +393,29 @@ class Engine:
     # -- teacher forcing -------------------------------------------------------------------------------------
     def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:
         """Logits [len(tokens), vocab] at every position of `tokens` ([1, vocab]: the last position's, with
-        `last_only`), in one forward over the paged cache."""
+        `last_only`), in one forward over the paged cache. Bad tokens raise the RequestError that submit() would
+        (nothing changes); a pool whose free pages cannot hold them now, because requests being served hold the
+        rest, raises NoRoomError: steps free pages, so call again after some (a wait here would wait forever, since
+        no step runs while score() holds the runner)."""
+        tokens = self.token_ids(tokens, "score")
+        if len(tokens) > self.max_model_len:
+            raise errors.ExceedsMaxPositionsError(
+                f"score: {len(tokens)} positions exceed the max positions served ({self.max_model_len}; the "
+                f"model's: {self.shape.max_positions})")
+        self.pool.check_fits("score", len(tokens), 0)
         with self._stepping:
             with self.lock:
+                if not self.pool.can_reserve(len(tokens)):
+                    raise errors.NoRoomError(
+                        f"score: {len(tokens)} positions need {self.pool.pages_needed(len(tokens))} pages of "
+                        f"{self.pool.page_size} slots, {self.pool.num_free} of {self.pool.capacity} are free now "
+                        f"(the rest are held by requests being served): call again after a step frees pages")
                 self.pool.reserve(SCORE_OWNER, len(tokens))
                 pages = self.pool.owned[SCORE_OWNER]
                 evicted = self.pool.take_evicted()
             self.runner.poison_pages(evicted)
             try:
-                return self.runner.score(Chunk(Request(SCORE_OWNER, list(tokens), 1), 0, len(tokens)), pages,
+                return self.runner.score(Chunk(Request(SCORE_OWNER, tokens, 1), 0, len(tokens)), pages,
                                          last_only)
             finally:
                 with self.lock:

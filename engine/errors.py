@@ -1,4 +1,5 @@
 """Typed errors. A bad request raises one of these at submit and nothing else changes: the engine keeps serving."""
+from kernels.errors import ConfigError  # noqa: F401  (re-exported: defined at the bottom, see kernels/errors.py)
 
 
 class RequestError(ValueError):
@@ -54,9 +55,14 @@ class RequestNotDoneError(RequestError):
     step that retires it)."""
 
 
-class ConfigError(ValueError):
-    """An EngineConfig field (or the pool it makes with the model) that the engine cannot serve with: the message
-    names the field and its value."""
+class PoolTooLargeError(ConfigError):
+    """num_pages (or kv_cache_bytes) asks for a KV pool larger than the device's memory: refused before anything
+    is allocated."""
+
+
+class NoRoomError(RequestError):
+    """Engine.score() found no room in the pool now: its pages are held by requests being served. Nothing changed;
+    it fits the pool, so call it again once steps have freed pages."""
 
 
 class PoolInvariantError(RuntimeError):

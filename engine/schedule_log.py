@@ -53,7 +53,13 @@ ARRIVAL = attrgetter("arrival_index")
 
 
 class ScheduleLog:
-    def __init__(self):
+    """The events of a run, kept whole for a check after it. `keep=False` records nothing (the pool calls still go
+    through): a server that runs for days must not grow by every admission, release and step end (about 730 bytes
+    a request), so the engine keeps the log only when asked (Engine(..., schedule_log=ScheduleLog()), as the gates
+    do)."""
+
+    def __init__(self, keep: bool = True):
+        self.keep = keep
         self.admissions: list[Admission] = []
         self.waits: list[HeadWait] = []
         self.releases: list[Release] = []
@@ -62,6 +68,8 @@ class ScheduleLog:
 
     def admitted(self, step: int, admitted, pool, free_before: int, rows_before: int, waiting) -> None:
         """Record the step's admissions (in the order they were made) and the head still waiting after them."""
+        if not self.keep:
+            return
         free, rows = free_before, rows_before
         for r in admitted:
             pages = tuple(pool.owned.get(r.request_id, ()))
@@ -78,6 +86,9 @@ class ScheduleLog:
     def release(self, step: int, pool, owner: str) -> None:
         """pool.release(owner), noting whether the pages reached the free list at once (they must wait for
         end_step)."""
+        if not self.keep:
+            pool.release(owner)
+            return
         pages, before, in_step = tuple(pool.owned.get(owner, ())), pool.num_free, pool.in_step
         pool.release(owner)
         self.releases.append(Release(step, owner, pages, before, pool.num_free, in_step))
@@ -86,6 +97,8 @@ class ScheduleLog:
     def end_step(self, step: int, pool) -> list[int]:
         """pool.end_step(), noting the pages it returned."""
         freed = pool.end_step()
+        if not self.keep:
+            return freed
         cached = getattr(pool, "cache", None)
         kept = tuple(p for p in self._released if p not in freed and
                      (p in getattr(pool, "refs", ()) or cached is not None and p in cached.by_page))

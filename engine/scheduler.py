@@ -146,7 +146,7 @@ class Scheduler(DebtLedger):
     """Strict FCFS admission, the choice of each step's prompt chunks and decode tokens, the end of the step."""
 
     def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = CHUNK_TOKENS,
-                 prefill_share: float = 1.0, short_prompt_positions: int = 512):
+                 prefill_share: float = 1.0, short_prompt_positions: int = 512, log: ScheduleLog | None = None):
         if max_batch < 1 or chunk_tokens < 1:
             raise ValueError(f"max_batch and chunk_tokens must be >= 1, got {max_batch}, {chunk_tokens}")
         if short_prompt_positions < 0:
@@ -162,12 +162,13 @@ class Scheduler(DebtLedger):
         self.open_ledger(prefill_share)
         self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
         self.chains: dict[str, Chain] = {}   # request id -> its pages' keys (prefix cache on)
-        self.log = ScheduleLog()             # admissions and releases, for the gates' engine-level checks
+        # admissions and releases, for the gates' engine-level checks; None: one that keeps nothing (bounded memory)
+        self.log = log if log is not None else ScheduleLog(keep=False)
 
     @classmethod
-    def from_config(cls, pool: PagePool, config) -> "Scheduler":
+    def from_config(cls, pool: PagePool, config, log: ScheduleLog | None = None) -> "Scheduler":
         return cls(pool, config.max_batch, config.chunk_tokens, prefill_share=config.prefill_share,
-                   short_prompt_positions=config.short_prompt_positions)
+                   short_prompt_positions=config.short_prompt_positions, log=log)
 
     # -- admission -------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:

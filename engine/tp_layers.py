@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .errors import ConfigError
 from .model import ModelShape, Qwen2, Rotary
 
 # ids travel as fp32 beside the logits (one gather per step): exact below 2**24
@@ -35,7 +36,7 @@ def check_tp(s: ModelShape, tp: int) -> None:
     if s.vocab_size >= MAX_VOCAB:
         problems.append(f"vocabulary {s.vocab_size} is too large for the fp32 token gather")
     if problems:
-        raise ValueError(f"tp={tp} cannot shard this model: " + "; ".join(problems))
+        raise ConfigError(f"tp={tp} cannot shard this model: " + "; ".join(problems))
 
 
 def rank_shape(s: ModelShape, tp: int) -> ModelShape:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .paths import golden_root
+from .prog import prog
 
 DEFAULT_STORAGE = golden_root() / "benchmarks"
 STATS = ("median", "mean", "min", "max")
@@ -229,7 +230,7 @@ def comparability(a, baseline: dict, current: dict) -> tuple[list[str], list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gates.alert", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog("gates.alert"), description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", help="baseline pytest-benchmark JSON (default: the run saved before --current)")
     ap.add_argument("--current", help="current pytest-benchmark JSON (default: the newest under --storage)")
     ap.add_argument("--storage", default=str(DEFAULT_STORAGE),

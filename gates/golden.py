@@ -33,6 +33,7 @@ from engine.workload import SMOKE_CPU, Workload, get_workload
 
 from .compare import TIE_THRESHOLD, GateReport, compare
 from .paths import golden_root
+from .prog import prog
 from .records import GenRecord
 
 SCHEMA_VERSION = 1
@@ -132,6 +133,8 @@ def read_golden(base: Path, how_to_regen: str = "", model_checksum: str | None =
         meta = json.loads(meta_p.read_text())
     except ValueError as e:
         raise GoldenError(f"golden metadata {meta_p} is corrupt ({e}){hint}") from None
+    if not isinstance(meta, dict):
+        raise GoldenError(f"golden metadata {meta_p} is corrupt: it holds {kind(meta)}, not an object of fields{hint}")
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise GoldenError(f"golden {meta_p} has schema {meta.get('schema_version')}, this code reads "
                           f"{SCHEMA_VERSION}{hint}")
@@ -143,11 +146,72 @@ def read_golden(base: Path, how_to_regen: str = "", model_checksum: str | None =
         raise GoldenError(f"golden {data_p} does not match the checksum in {meta_p.name}: it was edited by hand or "
                           f"is corrupt{hint}")
     try:
-        reqs = json.loads(gzip.decompress(data))["requests"]
-        records = {r["request_id"]: GenRecord.from_json(r) for r in reqs}
-    except (OSError, ValueError, KeyError) as e:
+        payload = json.loads(gzip.decompress(data))
+    except (OSError, ValueError) as e:
         raise GoldenError(f"golden {data_p} is corrupt ({e}){hint}") from None
-    return records, meta
+    problem = data_problem(payload)
+    if problem:
+        raise GoldenError(f"golden {data_p} is corrupt: {problem}{hint}")
+    return {r["request_id"]: GenRecord.from_json(r) for r in payload["requests"]}, meta
+
+
+def kind(value) -> str:
+    """A JSON value's kind, for a message: `null`, `a list`, `a string ("text")`, ..."""
+    if value is None:
+        return "null"
+    name = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+    return f"{name} ({json.dumps(value)[:40]})" if isinstance(value, (bool, int, float, str)) else name
+
+
+def is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_ints(v) -> bool:
+    return isinstance(v, list) and all(map(is_int, v))
+
+
+def is_numbers(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+
+def data_problem(payload) -> str | None:
+    """What is wrong with a golden's decoded data, naming the field (`requests[3].topk_ids[1]`); None: it has the
+    shape GenRecord.from_json reads. Valid JSON of another shape (a data file hand-edited with its checksum
+    recomputed) would otherwise fail later as an AttributeError or TypeError in a gate."""
+    if not isinstance(payload, dict) or "requests" not in payload:
+        return f"the top level is {kind(payload)}, not an object with \"requests\""
+    reqs = payload["requests"]
+    if not isinstance(reqs, list):
+        return f"requests is {kind(reqs)}, not a list of requests"
+    seen = set()
+    for i, r in enumerate(reqs):
+        at = f"requests[{i}]"
+        if not isinstance(r, dict):
+            return f"{at} is {kind(r)}, not an object"
+        missing = [f for f in ("request_id", "prompt", "tokens", "topk_ids", "topk_vals") if f not in r]
+        if missing:
+            return f"{at} has no {', '.join(missing)}"
+        if not isinstance(r["request_id"], str) or r["request_id"] in seen:
+            return f"{at}.request_id is {kind(r['request_id'])}, not a string of its own"
+        seen.add(r["request_id"])
+        for name in ("prompt", "tokens"):
+            if not is_ints(r[name]):
+                return f"{at}.{name} is {kind(r[name])}, not a list of token ids"
+        n = len(r["tokens"])
+        steps = r.get("steps")
+        if steps is not None and not (is_ints(steps) and len(steps) == n):
+            return f"{at}.steps is {kind(steps)}, not null or a list of {n} step indices (one per token)"
+        for name, ok in (("topk_ids", is_ints), ("topk_vals", is_numbers)):
+            rows = r[name]
+            if not isinstance(rows, list) or len(rows) != n:
+                return f"{at}.{name} is {kind(rows)}, not a list of {n} rows (one per token)"
+            for p, row in enumerate(rows):
+                if not ok(row) or not row or len(row) != len(r["topk_ids"][p]):
+                    return (f"{at}.{name}[{p}] is {kind(row)}, not a non-empty list of "
+                            f"{'token ids' if name == 'topk_ids' else 'logits, one per top-k id'}")
+    return None
 
 
 def generate(reference, workload: Workload, model, device, dtype, progress=True):
@@ -291,22 +355,25 @@ def default_targets(references: list[str]) -> list[tuple[str, str]]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gates.golden", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog("gates.golden"), description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("regen", help="write goldens (atomically) and print what changed")
-    r.add_argument("--model", default="small")
+    r.add_argument("--model", default="small",
+                   help="small, small-trained, qwen2.5-1.5b-random, or a checkpoint directory (default: small)")
     r.add_argument("--workload", action="append", help="repeatable; default: mixed-cpu and uniform-cpu (and "
                                                        "smoke-cpu for hf, the smoke gate's reference)")
     r.add_argument("--reference", action="append", choices=REFERENCES, help="repeatable; default: hf")
-    r.add_argument("--device", default="cpu")
-    r.add_argument("--dtype", default="float32")
-    r.add_argument("--golden-dir", default=None)
-    r.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD)
+    r.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the reference runs (default: cpu)")
+    r.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default: float32)")
+    r.add_argument("--golden-dir", default=None, help=f"the golden folder (default: {GOLDEN_DIR})")
+    r.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD,
+                   help=f"the raw-logit gap under which a changed token is a near-tie flip (default: {TIE_THRESHOLD})")
     r.add_argument("--check", action="store_true",
                    help="generate and report against the stored golden, write nothing; exit 1 if a request changed "
                         "beyond the tie rule or moved to another step")
     s = sub.add_parser("show", help="print a golden's metadata and per-request summary")
-    s.add_argument("base")
+    s.add_argument("base", help="the golden's path without its suffixes, e.g. "
+                                "golden/qwen2-small/mixed-cpu/hf-cpu-float32")
     a = ap.parse_args(argv)
     if a.cmd == "show":
         records, meta = read_golden(Path(a.base))

@@ -17,6 +17,7 @@ from engine.workload import get_workload
 
 from .compare import TIE_THRESHOLD, compare
 from .golden import golden_path, read_golden, regen_command
+from .prog import prog
 from .reference import make_reference
 
 
@@ -47,14 +48,17 @@ def parity(a_records, b_records, scorer, threshold: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gates.parity", description=__doc__.splitlines()[0])
-    ap.add_argument("--a", default="hf")
-    ap.add_argument("--b", default="fused")
-    ap.add_argument("--workload", default="mixed-cpu")
-    ap.add_argument("--model", default="small")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD)
+    ap = argparse.ArgumentParser(prog=prog("gates.parity"), description=__doc__.splitlines()[0])
+    engine = "hf, chunked, fused, flash, or golden:<reference> (a stored golden)"
+    ap.add_argument("--a", default="hf", help=f"the reference side: {engine} (default: hf)")
+    ap.add_argument("--b", default="fused", help=f"the candidate side: {engine} (default: fused)")
+    ap.add_argument("--workload", default="mixed-cpu", help="workload name (default: mixed-cpu)")
+    ap.add_argument("--model", default="small",
+                    help="small, small-trained, qwen2.5-1.5b-random, or a checkpoint directory (default: small)")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    ap.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (default: float32)")
+    ap.add_argument("--tie-threshold", type=float, default=TIE_THRESHOLD,
+                    help=f"the raw-logit gap under which a changed token is a near-tie flip (default: {TIE_THRESHOLD})")
     ap.add_argument("--json", default=None, help="also write the report here")
     ap.add_argument("--offline", action="store_true",
                     help="two goldens, no live engine (e.g. GPU goldens read on a CPU): a first difference is judged "

@@ -10,6 +10,7 @@ import torch
 from engine import Engine, EngineConfig, lineage_config
 from engine.dtypes import torch_dtype
 from engine.loader import hf_model, load_model
+from engine.schedule_log import ScheduleLog
 from engine.workload import RequestSpec
 
 from .records import GenRecord
@@ -115,7 +116,8 @@ class EngineReference(Reference):
         self.loaded = loaded or load_model(model, torch_dtype(dtype), device)
 
     def engine(self) -> Engine:
-        return Engine(self.config, loaded=self.loaded)
+        # the whole schedule log kept: every gate run is checked against it (gates/schedule_check.py)
+        return Engine(self.config, loaded=self.loaded, schedule_log=ScheduleLog())
 
     def generate(self, specs, progress=None) -> dict[str, GenRecord]:
         e = self.engine()

@@ -33,6 +33,7 @@ PAGES_BACK = "every page back"
 PLAN = "step plan"
 CANCEL = "cancel outcome"
 STATE = "request state"
+KEPT = "schedule log kept"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -125,6 +126,10 @@ def pool_problems(pool) -> list[str]:
 def engine_problems(engine) -> list[str]:
     """Every scheduling invariant broken by a finished engine run, in the order checked."""
     sched = engine.scheduler
+    if not sched.log.keep:
+        # an engine keeps no log unless asked (bounded memory): checking an empty one would pass anything
+        return [f"{KEPT} violated: the engine recorded no schedule log, so nothing could be checked: build it with "
+                f"Engine(..., schedule_log=ScheduleLog())"]
     finished = {rid: r.token_steps[-1] for rid, r in engine.requests.items()
                 if r.state is State.FINISHED and r.token_steps}
     return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +

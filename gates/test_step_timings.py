@@ -134,7 +134,7 @@ def test_fused_loaded_step_cheaper_than_chunked(states, ratio_case):
         pytest.skip(reason)
     case = ratio_case_for(ratio_case, states.device)
     st = states.get(case, "fused")       # chunked and fused share backend and page size: the same state
-    r = fused_vs_chunked(st, reps=41 if is_cuda(states.device) else 15)
+    r = fused_vs_chunked(st, reps=41 if is_cuda(states.device) else 31)
     print(f"\n{model_label(case.model)} at {case.workload.name} histories: {r}")
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import ConfigError
+
 
 @dataclass
 class AttnBatch:
@@ -39,8 +41,9 @@ class AttnBatch:
         return max(self.kv_lens, default=0)
 
 
-class Unavailable(RuntimeError):
-    """A backend cannot run here; the message says why (gates skip with it)."""
+class Unavailable(ConfigError):
+    """A backend cannot run here; the message says why (gates skip with it). A ConfigError: the engine's config
+    names a backend this device cannot serve with."""
 
 
 @dataclass(frozen=True)

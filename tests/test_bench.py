@@ -229,3 +229,27 @@ def test_gc_watch_counts_the_collections_of_a_run(small):
     row = run.runs[0]
     assert {"gc_collections", "gc_full", "gc_worst_ms"} <= set(row) and row["gc_full"] >= 0
     assert run.summary["closed"]["mixed-cpu-new3-2"]["gc_worst_ms"] == row["gc_worst_ms"]
+
+
+def test_the_engine_defaults_to_the_one_served_on_the_device():
+    """Issue 34: the CLIs defaulted to fused, so on CUDA they measured the eager torch-attention engine, not the one
+    served there (flash)."""
+    from bench import disturbance
+    assert serving.parse_args([]).engine == "fused"
+    assert serving.parse_args(["--device", "cuda"]).engine == "flash"
+    assert disturbance.parse_args(["--device", "cuda:1"]).engine == "flash"
+    assert disturbance.parse_args(["--device", "cuda", "--engine", "fused"]).engine == "fused"
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--device", "gpu"])
+
+
+def test_the_step_time_plot_without_a_step_kind(tmp_path):
+    """Issue 34: `--passes 2 --warmups 0` ran no loaded step; the plot's labels then went one short and set_xticks
+    raised after the run (exit 1)."""
+    pytest.importorskip("matplotlib")
+    from bench.plots import draw_serving
+    (tmp_path / "runs.jsonl").write_text("")
+    rows = [("pure-decode", 1.5), ("pure-decode", 1.7), ("chunk-only", 9.0)]
+    (tmp_path / "steps.csv").write_text("kind,duration_ms\n" + "".join(f"{k},{d}\n" for k, d in rows))
+    assert draw_serving(tmp_path) == ["step_time_by_kind.png"]
+    assert (tmp_path / "step_time_by_kind.png").stat().st_size > 0

@@ -108,6 +108,64 @@ def two_positions(token: int) -> GenRecord:
     return GenRecord("r", [1, 2], [token, 4], [[token, 9], [4, 9]], [[2.0, 1.0], [2.0, 1.0]], [0, 1])
 
 
+# -- a golden of the wrong shape (valid JSON; for the data file, its checksum recomputed) ----------------------------
+def rewrite_data(base: Path, payload) -> None:
+    """Replace a golden's data and recompute the checksum in its metadata, as a careful hand edit would."""
+    import gzip
+    import hashlib
+    import json
+    data = gzip.compress(json.dumps(payload).encode(), mtime=0)
+    base.with_suffix(".json.gz").write_bytes(data)
+    meta_p = base.with_suffix(".meta.json")
+    meta = json.loads(meta_p.read_text())
+    meta_p.write_text(json.dumps({**meta, "data_sha256": hashlib.sha256(data).hexdigest()}))
+
+
+@pytest.mark.parametrize("text, what", [("null", "null"), ("[]", "a list"), ('"text"', r'a string \("text"\)'),
+                                        ("5", r"a number \(5\)")])
+def test_metadata_of_the_wrong_shape_is_a_golden_error(tmp_path, text, what):
+    base = tmp_path / "g" / "hf-cpu-float32"
+    write_golden(base, {"r": two_positions(3)}, {})
+    base.with_suffix(".meta.json").write_text(text)
+    with pytest.raises(GoldenError, match=rf"^golden metadata {base}\.meta\.json is corrupt: it holds {what}, not an "
+                                          rf"object of fields; regenerate it with: REGEN$"):
+        read_golden(base, "REGEN")
+
+
+def good_request() -> dict:
+    return two_positions(3).to_json()
+
+
+WRONG_DATA = {
+    "requests-null": ({"requests": None}, r"requests is null, not a list of requests"),
+    "top-level-list": ([good_request()], r"the top level is a list, not an object with \"requests\""),
+    "request-not-object": ({"requests": [5]}, r"requests\[0\] is a number \(5\), not an object"),
+    "no-tokens": ({"requests": [{k: v for k, v in good_request().items() if k != "tokens"}]},
+                  r"requests\[0\] has no tokens"),
+    "prompt-text": ({"requests": [{**good_request(), "prompt": "12"}]},
+                    r"requests\[0\]\.prompt is a string \(\"12\"\), not a list of token ids"),
+    "id-number": ({"requests": [{**good_request(), "request_id": 7}]},
+                  r"requests\[0\]\.request_id is a number \(7\), not a string of its own"),
+    "topk-short": ({"requests": [{**good_request(), "topk_ids": [[3, 9]]}]},
+                   r"requests\[0\]\.topk_ids is a list, not a list of 2 rows \(one per token\)"),
+    "topk-row-null": ({"requests": [{**good_request(), "topk_vals": [[2.0, 1.0], None]}]},
+                      r"requests\[0\]\.topk_vals\[1\] is null, not a non-empty list of logits"),
+    "steps-text": ({"requests": [{**good_request(), "steps": "01"}]},
+                   r"requests\[0\]\.steps is a string \(\"01\"\), not null or a list of 2 step indices"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_DATA))
+def test_data_of_the_wrong_shape_is_a_golden_error_naming_the_field(tmp_path, name):
+    payload, field = WRONG_DATA[name]
+    base = tmp_path / "g" / "hf-cpu-float32"
+    write_golden(base, {"r": two_positions(3)}, {})
+    assert read_golden(base)[0]["r"] == two_positions(3)          # the untouched golden reads back
+    rewrite_data(base, payload)
+    with pytest.raises(GoldenError, match=rf"^golden {base}\.json\.gz is corrupt: {field}"):
+        read_golden(base)
+
+
 @pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
 def test_written_goldens_follow_the_umask_like_a_plain_file(tmp_path, umask, mode):
     old = os.umask(umask)

@@ -3,6 +3,7 @@ console script answers --help, and the install smoke test (.ci/run, scripts/inst
 checks came from the checkout instead of the install."""
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import importlib.util
 import tomllib
@@ -91,3 +92,45 @@ def test_the_install_smoke_fails_on_the_checkout(capsys):
     err = capsys.readouterr().err
     assert "installed_smoke: FAIL: engine imported from the checkout" in err
     assert "installed_smoke: FAIL: model 'small' found in the checkout" in err
+
+
+# -- what a newcomer reads (issue 34) -------------------------------------------------------------------------------
+def console_main(target: str):
+    module, func = target.split(":")
+    return getattr(importlib.import_module(module), func)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_a_console_script_names_itself_in_its_usage(script, monkeypatch, capsys):
+    monkeypatch.setattr("sys.argv", [f"/venv/bin/{script}", "--help"])
+    with pytest.raises(SystemExit) as e:
+        console_main(SCRIPTS[script])(["--help"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: {script} ")
+    monkeypatch.setattr("sys.argv", [f"/checkout/{SCRIPTS[script].split(':')[0].replace('.', '/')}.py"])
+    with pytest.raises(SystemExit):
+        console_main(SCRIPTS[script])(["--help"])
+    assert capsys.readouterr().out.startswith(f"usage: python -m {SCRIPTS[script].split(':')[0]} ")
+
+
+class Parsed(Exception):
+    """Raised in place of parsing, carrying the parser a CLI built."""
+
+
+def parsers_of(target: str, monkeypatch) -> list[argparse.ArgumentParser]:
+    """The parser a console script's main builds, and its subcommands' parsers."""
+    def grab(self, args=None, namespace=None):
+        raise Parsed(self)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    with pytest.raises(Parsed) as caught:
+        console_main(target)([])
+    top = caught.value.args[0]
+    subs = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return [top] + [p for s in subs for p in s.choices.values()]
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_option_of_a_console_script_has_help(script, monkeypatch):
+    bare = [f"{p.prog}: {'/'.join(a.option_strings or [a.dest])}" for p in parsers_of(SCRIPTS[script], monkeypatch) for a in p._actions
+            if not a.help and not isinstance(a, argparse._SubParsersAction)]
+    assert bare == [], f"options without help: {bare}"

@@ -11,6 +11,7 @@ from engine import Engine, lineage_config
 from engine.loader import load_model
 from engine.pool import PagePool
 from engine.request import Request, State
+from engine.schedule_log import ScheduleLog
 from engine.scheduler import Scheduler
 from engine.workload import Workload
 from gates.schedule_check import ScheduleViolation, check_engine, engine_problems
@@ -25,7 +26,7 @@ PAGES = 6
 def drive(pool_cls=PagePool, scheduler_cls=Scheduler, pages: int = PAGES):
     """The scheduler and pool alone, stepped as Engine.step does (any token will do)."""
     pool = pool_cls(pages + 1, 64)
-    sched = scheduler_cls(pool, chunk_tokens=WORKLOAD.chunk_tokens)
+    sched = scheduler_cls(pool, chunk_tokens=WORKLOAD.chunk_tokens, log=ScheduleLog())
     requests = {}
     for s in WORKLOAD.requests():
         requests[s.request_id] = r = Request(s.request_id, s.prompt, s.budget)
@@ -122,9 +123,21 @@ def loaded():
 
 def engine_run(loaded) -> Engine:
     cfg = lineage_config("fused", poison=True, page_size=64, num_pages=PAGES + 1, chunk_tokens=WORKLOAD.chunk_tokens)
-    eng = Engine(cfg, loaded=loaded)
+    eng = Engine(cfg, loaded=loaded, schedule_log=ScheduleLog())
     eng.run(WORKLOAD.requests(loaded[0].shape.vocab_size))
     return eng
+
+
+def test_an_engine_keeps_no_log_unless_asked_and_the_check_refuses_it(loaded):
+    """A served engine records nothing (a server's memory stays flat); the check then fails rather than pass an
+    empty log."""
+    cfg = lineage_config("fused", poison=True, page_size=64, num_pages=PAGES + 1, chunk_tokens=WORKLOAD.chunk_tokens)
+    eng = Engine(cfg, loaded=loaded)
+    eng.run(WORKLOAD.requests(loaded[0].shape.vocab_size))
+    log = eng.scheduler.log
+    assert not log.keep and not (log.admissions or log.waits or log.releases or log.ends)
+    with pytest.raises(ScheduleViolation, match=r"schedule log kept violated: the engine recorded no schedule log"):
+        check_engine(eng, "fused[torch] tiny pool")
 
 
 def test_real_engine_run_passes(loaded):

@@ -112,7 +112,7 @@ def child(scenario: str, device: str) -> dict:
                 graphs=counters["stats"]["unique_graphs"], breaks=sum(counters["graph_break"].values()),
                 fx_miss=counters["inductor"]["fxgraph_cache_miss"], fx_hit=counters["inductor"]["fxgraph_cache_hit"],
                 shapes=len(shapes), wall_s=round(wall, 2), cpu_s=round(cpu, 2), torch=torch.__version__,
-                dynamic=os.environ.get("STEPGATE_FLEX_DYNAMIC", ""))
+                dynamic=None)
 
 
 def spawn(scenario: str, device: str, cache: str, tmp: str) -> dict:

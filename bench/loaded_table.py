@@ -91,7 +91,7 @@ def rows(res: Path) -> list[tuple]:
     row("closed 200, chunk 512, graphs off: req/s", "-", fmt(get(eager, "req_per_s"), " req/s"), None, "c512-eager")
     row("closed 200, chunk 8192, overlap off: req/s", "-", fmt(get(serial, "req_per_s"), " req/s"), None,
         "c8192-serial")
-    for part in ("c512-splitkv", "c8192-splitkv", "r512-splitkv"):   # STEPGATE_DECODE_KERNEL=flash, same call
+    for part in ("c512-splitkv", "c8192-splitkv", "r512-splitkv"):   # --decode-kernel flash, same call
         r = ours(res, part)
         if r is not None:
             row(f"closed 200, {part} (flash-attn split-KV decode): req/s; pure decode step", "-",

@@ -2,7 +2,7 @@
 an optional install).
 
 - decode: kernels/triton_decode.py (the default: split by work, one query row per request), or with
-  STEPGATE_DECODE_KERNEL=flash `flash_attn_with_kvcache(q[B, 1, H, d], k_cache, v_cache, cache_seqlens=int32[B],
+  decode_kernel='flash' `flash_attn_with_kvcache(q[B, 1, H, d], k_cache, v_cache, cache_seqlens=int32[B],
   block_table=int32[B, W], softmax_scale, causal=True)`: split-KV over each request's pages;
 - prefill: `flash_attn_varlen_func(q[Tq, H, d], k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, softmax_scale, causal=True, block_table=...)`, the paged varlen kernel (flash-attn >= 2.5); causal is

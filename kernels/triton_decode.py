@@ -1,5 +1,5 @@
-"""Paged decode attention split by work, in Triton: the `flash` backend's decode kernel (STEPGATE_DECODE_KERNEL=flash
-takes flash-attn's split-KV instead).
+"""Paged decode attention split by work, in Triton: the `flash` backend's decode kernel
+(EngineConfig(decode_kernel="flash") takes flash-attn's split-KV instead).
 
 Why: flash-attn 2's split-KV decode divides the block table's WIDTH into num_splits parts for every row alike. In a
 step of the mixed draw (rows of 4,114 and of 200 positions) most splits of most rows are empty, the longest row's

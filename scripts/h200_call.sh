@@ -15,7 +15,7 @@
 #   steps_15b   step-timing benchmarks + ratio gates on the GPU (small and 1.5B), baseline saved per machine
 #   slowdown    the same with a planted slowdown, compared against that baseline, and the alert report
 #   bench_200   bench.serving flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
-#   splits      bench/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits (SPLITS_AUTO=1: use the best)
+#   splits      bench/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits
 #   closed_200  bench.serving flash: closed mixed 32 and 200 (128 new tokens) at chunk $CHUNK, no peer
 #   peer_200    bench.serving flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
 #   open_eager  chunked and fused (EAGER_ENGINES), one part each: closed 8/32/64 and an open sweep (EAGER_RATES, EAGER_ARRIVALS)
@@ -101,11 +101,7 @@ for p in ${PARTS:-train}; do
              --out results/graphs --no-progress --closed --peer --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK \
              --warmups ${WARM:-1} --reps ${REPS:-3} --peer-warmups ${PEER_WARM:-1} --peer-reps 1 ;;
-    splits) need_flash; part splits 90 python3 -m bench.flash_splits --out results/flash_splits.json
-             # SPLITS_AUTO=1: the later parts of this call run flash decode at the fastest split count found here
-             if [ "${SPLITS_AUTO:-0}" = 1 ] && [ -f results/flash_splits.json ]; then
-               export STEPGATE_FLASH_SPLITS=$(python3 -c "import json; print(json.load(open('results/flash_splits.json'))['best']['num_splits'])")
-               SUMMARY+=("STEPGATE_FLASH_SPLITS=$STEPGATE_FLASH_SPLITS from here on"); fi ;;
+    splits) need_flash; part splits 90 python3 -m bench.flash_splits --out results/flash_splits.json ;;
     closed_200) need_flash; part closed_200 120 python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --out results/closed200-c$CHUNK --no-progress --closed --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} ;;

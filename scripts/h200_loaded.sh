@@ -28,14 +28,11 @@
 #   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
 #   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
 #   psteps     bench/profile_steps.py: each step kind's device time by kernel family at the step bench's state
-#   psteps-noappend   the same with STEPGATE_FLASH_APPEND=0 (pure decode steps write K/V with index_put): the
-#              K/V append's A/B (psteps is in the same call)
 #   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the worst case of r512's loaded step:
 #              its chunk follows 16,383 cached positions)
 #   ptrace512  bench/profile_trace.py: the r512 run's own steps (its second pass), each profiled alone, by family
-#   steps-noappend    the step bench with STEPGATE_FLASH_APPEND=0 (after `steps`)
-#   psteps-splitkv, c512-splitkv, c8192-splitkv, r512-splitkv   psteps / c512 / c8192 / r512 with
-#              STEPGATE_DECODE_KERNEL=flash (flash-attn's split-KV decode instead of the default Triton one: the
+#   c512-splitkv, c8192-splitkv, r512-splitkv   c512 / c8192 / r512 with --decode-kernel flash
+#              (EngineConfig.decode_kernel: flash-attn's split-KV decode instead of the default Triton one: the
 #              decode kernel's A/B against the parts above)
 # Phase 1 also has (by name only, not in the default list):
 #   triton     tests/test_triton_decode.py natively on the GPU, then the flash token, graph and page-safety gates
@@ -106,8 +103,6 @@ bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
 bench c8192-serial 80 --chunk-tokens 8192 --overlap off --warmups 1 --reps 1
 bench r512 $(( 75 + 20 * REPS_R512 )) --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps "$REPS_R512"
 nano nano512 80 512 200 128
-part psteps-noappend 60 env STEPGATE_FLASH_APPEND=0 python3 -m bench.profile_steps --model $M15 --rows 32 \
-  --out "$RES/profile_steps_noappend.json"
 part psteps512 90 python3 -m bench.profile_steps --model $M15 --rows 512 --chunk 16384 --kinds loaded,chunk-only \
   --steps 10 --out "$RES/profile_steps_512.json"
 part ptrace512 120 python3 -m bench.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 40 \
@@ -116,15 +111,10 @@ part profile 50 python3 -m bench.profile_decode --model $M15 --device cuda --ste
 part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
   --benchmark-json "$RES/steps.json" --benchmark-columns=median,iqr,rounds
-part steps-noappend 80 env STEPGATE_FLASH_APPEND=0 STEPGATE_BENCH_ROUNDS=20 python3 -m pytest \
-  gates/test_step_timings.py --device cuda --model $M15 -k "flash and not eager and not flex" -q -p no:cacheprovider \
-  -rs --benchmark-json "$RES/steps_noappend.json" --benchmark-columns=median,iqr,rounds
 bench c512-eager 60 --chunk-tokens 512 --cuda-graphs off --warmups 0 --reps 1
-part psteps-splitkv 60 env STEPGATE_DECODE_KERNEL=flash python3 -m bench.profile_steps --model $M15 --rows 32 \
-  --out "$RES/profile_steps_splitkv.json"
-STEPGATE_DECODE_KERNEL=flash bench c512-splitkv 100 --chunk-tokens 512 --warmups 1 --reps 1
-STEPGATE_DECODE_KERNEL=flash bench c8192-splitkv 80 --chunk-tokens 8192 --warmups 1 --reps 1
-STEPGATE_DECODE_KERNEL=flash bench r512-splitkv 90 --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps 1
+bench c512-splitkv 100 --chunk-tokens 512 --decode-kernel flash --warmups 1 --reps 1
+bench c8192-splitkv 80 --chunk-tokens 8192 --decode-kernel flash --warmups 1 --reps 1
+bench r512-splitkv 90 --chunk-tokens 16384 --max-batch 512 --decode-kernel flash --warmups 1 --reps 1
 
 python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"

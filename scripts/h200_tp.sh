@@ -9,7 +9,7 @@
 #            tokens (tests/test_planted_tp.py -m gpu). Last: a hung NCCL kernel is the one thing that can stick.
 # Needs STEPGATE_FLASH_ATTN_PATH (flash-attn's built directories; set by the caller). Logs and figures in $OUT
 # (7 files); a short table last. PARTS="gates bench planted" picks parts; BUDGET_S (460) bounds the whole call.
-# Captured steps are off at tp > 1 (one run of them hung); STEPGATE_TP_GRAPHS=1 in the environment lets them on.
+# Captured steps are off at tp > 1 unless asked for (one run of them hung); --cuda-graphs on asks for them.
 set -u
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on these machines (KINDS.md): NCCL's NVLS, torch's symmetric memory, NVSHMEM

@@ -162,6 +162,15 @@ def ahead_tokens(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(engine.graphs, "gather_tokens", shifted)
 
 
+def registry_gap(mp: pytest.MonkeyPatch) -> None:
+    """The kernel registry loses one path: the torch backend no longer declares its decode kernel, so the kernel
+    gate (whose cases come from the registry) never checks it, while every engine still decodes with it."""
+    from kernels.torch_backend import TorchBackend
+    declared = TorchBackend.declared_paths.__func__
+    mp.setattr(TorchBackend, "declared_paths",
+               classmethod(lambda cls: [p for p in declared(cls) if p.name != "torch.decode.gather"]))
+
+
 def stale_read(mp: pytest.MonkeyPatch) -> None:
     """Decode row i reads its history through row i-1's block-table row: another request's pages."""
     decode_tables(mp, lambda tables: tables[:1] + tables[:-1] if len(tables) >= 2 else tables)
@@ -290,6 +299,10 @@ PLANTS = {
     "ahead-tokens": Plant("a pure decode step launched ahead takes each row's token from the next row's sample",
                           r"steps launched ahead[\s\S]*not a near tie under 0\.02", ahead_tokens,
                           number_changing=True),
+    "registry-gap": Plant("the kernel registry leaves out the torch decode kernel (no kernel gate case checks it)",
+                          r"torch\.decode\.gather: taken in \d+ steps by the gates' engines, never checked by the "
+                          r"kernel gate", registry_gap, args=("-k", "torch"),
+                          paths=("gates/test_smoke.py::test_smoke", "gates/test_kernels.py")),
     "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
                         poison_cause(r"(?!\1 )\S+") + "|" + token_cause("a decode row", "only when batched with"),
                         stale_read, number_changing=True),

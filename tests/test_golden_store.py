@@ -252,3 +252,33 @@ def test_parity_offline_compares_two_goldens_without_an_engine(capsys):
     assert main(["--a", "golden:hf", "--b", "golden:fused", "--workload", "uniform-cpu", "--offline"]) == 0
     out = capsys.readouterr().out
     assert "golden:fused against golden:hf on uniform-cpu" in out and "     64        48" in out
+
+
+def test_a_golden_made_under_another_decode_kernel_is_reported_as_another_configuration(tmp_path):
+    """A golden's meta records the reference engine's configuration as served (every None decided); a gate reading
+    it under a configuration that now resolves otherwise (here: the decode kernel) fails, naming the field, both
+    values and the command that regenerates it, instead of comparing against another engine's tokens."""
+    import json
+    import shutil
+
+    from gates.conftest import Runs
+    from gates.options import read_options
+    src = Path(__file__).resolve().parents[1] / "golden" / "qwen2-small" / "mixed-cpu"
+    dst = tmp_path / "qwen2-small" / "mixed-cpu"
+    dst.mkdir(parents=True)
+    for f in src.glob("fused-cpu-float32.*"):
+        shutil.copy(f, dst / f.name)
+    opts = read_options({"--device": "cpu", "--dtype": None, "--backend": "all", "--engine": "all",
+                         "--golden-dir": str(tmp_path), "--tie-threshold": 0.02, "--flip-cap": 3,
+                         "--regen-golden": False, "--model": "small", "--allow-skipped-files": False, "--tp": 1,
+                         "--decode-kernel": None}.__getitem__)
+    records = Runs(opts).golden("fused", "mixed-cpu")       # as committed: the configuration it serves today
+    assert len(records) == 48
+    meta_path = dst / "fused-cpu-float32.meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["reference"]["config"]["decode_kernel"] == "gather", "goldens record the resolved decode kernel"
+    meta["reference"]["config"]["decode_kernel"] = "packed"
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(pytest.fail.Exception, match=r"made under another configuration of 'fused'.*"
+                        r"decode_kernel: 'packed' -> 'gather'.*Regenerate it if the change was intended: "):
+        Runs(opts).golden("fused", "mixed-cpu")

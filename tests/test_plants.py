@@ -108,3 +108,31 @@ def test_a_run_without_a_failing_report_is_classified_by_its_exit(rc, gate, caug
                              "known: chunked, fused, flash", 0.0, 12.0, 3.0)
     assert (r.gate, r.caught) == (gate, caught)
     assert r.named is (True if caught else None)
+
+
+def test_a_path_left_out_of_the_kernel_registry_fails_the_coverage_gate_naming_it(tmp_path):
+    """The torch backend's decode kernel taken out of kernels.declared_paths: the kernel gate no longer checks it,
+    the smoke gate's engines still decode with it, and the run fails (the session's coverage gate), naming it."""
+    r = plant_table.run_row(plant_table.Row("registry-gap", "registry-gap"), timeout=600, log_dir=tmp_path)
+    log = next(tmp_path.glob("*.log")).read_text()
+    assert r.caught and r.gate == "(session, exit 1)" and r.named, log[-3000:]
+    assert "stepgate path coverage gate: FAILED" in log and "passed" in log and "failed" not in log.split(
+        "short test summary")[-1], log[-3000:]
+
+
+def test_the_coverage_rules_name_each_path():
+    """Taken but unchecked, and declared but never run, each named; a path checked but not taken is fine."""
+    from engine.census import merge
+    from gates.coverage import problems
+    census = {}
+    merge(census, [dict(kind="pure-decode", kernels=["a.decode.x+append"], mode="captured", bucket="8x16",
+                        ahead=True, prefix_hit=False, steps=5),
+                   dict(kind="loaded", kernels=["a.prefill.p", "a.decode.x"], mode="eager", bucket="-", ahead=False,
+                        prefix_hit=False, steps=2)])
+    checked = {"a.prefill.p": 3, "a.decode.x": 3, "a.decode.y": 1}
+    out = problems(census, checked, ["a.prefill.p", "a.decode.x", "a.decode.x+append", "a.decode.y", "a.decode.z"])
+    assert out == ["a.decode.x+append: taken in 5 steps by the gates' engines, never checked by the kernel gate "
+                   "against fp32 on a rebuilt cache",
+                   "a.decode.z: declared by its backend (kernels.declared_paths), never ran: neither an engine nor "
+                   "the kernel gate took it"]
+    assert problems(census, {**checked, "a.decode.x+append": 1, "a.decode.z": 1}, ["a.decode.z"]) == []

@@ -196,10 +196,13 @@ OBSERVING_FIELDS = ("poison", "record_topk", "sync_trace", "progress", "trace_li
 
 
 def config_differences(recorded: dict, current: dict) -> list[str]:
-    """'field: recorded -> current' for each field that picks what runs and differs; a field the record lacks
-    (written before it existed) is not a difference."""
+    """'field: recorded -> current' for each field that picks what runs and differs. A field the record lacks
+    (written before it existed) is not a difference; nor, in a record made before configurations were resolved (it
+    has no decode_kernel), is a None: it meant the default of its day, which the record does not say."""
+    resolved = "decode_kernel" in recorded
     return [f"{k}: {recorded[k]!r} -> {current[k]!r}" for k in sorted(current)
-            if k not in OBSERVING_FIELDS and k in recorded and recorded[k] != current[k]]
+            if k not in OBSERVING_FIELDS and k in recorded and recorded[k] != current[k]
+            and (resolved or recorded[k] is not None)]
 
 
 def device_type(device) -> str:

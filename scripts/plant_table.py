@@ -179,6 +179,11 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in PLANTS]
     if unknown:
         ap.error(f"unknown plant(s) {unknown}; known: {', '.join(PLANTS)}")
+    import torch
+    gpu_only = [n for n in names if PLANTS[n].device == "cuda" and not torch.cuda.is_available()]
+    if gpu_only:
+        print(f"[plant] not run here (they plant a GPU path; no CUDA device): {', '.join(gpu_only)}", flush=True)
+        names = [n for n in names if n not in gpu_only]
     log_dir = Path(a.logs or tempfile.mkdtemp(prefix="plant-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     results, load0 = [], os.getloadavg()[0]

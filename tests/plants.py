@@ -162,6 +162,28 @@ def ahead_tokens(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(engine.graphs, "gather_tokens", shifted)
 
 
+def append_value(mp: pytest.MonkeyPatch) -> None:
+    """The Triton decode's fused append attends to each row's own value 1% too large (as if read wrong from
+    registers), while the cache gets the right one: only the step's own key/value pair is off, and only in pure
+    decode steps on the flash backend (CUDA). The token gates' 0.02 rule absorbs it on the small model."""
+    import torch
+
+    import kernels.triton_decode as td
+    decode = td.paged_decode
+
+    def planted(q, k_cache, v_cache, block_table, cached, scale, new_kv=None, **kw):
+        if new_kv is None:
+            return decode(q, k_cache, v_cache, block_table, cached, scale, **kw)
+        k, v = new_kv
+        out = decode(q, k_cache, v_cache, block_table, cached, scale, (k, v * 1.01), **kw)
+        ps = k_cache.shape[1]
+        rows = torch.arange(cached.shape[0], device=cached.device)
+        slots = block_table[rows, (cached // ps).long()].long() * ps + (cached % ps).long()
+        v_cache.view(-1, *v.shape[1:])[slots] = v        # the right value in the cache: the bug is the attended one
+        return out
+    mp.setattr(td, "paged_decode", planted)
+
+
 def registry_gap(mp: pytest.MonkeyPatch) -> None:
     """The kernel registry loses one path: the torch backend no longer declares its decode kernel, so the kernel
     gate (whose cases come from the registry) never checks it, while every engine still decodes with it."""
@@ -282,6 +304,7 @@ class Plant:
     baseline: tuple[str, ...] = ()      # an unplanted run the plant table makes first (pytest arguments)
     number_changing: bool = False       # must fail the CPU run within 20 s
     during_first_test: bool = False     # patched once the first test has run, not at configure
+    device: str = "cpu"                 # "cuda": a plant of a GPU path, run by the plant table only on a GPU
 
 
 PLANTS = {
@@ -299,6 +322,9 @@ PLANTS = {
     "ahead-tokens": Plant("a pure decode step launched ahead takes each row's token from the next row's sample",
                           r"steps launched ahead[\s\S]*not a near tie under 0\.02", ahead_tokens,
                           number_changing=True),
+    "append-value": Plant("the Triton decode's fused append attends to each row's own value 1% too large (CUDA)",
+                          r"flash\.decode\.triton\+append.*wrong values", append_value,
+                          args=("--device", "cuda", "--model", "small-trained"), device="cuda"),
     "registry-gap": Plant("the kernel registry leaves out the torch decode kernel (no kernel gate case checks it)",
                           r"torch\.decode\.gather: taken in \d+ steps by the gates' engines, never checked by the "
                           r"kernel gate", registry_gap, args=("-k", "torch"),

@@ -34,6 +34,7 @@ from .ab_stats import CONFIDENCE, REGRESSION, RESAMPLES, SEED, compare, threshol
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ab_worker.py"
 KINDS = ("pure-decode", "loaded", "chunk-only")
+CLOCKS = ("wall", "cpu")      # gates/ab_worker.py times every step on both
 M15 = "qwen2.5-1.5b-random"
 # (rounds, steps a side per round and benchmark, warm-up steps) per device kind. Rounds are short and many: a
 # neighbour's load on a shared host comes and goes within a second (on the 2-core CPU host a 7 ms step read 5 to 15 ms
@@ -118,7 +119,7 @@ class Side:
         self.info = self.receive(timeout)["ready"]
         return self.info
 
-    def run(self, reps: int, timeout: float) -> dict[str, list[float]]:
+    def run(self, reps: int, timeout: float) -> dict[str, dict[str, list[float]]]:
         self.proc.stdin.write(json.dumps({"cmd": "run", "reps": reps}) + "\n")
         self.proc.stdin.flush()
         return self.receive(timeout)["times"]
@@ -159,7 +160,8 @@ def bench_name(spec: str, device: str, model: str) -> str:
 
 
 def worker_args(a, specs: list[str]) -> list[str]:
-    out = ["--device", a.device, "--model", a.model, "--warmup", str(a.warmup), "--threads", str(a.threads)]
+    out = ["--device", a.device, "--model", a.model, "--warmup", str(a.warmup), "--threads", str(a.threads),
+           "--clock", a.clock]
     for flag, v in (("--dtype", a.dtype), ("--workload", a.workload), ("--rows", a.rows)):
         if v:
             out += [flag, str(v)]
@@ -185,8 +187,9 @@ def config_notes(base: dict, head: dict) -> list[str]:
 def measure(sides: list[Side], specs: list[str], rounds: int, reps: int, deadline: float,
             startup_timeout: float, progress=print) -> tuple[dict[str, dict[str, list[list[float]]]], list[str]]:
     """Start every side at once (their loads overlap), then time `rounds` rounds, the order of the sides turned
-    each round (ABBA...). Returns {side: {spec: [round's timings, ...]}} and notes (a deadline that cut rounds)."""
-    out = {s.name: {spec: [] for spec in specs} for s in sides}
+    each round (ABBA...). Returns {side: {clock: {spec: [round's timings, ...]}}} and notes (a deadline that cut
+    rounds)."""
+    out = {s.name: {c: {spec: [] for spec in specs} for c in CLOCKS} for s in sides}
     notes = []
     t_ready = time.monotonic()
     try:
@@ -206,8 +209,9 @@ def measure(sides: list[Side], specs: list[str], rounds: int, reps: int, deadlin
                 break
             for s in order:
                 times = s.run(reps, max(1.0, deadline - time.monotonic()))
-                for spec in specs:
-                    out[s.name][spec].append(times[spec])
+                for c in CLOCKS:
+                    for spec in specs:
+                        out[s.name][c][spec].append(times[c][spec])
             per_round = time.monotonic() - t0
             if (r + 1) % max(1, rounds // 10) == 0:
                 progress(f"ab: round {r + 1}/{rounds} ({time.monotonic() - t_first:.1f} s of rounds)")
@@ -243,27 +247,44 @@ def ab(a) -> dict:
                  Side("head", head_tree, head_args, out / "head.log", plant_env)]
         timings, notes = measure(sides, specs, a.rounds, a.reps, deadline, a.startup_timeout,
                                  progress=(lambda *_: None) if a.quiet else print)
-    base_info, head_info = sides[0].info, sides[1].info
-    done = len(timings["base"][specs[0]])
+    record = decide(timings["base"], timings["head"], specs, sides[0].info, sides[1].info,
+                    dict(base=base_meta, head=head_meta, device=a.device, model=a.model, clock=a.clock,
+                         threshold=threshold, confidence=a.confidence, resamples=a.resamples, seed=a.seed,
+                         reps=a.reps, warmup=a.warmup), notes)
+    record["seconds"] = time.monotonic() - t_start
+    write(record, out, plot=not a.no_plot)
+    return record
+
+
+def decide(base: dict, head: dict, specs: list[str], base_info: dict, head_info: dict, run: dict,
+           notes: list[str] = ()) -> dict:
+    """The record of one A/B run: per benchmark the medians, the ratio with its interval and the verdict, on the
+    run's clock. base / head: {clock: {spec: [round's timings, ...]}}, as measure() gives them; `run`: what the
+    record says about the run (sides, device, model, clock, threshold, confidence, resamples, seed, reps)."""
+    clock = run["clock"]
+    done = len(base[clock][specs[0]])
     if done < 3:
-        raise ABError(f"only {done} round(s) measured before the deadline ({a.deadline:g} s): no interval from that; "
-                      f"raise --deadline or lower --rounds/--reps")
+        raise ABError(f"only {done} round(s) measured before the deadline: no interval from that; raise --deadline "
+                      f"or lower --rounds/--reps")
     benches = []
     for spec in specs:
-        c = compare(timings["base"][spec], timings["head"][spec], threshold, a.confidence, a.resamples, a.seed)
-        benches.append(dict(name=bench_name(spec, a.device, a.model), spec=spec, base_median=c.base_median,
+        c = compare(base[clock][spec], head[clock][spec], run["threshold"], run["confidence"], run["resamples"],
+                    run["seed"])
+        other = [x for x in CLOCKS if x != clock][0]
+        o = compare(base[other][spec], head[other][spec], run["threshold"], run["confidence"], run["resamples"],
+                    run["seed"])
+        benches.append(dict(name=bench_name(spec, run["device"], run["model"]), spec=spec, base_median=c.base_median,
                             head_median=c.head_median, ratio=c.ratio, low=c.low, high=c.high, verdict=c.verdict,
+                            other_clock=dict(clock=other, ratio=o.ratio, low=o.low, high=o.high),
                             plant_s=(head_info.get("plant_s") or {}).get(spec, 0.0),
-                            base_rounds=timings["base"][spec], head_rounds=timings["head"][spec],
+                            base_rounds=base[clock][spec], head_rounds=head[clock][spec],
+                            rounds_by_clock={"base": {x: base[x][spec] for x in CLOCKS},
+                                             "head": {x: head[x][spec] for x in CLOCKS}},
                             state=base_info["benchmarks"][spec]))
-    record = dict(base=base_meta, head=head_meta, device=a.device, device_kind=dev_kind,
-                  device_name=base_info.get("device_name"), model=a.model, threshold=threshold,
-                  confidence=a.confidence, resamples=a.resamples, seed=a.seed, rounds=done, reps=a.reps,
-                  warmup=a.warmup, threads=base_info.get("threads"), torch=base_info.get("torch"),
-                  benchmarks=benches, notes=notes + config_notes(base_info, head_info),
-                  seconds=time.monotonic() - t_start)
+    record = dict(run, device_kind=run["device"].split(":")[0], device_name=base_info.get("device_name"),
+                  rounds=done, threads=base_info.get("threads"), torch=base_info.get("torch"), benchmarks=benches,
+                  notes=list(notes) + config_notes(base_info, head_info), seconds=0.0)
     record["regression"] = any(b["verdict"] == REGRESSION for b in benches)
-    write(record, out, plot=not a.no_plot)
     return record
 
 
@@ -356,6 +377,9 @@ def parser() -> argparse.ArgumentParser:
                          "largest noise; torch's own on cuda)")
     ap.add_argument("--threshold", type=float, default=None, help="A/A noise threshold (default per device kind: "
                                                                   "gates/ab_stats.py THRESHOLDS)")
+    ap.add_argument("--clock", choices=CLOCKS, default=None,
+                    help="what decides: wall time, or the process's CPU time (default: cpu on a cpu device, where a "
+                         "neighbour's load stretches wall time but not CPU time; wall on cuda)")
     ap.add_argument("--confidence", type=float, default=CONFIDENCE)
     ap.add_argument("--resamples", type=int, default=RESAMPLES)
     ap.add_argument("--seed", type=int, default=SEED)
@@ -380,6 +404,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a.warmup = a.warmup if a.warmup is not None else warmup
     a.threads = a.threads if a.threads is not None else (0 if cuda else 1)
     a.model = a.model or (M15 if cuda else "small")
+    a.clock = a.clock or ("wall" if cuda else "cpu")
     if a.rounds < 3:
         parser().error("--rounds: at least 3 (an interval needs rounds to resample)")
     return a

@@ -26,17 +26,20 @@ def side_label(side: dict) -> str:
 
 def rows(record: dict) -> tuple[list[str], list[list[str]]]:
     conf = int(round(record["confidence"] * 100))
-    head = ["benchmark", "base (median)", "head (median)", f"ratio head/base [{conf}% CI]", "verdict"]
+    other = record["benchmarks"][0]["other_clock"]["clock"] if record["benchmarks"] else "other"
+    head = ["benchmark", "base (median)", "head (median)", f"ratio head/base [{conf}% CI]", f"{other} time ratio",
+            "verdict"]
     body = [[b["name"], fmt_s(b["base_median"]), fmt_s(b["head_median"]),
-             f"{b['ratio']:.3f}x [{b['low']:.3f}, {b['high']:.3f}]", b["verdict"]] for b in record["benchmarks"]]
+             f"{b['ratio']:.3f}x [{b['low']:.3f}, {b['high']:.3f}]", f"{b['other_clock']['ratio']:.3f}x",
+             b["verdict"]] for b in record["benchmarks"]]
     return head, body
 
 
 def rule(record: dict) -> str:
     t = record["threshold"]
     return (f"regression: the interval above 1 and the ratio above {1 + t:.3f} (A/A noise threshold "
-            f"{t * 100:g}% on {record['device_kind']}); {record['rounds']} interleaved rounds x {record['reps']} "
-            f"steps a side, paired bootstrap over rounds")
+            f"{t * 100:g}% on {record['device_kind']}); {record['clock']} time of each step; {record['rounds']} "
+            f"interleaved rounds x {record['reps']} steps a side, paired bootstrap over rounds")
 
 
 def summary_line(record: dict) -> str:
@@ -90,7 +93,7 @@ def plot(record: dict, path: Path) -> str | None:
                     label=f"{side} {side_label(record[side])}")
         ax.set_title(f"{b['name']}: {b['ratio']:.3f}x [{b['low']:.3f}, {b['high']:.3f}] {b['verdict']}", fontsize=9)
         ax.set_xlabel("round")
-        ax.set_ylabel("step (ms)")
+        ax.set_ylabel(f"step, {record['clock']} time (ms)")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -7,9 +7,10 @@ contain it). It uses only what gates/step_states.py and engine/ have offered sin
 (States, FixedState, ModelCase, step_fn; LINEAGE, WORKLOADS, WORK_KINDS).
 
 Protocol: JSON lines. This process writes {"ready": info} once its steps are built and warm, then answers each
-{"cmd": "run", "reps": N} with {"times": {bench: [seconds, ...]}} (every benchmark N times, in the given order), and
-ends on {"cmd": "quit"} or end of input. A failure is {"error": message}, then exit 1. Anything the engine prints goes
-to stderr (the side's log), so stdout carries the protocol only.
+{"cmd": "run", "reps": N} with {"times": {"wall": {bench: [seconds, ...]}, "cpu": {...}}} (every benchmark N times,
+in the given order; each step on both clocks), and ends on {"cmd": "quit"} or end of input. A failure is
+{"error": message}, then exit 1. Anything the engine prints goes to stderr (the side's log), so stdout carries the
+protocol only.
 
 The fractional plant (`--plant-frac F`, tests and scripts/h200_ab.sh only): a busy-wait of F times the benchmark's
 own median, measured here after warm-up, inside every timed step. A busy-wait, not a sleep: sleeping 0.1 ms
@@ -27,9 +28,14 @@ import time
 import traceback
 
 
+CLOCKS = ("wall", "cpu")     # wall: time.perf_counter; cpu: this process's CPU time (time.process_time)
+
+
 def busy_wait(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Spin until both clocks moved by `seconds`: the plant is then exact in CPU time and at least that in wall
+    time, whichever clock decides."""
+    end_wall, end_cpu = time.perf_counter() + seconds, time.process_time() + seconds
+    while time.perf_counter() < end_wall or time.process_time() < end_cpu:
         pass
 
 
@@ -47,6 +53,7 @@ def parse(argv):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--plant-frac", type=float, default=0.0)
+    ap.add_argument("--clock", choices=CLOCKS, default="wall", help="the clock the plant's share is taken of")
     return ap.parse_args(argv)
 
 
@@ -107,26 +114,29 @@ def build(a):
     return benches, info
 
 
-def time_calls(fn, n: int, plant_s: float = 0.0) -> list[float]:
-    out = []
+def time_calls(fn, n: int, plant_s: float = 0.0) -> dict[str, list[float]]:
+    """Each call's wall time and CPU time (seconds), the plant inside both."""
+    wall, cpu = [], []
     for _ in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
         if plant_s:
             busy_wait(plant_s)
-        out.append(time.perf_counter() - t)
-    return out
+        cpu.append(time.process_time() - c)
+        wall.append(time.perf_counter() - t)
+    return {"wall": wall, "cpu": cpu}
 
 
 def serve(a, proto) -> None:
     benches, info = build(a)
     plants = {}
     for spec, b in benches.items():
-        warm = time_calls(b["fn"], max(a.warmup, 2))
+        warm = time_calls(b["fn"], max(a.warmup, 2))[a.clock]
         # the plant is a share of this benchmark's own unplanted step, timed after the first calls (capture, caches)
         tail = warm[len(warm) // 2:]
         plants[spec] = a.plant_frac * statistics.median(tail) if a.plant_frac > 0 else 0.0
     info.update(benchmarks={s: b["describe"] for s, b in benches.items()}, plant_s=plants, plant_frac=a.plant_frac)
+    gc.collect()        # once: a full collection costs tenths of a second here, too much for every round
     send(proto, {"ready": info})
     for line in sys.stdin:
         msg = json.loads(line)
@@ -135,12 +145,12 @@ def serve(a, proto) -> None:
         if msg.get("cmd") != "run":
             raise ValueError(f"unknown command {msg!r}")
         reps = int(msg["reps"])
-        times = {}
-        gc.collect()
+        times = {c: {} for c in CLOCKS}
         gc.disable()        # a collection inside one side's round would be noise that only that side pays
         try:
             for spec, b in benches.items():
-                times[spec] = time_calls(b["fn"], reps, plants[spec])
+                for clock, t in time_calls(b["fn"], reps, plants[spec]).items():
+                    times[clock][spec] = t
         finally:
             gc.enable()
         send(proto, {"times": times})

@@ -276,7 +276,6 @@ def decide(base: dict, head: dict, specs: list[str], base_info: dict, head_info:
         benches.append(dict(name=bench_name(spec, run["device"], run["model"]), spec=spec, base_median=c.base_median,
                             head_median=c.head_median, ratio=c.ratio, low=c.low, high=c.high, verdict=c.verdict,
                             other_clock=dict(clock=other, ratio=o.ratio, low=o.low, high=o.high),
-                            plant_s=(head_info.get("plant_s") or {}).get(spec, 0.0),
                             base_rounds=base[clock][spec], head_rounds=head[clock][spec],
                             rounds_by_clock={"base": {x: base[x][spec] for x in CLOCKS},
                                              "head": {x: head[x][spec] for x in CLOCKS}},

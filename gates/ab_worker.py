@@ -12,8 +12,9 @@ in the given order; each step on both clocks), and ends on {"cmd": "quit"} or en
 {"error": message}, then exit 1. Anything the engine prints goes to stderr (the side's log), so stdout carries the
 protocol only.
 
-The fractional plant (`--plant-frac F`, tests and scripts/h200_ab.sh only): a busy-wait of F times the benchmark's
-own median, measured here after warm-up, inside every timed step. A busy-wait, not a sleep: sleeping 0.1 ms
+The fractional plant (`--plant-frac F`, tests and scripts/h200_ab.sh only): inside every timed step, after the
+step's work, a busy-wait of F times the time that work just took (on `--clock`), so each step is F slower whatever
+the host's load at that moment. A busy-wait, not a sleep: sleeping 0.1 ms
 overshoots by as much again on Linux. The revision's own seam (STEPGATE_PLANT_SLOWDOWN_MS, a sleep) works as ever.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -53,7 +53,7 @@ def parse(argv):
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     ap.add_argument("--plant-frac", type=float, default=0.0)
-    ap.add_argument("--clock", choices=CLOCKS, default="wall", help="the clock the plant's share is taken of")
+    ap.add_argument("--clock", choices=CLOCKS, default="wall", help="the clock a plant's share is taken on")
     return ap.parse_args(argv)
 
 
@@ -114,14 +114,15 @@ def build(a):
     return benches, info
 
 
-def time_calls(fn, n: int, plant_s: float = 0.0) -> dict[str, list[float]]:
-    """Each call's wall time and CPU time (seconds), the plant inside both."""
+def time_calls(fn, n: int, plant_frac: float = 0.0, clock: str = "wall") -> dict[str, list[float]]:
+    """Each call's wall time and CPU time (seconds). A plant extends each step by `plant_frac` of that step's own
+    time on `clock`, inside the timing."""
     wall, cpu = [], []
     for _ in range(n):
         t, c = time.perf_counter(), time.process_time()
         fn()
-        if plant_s:
-            busy_wait(plant_s)
+        if plant_frac:
+            busy_wait(plant_frac * (time.perf_counter() - t if clock == "wall" else time.process_time() - c))
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - t)
     return {"wall": wall, "cpu": cpu}
@@ -129,13 +130,9 @@ def time_calls(fn, n: int, plant_s: float = 0.0) -> dict[str, list[float]]:
 
 def serve(a, proto) -> None:
     benches, info = build(a)
-    plants = {}
-    for spec, b in benches.items():
-        warm = time_calls(b["fn"], max(a.warmup, 2))[a.clock]
-        # the plant is a share of this benchmark's own unplanted step, timed after the first calls (capture, caches)
-        tail = warm[len(warm) // 2:]
-        plants[spec] = a.plant_frac * statistics.median(tail) if a.plant_frac > 0 else 0.0
-    info.update(benchmarks={s: b["describe"] for s, b in benches.items()}, plant_s=plants, plant_frac=a.plant_frac)
+    for b in benches.values():
+        time_calls(b["fn"], a.warmup)
+    info.update(benchmarks={s: b["describe"] for s, b in benches.items()}, plant_frac=a.plant_frac, clock=a.clock)
     gc.collect()        # once: a full collection costs tenths of a second here, too much for every round
     send(proto, {"ready": info})
     for line in sys.stdin:
@@ -149,7 +146,7 @@ def serve(a, proto) -> None:
         gc.disable()        # a collection inside one side's round would be noise that only that side pays
         try:
             for spec, b in benches.items():
-                for clock, t in time_calls(b["fn"], reps, plants[spec]).items():
+                for clock, t in time_calls(b["fn"], reps, a.plant_frac, a.clock).items():
                     times[clock][spec] = t
         finally:
             gc.enable()

@@ -162,7 +162,7 @@ def bench_name(spec: str, device: str, model: str) -> str:
 def worker_args(a, specs: list[str]) -> list[str]:
     out = ["--device", a.device, "--model", a.model, "--warmup", str(a.warmup), "--threads", str(a.threads),
            "--clock", a.clock]
-    for flag, v in (("--dtype", a.dtype), ("--workload", a.workload), ("--rows", a.rows)):
+    for flag, v in (("--dtype", a.dtype), ("--workload", a.workload), ("--rows", a.rows), ("--pin", a.pin)):
         if v:
             out += [flag, str(v)]
     for s in specs:
@@ -321,15 +321,23 @@ def refresh_baseline(argv: list[str]) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("-k", dest="select", default=None, help="pytest -k expression (default: every step timing)")
     ap.add_argument("--allow-dirty", action="store_true", help="save although the checkout has uncommitted changes")
+    ap.add_argument("--commit", default=None,
+                    help="the commit these timings are of, where this copy of the tree has no git history (written "
+                         "into the file's commit_info); default: git rev-parse HEAD")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --)")
     a = ap.parse_args(argv)
     tree = describe_tree(REPO)
+    if a.commit:
+        tree = {"commit": a.commit, "dirty": tree["dirty"] if tree["commit"] == a.commit else None}
+    if not tree["commit"]:
+        print("gates.ab refresh-baseline: no commit to name (not a git checkout): pass --commit", file=sys.stderr)
+        return 2
     if tree["dirty"] and not a.allow_dirty:
         print("gates.ab refresh-baseline: the checkout has uncommitted changes; a baseline names a commit "
               "(commit first, or --allow-dirty)", file=sys.stderr)
         return 2
     storage = Path(a.storage.removeprefix("file://")).resolve()
-    name = f"{storage.name}_{(tree['commit'] or 'nogit')[:10]}"
+    name = f"{storage.name}_{tree['commit'][:10]}"
     before = set(storage.rglob("*.json")) if storage.is_dir() else set()
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pytest", "gates/test_step_timings.py", "--device", a.device, "-q",
@@ -346,6 +354,9 @@ def refresh_baseline(argv: list[str]) -> int:
     for p in new:
         data = json.loads(p.read_text())
         ci = data.get("commit_info") or {}
+        if ci.get("id") != tree["commit"]:      # a copy of the tree without .git: pytest-benchmark found no commit
+            data["commit_info"] = ci = {"id": tree["commit"], "dirty": tree["dirty"], "given": "--commit"}
+            p.write_text(json.dumps(data, indent=4))
         print(f"new baseline: {p} ({len(data['benchmarks'])} benchmarks, commit {ci.get('id')}"
               f"{' +uncommitted' if ci.get('dirty') else ''})")
     return 0
@@ -374,6 +385,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of each side (default: 1 on cpu, where two threads on a shared host are the "
                          "largest noise; torch's own on cuda)")
+    ap.add_argument("--pin", default=None,
+                    help="CPU cores both sides run on, comma separated (default: on a cpu device, one core, the same "
+                         "for both: two processes left to the scheduler settle on different cores, and on a shared "
+                         "host one core is busier than the other; 'none': unpinned)")
     ap.add_argument("--threshold", type=float, default=None, help="A/A noise threshold (default per device kind: "
                                                                   "gates/ab_stats.py THRESHOLDS)")
     ap.add_argument("--clock", choices=CLOCKS, default=None,
@@ -404,6 +419,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a.threads = a.threads if a.threads is not None else (0 if cuda else 1)
     a.model = a.model or (M15 if cuda else "small")
     a.clock = a.clock or ("wall" if cuda else "cpu")
+    if a.pin is None:
+        a.pin = "" if cuda else str(max(os.sched_getaffinity(0)))
+    a.pin = "" if a.pin == "none" else a.pin
     if a.rounds < 3:
         parser().error("--rounds: at least 3 (an interval needs rounds to resample)")
     return a

@@ -52,6 +52,7 @@ def parse(argv):
                     help="CONFIG:KIND or CONFIG:KIND:eager (an engine configuration of LINEAGE, a step kind)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    ap.add_argument("--pin", default="", help="CPU cores to run on, comma separated (default: any)")
     ap.add_argument("--plant-frac", type=float, default=0.0)
     ap.add_argument("--clock", choices=CLOCKS, default="wall", help="the clock a plant's share is taken on")
     return ap.parse_args(argv)
@@ -79,6 +80,8 @@ def build(a):
 
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.pin:
+        os.sched_setaffinity(0, {int(c) for c in a.pin.split(",")})
     cuda = a.device.startswith("cuda")
     dtype = a.dtype or ("float16" if cuda else "float32")
     small = a.model in ("small", "small-trained")

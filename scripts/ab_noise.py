@@ -78,12 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="runs of each kind (default 5)")
     ap.add_argument("--plant", type=float, default=0.10, help="head's planted share of a step (default 0.10)")
     ap.add_argument("--deadline", type=float, default=120, help="seconds for one gates.ab run (default 120)")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds for all runs: a run that would not fit its deadline in what is left is not started")
     ap.add_argument("--out", default="results/ab-noise")
     a = ap.parse_args(ours)
     Path(a.out).mkdir(parents=True, exist_ok=True)
     rows = []
+    end = time.monotonic() + a.budget if a.budget else None
     for i in range(a.runs):
         for kind in ("aa", "planted"):          # alternating, so a slow spell of the host hits both kinds
+            if end is not None and end - time.monotonic() < a.deadline:
+                print(f"{kind} run {len(rows) + 1}: not run (budget)", flush=True)
+                continue
             rows.append(one(kind, len(rows) + 1, a, extra))
             print(lines(rows[-1:])[-1], flush=True)
             (Path(a.out) / "noise.json").write_text(json.dumps(rows, indent=1))

@@ -1,6 +1,7 @@
 """The same-job A/B (gates/ab.py): its statistic on timings of known shape, its record and report, the base
 revision's checkout, and on this CPU, in one interleaved session, A/A (this checkout against itself: no alert) and
-head planted 10% slower (alerted). The command line end to end and the baseline refresh are marked slow."""
+head planted 10% slower (alerted); the baseline refresh into a folder of its own. The command line end to end (a
+base worktree, two runs) is marked slow."""
 from __future__ import annotations
 
 import json
@@ -173,7 +174,7 @@ def test_aa_is_quiet_and_a_planted_ten_percent_is_alerted_on_cpu(tmp_path):
     assert sides[2].info["plant_frac"] == 0.10 and sides[0].info["plant_frac"] == 0
 
 
-# -- slow: the command line end to end, the baseline refresh --------------------------------------------------------
+# -- the command line end to end (slow), the baseline refresh ------------------------------------------------
 @pytest.fixture
 def clone(tmp_path) -> Path:
     """A clone of this checkout's HEAD (sharing its objects, writing nothing into its .git): gates.ab makes its
@@ -204,7 +205,6 @@ def test_the_command_exits_0_on_aa_and_1_on_a_planted_slowdown(clone, tmp_path):
     assert "REGRESSION" in loud.stdout and "planted 10% busy-wait" in loud.stdout
 
 
-@pytest.mark.slow
 def test_refresh_baseline_saves_the_step_timings_with_their_commit(tmp_path):
     storage = tmp_path / "benchmarks" / "mymachine"
     env = dict(os.environ, STEPGATE_BENCH_ROUNDS="3", PYTHONPATH=str(REPO))

@@ -189,8 +189,8 @@ def measure(sides: list[Side], specs: list[str], rounds: int, reps: int, deadlin
     """Start every side at once (their loads overlap), then time `rounds` rounds, the sides in the same order every
     round (ABAB...: each side's steps always follow the other side's. Turning the order each round, ABBA, let one
     side run twice in a row, its caches warm for the second block: on the CPU host the first side of a round read
-    up to 20% faster, a round's ratio swinging 0.8x-1.2x from one round to the next in an A/A run). Returns {side: {clock: {spec: [round's timings, ...]}}} and notes (a deadline that cut
-    rounds)."""
+    up to 20% faster, a round's ratio swinging 0.8x-1.2x from one round to the next in an A/A run).
+    Returns {side: {clock: {spec: [round's timings, ...]}}} and notes (a deadline that cut rounds)."""
     out = {s.name: {c: {spec: [] for spec in specs} for c in CLOCKS} for s in sides}
     notes = []
     t_ready = time.monotonic()

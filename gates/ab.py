@@ -33,6 +33,8 @@ from .ab_stats import CONFIDENCE, REGRESSION, RESAMPLES, SEED, compare, threshol
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "ab_worker.py"
+# engine.scheduler.WORK_KINDS' names, written out: the driver imports no torch (engine/ does); the worker checks
+# every kind it is given against its own revision's WORK_KINDS
 KINDS = ("pure-decode", "loaded", "chunk-only")
 CLOCKS = ("wall", "cpu")      # gates/ab_worker.py times every step on both
 M15 = "qwen2.5-1.5b-random"

@@ -1,4 +1,5 @@
-"""What regressed, by how much: compare two pytest-benchmark JSON files (a baseline and the current run).
+"""What regressed, by how much: compare two pytest-benchmark JSON files (a baseline and the current run). Against a
+stored baseline this is history for a dashboard; the alert on a pull request is gates/ab.py's same-job A/B.
 
     python -m gates.alert                                   # the newest two runs under golden/benchmarks/
     python -m gates.alert --storage golden/benchmarks/h200  # the newest two runs of one machine's folder

@@ -22,7 +22,10 @@ folder is named by OS/Python only, so name the machine in the path):
     python -m gates.alert --storage golden/benchmarks/<machine> --markdown bench-summary.md
 
 On GPU add `--device cuda` (fp16 by default). CI on CPU only runs this file (its absolute times are never compared
-across machines); what must hold on any machine are the ratio gates below, measured in one run on one state.
+across machines); what must hold on any machine are the ratio gates below, measured in one run on one state. A stored
+baseline is history (a baseline of another host reads 16% apart): the performance alert is `python -m gates.ab`,
+base and head timed on these states in one job (docs/ab.md), and `python -m gates.ab refresh-baseline` refreshes a
+machine's baseline.
 
 Environment (tests only): STEPGATE_PLANT_SLOWDOWN_MS adds a sleep inside every timed step (tests/ uses it to prove
 that a slowdown is caught); STEPGATE_BENCH_ROUNDS overrides the rounds per benchmark.

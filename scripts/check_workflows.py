@@ -1,7 +1,8 @@
 """The GitHub workflows checked beyond GitHub's schema: jobs and steps well formed, the self-hosted runner's labels
 declared for actionlint, every script, module, pytest path and pytest option a step names present here, every file
 a job uploads written by one of its steps and every file it writes uploaded; and the two recipes doing what they
-are for (the GPU gates: parallel, serial step timings against a baseline, gates.alert, flash-attn cached; CPU: .ci/run).
+are for (the GPU gates: parallel, serial step timings, the same-job A/B against the merge base on pull requests and
+no alert from a stored baseline, gates.alert, flash-attn cached; CPU: .ci/run).
 
     python scripts/check_workflows.py        # .github/workflows/*.yml: one line a problem, exit 1 if any
 """
@@ -145,7 +146,7 @@ def check_module(module: str, args: list[str], job: Job, where: str, repo: Path)
         found = importlib.util.find_spec(module.split(".")[0]) is not None
     if not found:
         job.problems.append(f"{where}: python -m {module}: no such module here or installed")
-    job.written += [norm(v) for v in values(args, ("--markdown",))]
+    job.written += [norm(v) for v in values(args, ("--markdown", "--out"))]
 
 
 def values(args: list[str], names: tuple[str, ...]) -> list[str]:
@@ -256,8 +257,15 @@ def recipe(name: str, job_id: str, job: dict, state: Job, env: dict) -> list[str
             problems.append(f"{name} job {job_id}: {what}")
     if "self-hosted" in (runs_on if isinstance(runs_on, list) else [runs_on]):
         need(any(re.search(r"pytest gates/? .*-n ", t) for t in text), "no parallel gate run (pytest gates/ -n ...)")
-        need(any("--benchmark-compare-fail" in t and "test_step_timings" in t and " -n " not in t for t in text),
-             "no serial step-timing run with --benchmark-compare-fail")
+        need(any("test_step_timings" in t and " -n " not in t for t in text), "no serial step-timing run")
+        # issue 36: the alert is a same-job A/B against the merge base; a stored baseline may be another host's
+        need(not any("--benchmark-compare-fail" in t for t in text),
+             "a step fails on a stored baseline (--benchmark-compare-fail): another host's baseline alerts nobody; "
+             "gates.ab decides")
+        need(any(re.search(r"-m gates\.ab .*--base .*--merge-base", t) for t in text) and any(
+            "gates.ab" in str(st.get("run", "")) and "pull_request" in str(st.get("if", ""))
+            for st in job.get("steps") or [] if isinstance(st, dict)),
+             "no same-job A/B on pull requests (python -m gates.ab --base ... --merge-base)")
         need(any("gates.alert" in t for t in text), "no gates.alert report")
         built = [t for t in text if "build_flash_attn.py" in t]
         need(bool(built), "no flash-attn build (build_flash_attn.py)")

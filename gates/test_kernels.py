@@ -87,7 +87,10 @@ def _grid_params(config):
     cuda = _is_cuda(config)
     explicit_dtype = gate_options(config).dtype_given
     out = []
-    for path in kernels.declared_paths(_backends(config)):
+    # the paths the device serves by default first (flash on CUDA: its decode with the append is the pure decode
+    # step), so that a bug there fails within seconds of the kernel gate's start
+    served = "flash" if cuda else "torch"
+    for path in sorted(kernels.declared_paths(_backends(config)), key=lambda p: p.backend != served):
         name, kind = path.backend, path.op
         lens = DECODE_LENS if kind == "decode" else PREFILL_LENS
         for lens_name in lens:

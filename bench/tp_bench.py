@@ -109,7 +109,7 @@ def main(argv=None) -> int:
                     help="also tp 1 without captured steps: the baseline of the eager rows' ratios")
     ap.add_argument("--out", default=None, help="write the figures here (JSON)")
     a = ap.parse_args(argv)
-    from engine.tp_worker import dump_stacks_on_usr1
+    from engine.tp.worker import dump_stacks_on_usr1
     dump_stacks_on_usr1()      # a hung run signalled with SIGUSR1 (timeout -s USR1) shows where rank 0 waits
     dtype = a.dtype or ("float16" if a.device.startswith("cuda") else "float32")
     mixed = MIXED_CPU if is_small(a.model) else MIXED

@@ -90,7 +90,7 @@ class EngineConfig:
     capture_graphs: bool = True
     compile_elementwise: bool | None = None   # fuse norm / rotary / SiLU with torch.compile (None: on CUDA)
     progress: bool = True                # progress bars for slow construction work (graph capture)
-    tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/parallel.py)
+    tp: int = 1                          # tensor-parallel ranks, one process (and one GPU) each (engine/tp/)
     tp_timeout: float = 60.0             # seconds a step waits for a worker rank before the run fails naming it
     trace_limit: int | None = None       # keep the last this many steps in Engine.trace (None: every step)
     prefix_cache: bool = True            # share full prompt/decode pages across requests (engine/prefix_cache.py)

@@ -19,7 +19,7 @@ from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
 from .schedule_log import ScheduleLog
 from .scheduler import CancelResult, Chunk, Foresight, Scheduler, StepKind, StepPlan
-from .tp_layers import rank_shape
+from .tp.layers import rank_shape
 from .workload import RequestSpec
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
@@ -65,11 +65,13 @@ class Engine:
     steps, or under `engine.lock`."""
 
     def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None,
-                 schedule_log: ScheduleLog | None = None):
+                 schedule_log: ScheduleLog | None = None, pool_cls=PagePool, scheduler_cls=Scheduler):
         """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
         small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines.
         `schedule_log`: where the scheduler records every admission, release and step end, for a check of the whole
-        run (gates/schedule_check.py: pass ScheduleLog()); None: nothing is recorded, so memory stays flat."""
+        run (gates/schedule_check.py: pass ScheduleLog()); None: nothing is recorded, so memory stays flat.
+        `pool_cls`, `scheduler_cls`: the bookkeeping's classes (the gates' planted pools and schedulers come in
+        here, at construction, never patched in afterwards)."""
         self.config = config
         dtype = torch_dtype(config.dtype)
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
@@ -81,22 +83,24 @@ class Engine:
         if config.record_topk > most:
             raise errors.ConfigError(f"record_topk={config.record_topk}: more than the {most} tokens of the model's "
                                      f"vocabulary" + (f" shard at tp={config.tp}" if config.tp > 1 else ""))
-        self.pool = PagePool(num_pages, config.page_size, prefix_cache=config.prefix_cache)
+        self.pool = pool_cls(num_pages, config.page_size, prefix_cache=config.prefix_cache)
         if config.max_model_len is not None and self.pool.pages_needed(self.max_model_len) > self.pool.capacity:
             raise errors.ConfigError(
                 f"max_model_len={config.max_model_len}: one request of {self.max_model_len} positions needs "
                 f"{self.pool.pages_needed(self.max_model_len)} pages of {config.page_size} slots, but the pool holds "
                 f"{self.pool.capacity} (num_pages={num_pages}, one of them the null page): give more pages or a "
                 f"smaller max_model_len")
-        self.scheduler = Scheduler.from_config(self.pool, config, schedule_log)
+        self.scheduler = scheduler_cls.from_config(self.pool, config, schedule_log)
         max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
         width = self.pool.pages_needed(self.max_model_len)
         if config.tp == 1:
-            self.runner = build_runner(self.model, config, dtype, num_pages, max_kv, width)
+            self.runner = build_runner(self.model, config, dtype, num_pages, max_kv, width,
+                                       graphs=self.use_cuda_graphs(config))
         else:
-            from .parallel import TPRunner
+            from .tp.runner import TPRunner
             # workers load a named model themselves; an in-memory one reaches them as shards from rank 0
-            self.runner = TPRunner.start(config, self.model, dtype, num_pages, max_kv, width,
+            self.runner = TPRunner.start(config.with_(cuda_graphs=self.use_cuda_graphs(config)), self.model, dtype,
+                                         num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
         self.overlap = self.use_overlap(config)
         # what this engine serves: every None of the config decided (golden meta, the gate summary, bench rows)
@@ -152,8 +156,9 @@ class Engine:
         """overlap None: on where the runner can launch a step ahead (its graphs exist) and they are captured; True:
         required. Poison mode keeps it: the pages a step frees are poisoned before the step launched after it."""
         reason = None
-        if not hasattr(self.runner, "launch_ahead") or self.runner.graphs is None:
-            reason = "launching a step ahead needs the captured pure decode steps (cuda_graphs, tp 1)"
+        if not self.runner.can_launch_ahead:
+            reason = ("launching a step ahead needs the captured pure decode steps (cuda_graphs) on one rank: "
+                      "at tp > 1 every rank would have to launch it")
         if config.overlap and reason:
             raise errors.ConfigError(f"overlap=True but {reason}")
         if config.overlap is None:
@@ -164,9 +169,7 @@ class Engine:
     def close(self) -> None:
         """Stop the worker ranks (tp > 1; also at exit, or when the engine is collected). Results and the trace
         stay readable. Nothing to stop at tp 1."""
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def __enter__(self) -> "Engine":
         return self

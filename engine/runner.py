@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -76,7 +76,35 @@ class Sampled:
         return out
 
 
+class Runner(Protocol):
+    """What the engine asks of a runner: ModelRunner (one device) and engine.tp.runner.TPRunner (rank 0 of tp ranks)
+    implement it explicitly. What a runner cannot do it says here (can_launch_ahead; launch_ahead returns None;
+    poisoned_reads returns None), and the engine decides from that."""
+    device: torch.device
+    graphs: "DecodeGraphs | None"       # the captured pure decode steps (None: eager)
+    can_launch_ahead: bool              # EngineConfig.overlap can be on
+
+    def launch(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str,
+               use_graphs: bool = True) -> "Sampled | StepOutput": ...
+
+    def launch_ahead(self, step: Foresight, pages_of: dict[str, list[int]], source: "Sampled",
+                     forward_mode: str) -> "Sampled | None": ...
+
+    def poison_pages(self, pages: list[int]) -> None: ...
+
+    def poisoned_reads(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str, row: int,
+                       max_reads: int = 1) -> "tuple[list[int], bool] | None": ...
+
+    def score(self, chunk: Chunk, pages: list[int], last_only: bool = False) -> torch.Tensor: ...
+
+    def path_census(self) -> list[dict]: ...
+
+    def close(self) -> None: ...
+
+
 class ModelRunner:
+    """The one-device Runner."""
+
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
                  poison: bool = False, record_topk: int = 0, pad_page: bool = False,
                  backend_options: dict | None = None):
@@ -120,6 +148,14 @@ class ModelRunner:
             k[NULL_PAGE] = 0   # padding of every gather points here: it must stay finite
             v[NULL_PAGE] = 0
             self.kv_caches.append((k, v))
+
+    @property
+    def can_launch_ahead(self) -> bool:
+        """A step is launched ahead only as a captured step (its tokens gathered on the device)."""
+        return self.graphs is not None
+
+    def close(self) -> None:
+        """Nothing to stop: one device, in this process."""
 
     @staticmethod
     def bytes_per_page(shape, page_size: int, dtype) -> int:
@@ -367,9 +403,10 @@ class ModelRunner:
 
 
 def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
-                 runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
+                 graphs: bool = False, runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
     """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
-    and the captured decode steps. Every tensor-parallel rank builds its own this way (`model`: its shard)."""
+    and, with `graphs` (the engine decides: Engine.use_cuda_graphs), the captured steps. Every tensor-parallel rank
+    builds its own this way (`model`: its shard)."""
     s = model.shape
     on_cuda = torch.device(config.device).type == "cuda"
     if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
@@ -378,8 +415,6 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
         why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch)
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
-    from .engine import Engine      # its use_cuda_graphs decides (and the tests emulate through it)
-    graphs = Engine.use_cuda_graphs(config)
     runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
                         poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
                         backend_options=config.backend_options(), **runner_kw)

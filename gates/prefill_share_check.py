@@ -65,9 +65,7 @@ def serve(loaded, specs: list[RequestSpec], prefill_share: float, *, engine="fus
     """Serve `specs` (all at time zero) in poison mode with `scheduler_cls`; returns (results, engine)."""
     ref = EngineReference(engine, device=device, dtype=dtype, loaded=loaded, backend=backend, poison=True,
                           chunk_tokens=chunk_tokens, prefill_share=prefill_share, **overrides)
-    e = ref.engine()
-    if scheduler_cls is not Scheduler:
-        e.scheduler = scheduler_cls.from_config(e.pool, e.config)
+    e = ref.engine(scheduler_cls=scheduler_cls)
     return e.run(specs), e
 
 

@@ -19,7 +19,6 @@ import torch
 
 from engine.pool import PagePool
 from engine.prefix_cache import short
-from engine.scheduler import Scheduler
 
 from .compare import compare
 from .failure import GateFailure
@@ -160,17 +159,14 @@ class EvictionWatch:
 def serve_pair(loaded, engine: str, backend: str, device: str, dtype: str, pool_cls=PagePool):
     """The shared-prefix workload with the prefix cache off (the reference), then on (with `pool_cls`, watched), in
     poison mode. Returns (off engine, on engine, watch, turns)."""
-    def make(on: bool):
+    def make(on: bool, **parts):
         return EngineReference(engine, device=device, dtype=dtype, loaded=loaded, backend=backend, poison=True,
                                prefix_cache=on, max_batch=MAX_BATCH, chunk_tokens=CHUNK_TOKENS,
-                               num_pages=POOL_PAGES).engine()
+                               num_pages=POOL_PAGES).engine(**parts)
     off = make(False)
     turns = shared_prefix_turns(loaded[0].shape.vocab_size, off.config.page_size)
     prompts = serve_turns(off, turns)
-    on = make(True)
-    if pool_cls is not PagePool:      # a planted pool (tests/test_planted_prefix.py)
-        on.pool = pool_cls(on.pool.num_pages, on.pool.page_size, prefix_cache=True)
-        on.scheduler = Scheduler.from_config(on.pool, on.config)
+    on = make(True, pool_cls=pool_cls)      # a planted pool comes in here (tests/test_planted_prefix.py)
     watch = EvictionWatch(on)
     serve_turns(on, turns, prompts)
     return off, on, watch, turns

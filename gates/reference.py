@@ -115,9 +115,10 @@ class EngineReference(Reference):
         self.model = model
         self.loaded = loaded or load_model(model, torch_dtype(dtype), device)
 
-    def engine(self) -> Engine:
+    def engine(self, **parts) -> Engine:
+        """A new engine of this configuration; `parts`: Engine's bookkeeping classes (pool_cls, scheduler_cls)."""
         # the whole schedule log kept: every gate run is checked against it (gates/schedule_check.py)
-        return Engine(self.config, loaded=self.loaded, schedule_log=ScheduleLog())
+        return Engine(self.config, loaded=self.loaded, schedule_log=ScheduleLog(), **parts)
 
     def generate(self, specs, progress=None) -> dict[str, GenRecord]:
         e = self.engine()

@@ -1,5 +1,5 @@
 """Planted tensor-parallel bugs: each fails a gate with a clear message. A bug that every rank must share is planted
-in rank 0 (this process, by monkeypatch) and in the workers (parallel.WORKER_SETUP, which each worker runs first).
+in rank 0 (this process, by monkeypatch) and in the workers (engine/tp/runner.py's WORKER_SETUP, which each worker runs first).
 
 - a row-parallel o without its all-reduce, and swapped key/value shards: the tp vs tp 1 gate (gates/tp.py) fails
   at a position that is not a near tie;
@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from engine import Engine, EngineConfig
-from engine import parallel, tp_layers
-from engine.tp_runner import ShardRunner
+from engine.tp import layers as tp_layers, runner as parallel
+from engine.tp.shard import ShardRunner
 from engine.errors import RankDisagreementError, WorkerError
 from engine.loader import load_model
 from engine.workload import RequestSpec
@@ -244,7 +244,7 @@ def test_usr1_prints_every_threads_stack_and_the_process_goes_on():
     import sys
     if not hasattr(signal, "SIGUSR1"):
         pytest.skip("no SIGUSR1 here")
-    code = ("import os, signal; from engine.tp_worker import dump_stacks_on_usr1; dump_stacks_on_usr1(); "
+    code = ("import os, signal; from engine.tp.worker import dump_stacks_on_usr1; dump_stacks_on_usr1(); "
             "os.kill(os.getpid(), signal.SIGUSR1); print('still running')")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -10,8 +10,8 @@ import torch
 from engine.model import ModelShape
 from engine.request import Request, State
 from engine.scheduler import Chunk, StepPlan
-from engine.tp_layers import check_tp, combine, kv_heads, q_heads, rank_shape, shard_summary
-from engine.tp_runner import PlanReceiver, PlanSender
+from engine.tp.layers import check_tp, combine, kv_heads, q_heads, rank_shape, shard_summary
+from engine.tp.shard import PlanReceiver, PlanSender
 
 
 def step(index, chunks=(), decodes=()):

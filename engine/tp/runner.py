@@ -1,4 +1,4 @@
-"""Tensor parallel over torch.distributed, rank 0's side: the worker processes (engine/tp_worker.py) started,
+"""Tensor parallel over torch.distributed, rank 0's side: the worker processes (engine/tp/worker.py) started,
 watched and stopped, and the runner the engine sees.
 
 Rank 0 lives in the caller's process and keeps the one scheduler; ranks 1..tp-1 are worker processes that the engine
@@ -21,13 +21,13 @@ import torch.multiprocessing as mp
 
 from kernels import envs
 
-from . import tp_layers
-from .config import EngineConfig
-from .errors import RankDisagreementError, WorkerError
-from .runner import StepOutput
-from .scheduler import Chunk, StepPlan
-from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, kv_page_problems, rank_devices
-from .tp_worker import WorkerSpec, worker_main
+from . import layers as tp_layers
+from ..config import EngineConfig
+from ..errors import RankDisagreementError, WorkerError
+from ..runner import StepOutput
+from ..scheduler import Chunk, StepPlan
+from .shard import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, kv_page_problems, rank_devices
+from .worker import WorkerSpec, worker_main
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
 # on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.
@@ -71,7 +71,7 @@ class Workers:
     def __init__(self, specs: list[WorkerSpec]):
         ctx = mp.get_context(START_METHOD)
         if START_METHOD == "forkserver":
-            ctx.set_forkserver_preload(["engine.tp_worker"])
+            ctx.set_forkserver_preload(["engine.tp.worker"])
         self.procs, self.conns = [], []
         for rank, spec in enumerate(specs, start=1):
             parent, child = ctx.Pipe()
@@ -159,9 +159,12 @@ class Workers:
 
 
 class TPRunner:
-    """Rank 0's runner when tp > 1 (the engine sees only this one). Each call goes to the workers first, as plain
-    data, then runs on rank 0's own shard; the workers' answers are checked (the token choices must agree). Anything
-    else a runner has (device, backend, graphs, kv_caches) is rank 0's."""
+    """Rank 0's runner when tp > 1 (the engine sees only this one), a Runner (engine/runner.py) written out in full:
+    each call goes to the workers first, as plain data, then runs on rank 0's own shard; the workers' answers are
+    checked (the token choices must agree). What it reports of itself (device, backend, graphs, kv_caches) is rank
+    0's. It launches no step ahead: a step launched ahead would run on rank 0 alone (can_launch_ahead is False)."""
+
+    can_launch_ahead = False
 
     def __init__(self, local: ShardRunner, workers: Workers, timeout: float):
         self.local = local
@@ -174,17 +177,60 @@ class TPRunner:
         if local.device.type == "cuda":
             local.before_readback = self._watch_device
 
-    def __getattr__(self, name):
-        if "local" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.__dict__["local"], name)
+    # -- what rank 0 reports of itself --------------------------------------------------------------------------
+    @property
+    def device(self):
+        return self.local.device
+
+    @property
+    def backend(self):
+        return self.local.backend
+
+    @property
+    def graphs(self):
+        return self.local.graphs
+
+    @property
+    def step_graphs(self):
+        return self.local.step_graphs
+
+    @property
+    def page_size(self) -> int:
+        return self.local.page_size
+
+    @property
+    def pad_page(self):
+        return self.local.pad_page
+
+    @property
+    def poison(self) -> bool:
+        return self.local.poison
+
+    @property
+    def kv_caches(self):
+        return self.local.kv_caches
+
+    @property
+    def model(self):
+        return self.local.model
+
+    def path_census(self) -> list[dict]:
+        return self.local.path_census()
+
+    def launch_ahead(self, step, pages_of, source, forward_mode):
+        """Never: every rank would have to launch it (can_launch_ahead)."""
+        return None
+
+    def poisoned_reads(self, plan, pages_of, forward_mode, row, max_reads: int = 1):
+        """Not at tp > 1: the bisection re-runs the step on one rank, which the others would not follow."""
+        return None
 
     @classmethod
     def start(cls, config: EngineConfig, model, dtype, num_pages: int, max_kv: int, table_width: int,
               source=None) -> "TPRunner":
         """Start ranks 1..tp-1 and build rank 0. `model`: the whole model (rank 0 shards it); `source`: a name or
         directory the workers load it from themselves (anything else: rank 0 sends each worker its shard)."""
-        from .runner import build_runner
+        from ..runner import build_runner
         tp, shape = config.tp, model.shape
         tp_layers.check_tp(shape, tp)
         devices = rank_devices(config.device, tp)
@@ -209,7 +255,9 @@ class TPRunner:
                                           devices[0], dtype)
             workers.answers("loading the model", STARTUP_TIMEOUT_S)
             group.connect(devices[0])
-            runner = build_runner(local, config, dtype, num_pages, max_kv, table_width, runner_cls=ShardRunner,
+            # config.cuda_graphs is decided (Engine.use_cuda_graphs), so every rank captures or none does
+            runner = build_runner(local, config, dtype, num_pages, max_kv, table_width,
+                                  graphs=bool(config.cuda_graphs), runner_cls=ShardRunner,
                                   group=group, vocab_first=0)
             workers.answers("building its runner (warm-up, graph capture)", STARTUP_TIMEOUT_S)
             group.set_timeout(config.tp_timeout)
@@ -287,7 +335,7 @@ class TPRunner:
                          lambda: self.local.perturb_page(page, scale, seed), False)
 
     def page_problems(self, free_pages: list[int]) -> list[str]:
-        """Every rank's KV pool against rank 0's free list (tp_runner.kv_page_problems)."""
+        """Every rank's KV pool against rank 0's free list (shard.kv_page_problems)."""
         mine, answers = self._everywhere(("check", list(free_pages)), "checking its pages",
                                          lambda: kv_page_problems(self.local, 0, free_pages), True)
         return mine + [p for a in answers for p in a]

@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import ConfigError
-from .model import ModelShape, Qwen2, Rotary
+from ..errors import ConfigError
+from ..model import ModelShape, Qwen2, Rotary
 
 # ids travel as fp32 beside the logits (one gather per step): exact below 2**24
 MAX_VOCAB = 1 << 24

@@ -12,11 +12,11 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from . import tp_layers
-from .pool import NULL_PAGE
-from .request import Request, State
-from .runner import ModelRunner, StepOutput
-from .scheduler import Chunk, StepPlan
+from . import layers as tp_layers
+from ..pool import NULL_PAGE
+from ..request import Request, State
+from ..runner import ModelRunner, StepOutput
+from ..scheduler import Chunk, StepPlan
 
 STARTUP_TIMEOUT_S = 900  # loading, compiling and capturing take minutes on a GPU
 

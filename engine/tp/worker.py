@@ -1,5 +1,5 @@
 """A tensor-parallel worker process (ranks 1..tp-1): it builds its rank as rank 0 builds its own, then runs rank 0's
-calls (engine/parallel.py) until told to stop. Whatever fails in it is sent to rank 0 before the process exits."""
+calls (engine/tp/runner.py) until told to stop. Whatever fails in it is sent to rank 0 before the process exits."""
 from __future__ import annotations
 
 import datetime
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from . import tp_layers
-from .config import EngineConfig
-from .model import ModelShape
-from .request import Request
-from .scheduler import Chunk
-from .tp_runner import STARTUP_TIMEOUT_S, Group, PlanReceiver, ShardRunner, kv_page_problems
+from . import layers as tp_layers
+from ..config import EngineConfig
+from ..model import ModelShape
+from ..request import Request
+from ..scheduler import Chunk
+from .shard import STARTUP_TIMEOUT_S, Group, PlanReceiver, ShardRunner, kv_page_problems
 
 
 @dataclass
@@ -64,7 +64,7 @@ def _load_shard(spec: WorkerSpec, rank: int, group: Group, dtype):
     if spec.state is not None:
         state = torch.load(io.BytesIO(spec.state), weights_only=True)
     else:
-        from .loader import load_model
+        from ..loader import load_model
         full = load_model(spec.source, dtype, device)[0]
         state = tp_layers.shard_state(full.state_dict(), spec.shape, spec.tp, rank)
         del full
@@ -78,8 +78,8 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         if spec.setup is not None:
             spec.setup(rank)
         torch.set_num_threads(spec.threads)
-        from .dtypes import torch_dtype
-        from .runner import build_runner
+        from ..dtypes import torch_dtype
+        from ..runner import build_runner
         cfg, dtype = spec.config, torch_dtype(spec.config.dtype)
         device = torch.device(cfg.device)
         if device.type == "cuda":
@@ -92,7 +92,7 @@ def worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         conn.send(("ok", "loaded"))
         group.connect(device)
         runner = build_runner(model, cfg, dtype, spec.num_pages, spec.max_kv, spec.table_width,
-                              runner_cls=ShardRunner, group=group,
+                              graphs=bool(cfg.cuda_graphs), runner_cls=ShardRunner, group=group,
                               vocab_first=tp_layers.vocab_rows(spec.shape, spec.tp, rank).start)
         group.set_timeout(cfg.tp_timeout)
         conn.send(("ok", "ready"))

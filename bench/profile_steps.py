@@ -63,7 +63,7 @@ def by_family(per_kernel: dict[str, float]) -> dict[str, float]:
 
 
 def engine_arguments(ap: argparse.ArgumentParser) -> None:
-    """The model, device, dtype and engine configuration a profile runs (this and bench.profile_trace)."""
+    """The model, device, dtype and engine configuration a profile runs (this and scripts.probes.profile_trace)."""
     ap.add_argument("--model", default="qwen2.5-1.5b-random")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float16")

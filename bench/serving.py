@@ -137,8 +137,11 @@ class Bench:
 
     def base_row(self, part, workload, **kw) -> dict:
         s = self.s
-        return dict(part=part, engine=s.engine, served=self.served.key(), model=s.model, device=s.device,
-                    dtype=s.dtype, workload=workload, **kw)
+        row = dict(part=part, engine=s.engine, model=s.model, device=s.device, dtype=s.dtype, workload=workload,
+                   **kw)
+        if part != "peer":          # the configuration our engine served (the peer's rows are the peer's)
+            row["served"] = self.served.key()
+        return row
 
     @property
     def served(self):

@@ -103,7 +103,7 @@ def compile_elementwise(on: bool = True) -> None:
     The token dimension is dynamic, the hidden sizes are not. With dynamic=True they were symbolic too, so every
     index of the generated kernels divided by a runtime value: on the H200 at 8192 tokens of the 1.5B shape each
     piece ran at 400-1800 GB/s, and at 900-4300 GB/s with constant sizes (SiLU-mul 293 -> 102 us a call;
-    bench/elementwise.py, docs/RESULTS.md). dynamic=None (automatic): a piece is compiled for the
+    scripts/probes/elementwise.py, docs/RESULTS.md). dynamic=None (automatic): a piece is compiled for the
     shapes it sees, and a size that changes between calls becomes dynamic. The warm-up marks the token dimension
     dynamic at once; a guard the warm-up did not match (grad mode, a weight's flags) costs a recompile, never a
     kernel per token count."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,13 +19,11 @@ from engine.loader import NAMED_MODELS, RANDOM_1P5B, model_class
 
 from .compare import TIE_THRESHOLD
 from .golden import GOLDEN_DIR
-from .workers import placement_of
+from .candidates import CANDIDATES, is_gate_file  # noqa: F401  (re-exported: the gates import them from here)
+from .placement import placement_of
 
 ALL = "all"
 MODELS = (*NAMED_MODELS, RANDOM_1P5B)
-# (engine configuration, attention backend): the candidates every comparison gate is parametrised over. A new
-# backend joins here, so the token, poison and tiny-pool gates all cover it.
-CANDIDATES = [("chunked", "torch"), ("fused", "torch"), ("fused", "flex"), ("flash", "flash")]
 
 
 @dataclass(frozen=True)
@@ -221,10 +218,6 @@ def check_required_backends(opts: GateOptions) -> None:
 
 
 # -- the plugin's hooks --------------------------------------------------------------------------------------------
-def is_gate_file(nodeid: str) -> bool:
-    return Path(nodeid.split("::")[0]).parent.name == "gates"
-
-
 def pytest_configure(config):
     from . import reference
     reference.KV_BYTES = gate_options(config).kv_bytes

@@ -20,7 +20,7 @@ import pytest
 
 from . import coverage
 from .compare import GateReport
-from .options import is_gate_file
+from .candidates import is_gate_file
 
 KEY = "stepgate-gate"            # the user property a gate record travels in
 STACKS_KEY = "stepgate_stacks"   # workerinput: where a worker leaves the stacks of a gate that hung
@@ -158,7 +158,7 @@ class Span:
     units: dict[str, float] = field(default_factory=dict)   # busy s by work unit (gates.workers.worker_group)
 
     def add(self, report) -> None:
-        from .workers import worker_group
+        from .placement import worker_group
         self.gates += report.when == "setup"
         self.busy += report.duration
         unit = worker_group(report.nodeid)
@@ -210,11 +210,15 @@ def timed_out(item, stacks: str) -> None:
 
 class GateSummary:
     def __init__(self, config):
-        from .options import gate_options
         self.json_path = Path(config.getoption("--gate-summary"))
         self.md_path = Path(config.getoption("--gate-summary-md"))
-        self.run = Run(backends=gate_options(config).backends)
+        self.run = Run()
         self.stacks_dir: str | None = None
+
+    def selected_backends(self, config) -> None:
+        """The run's selected backends, for the coverage gate (read once the options are)."""
+        from .options import gate_options
+        self.run.backends = gate_options(config).backends
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_configure_node(self, node):
@@ -238,6 +242,7 @@ class GateSummary:
                 self.run.timed_out(report.nodeid, stacks.read_text())
 
     def pytest_sessionfinish(self, session):
+        self.selected_backends(session.config)
         # the coverage gate: a path taken that no kernel check covered, or a declared one nothing ran, fails the run
         if self.run.coverage_problems() and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -327,7 +332,7 @@ def write_json(path, gates: list[dict]) -> None:
 # -- Markdown -------------------------------------------------------------------------------------------------------
 def header(config) -> str:
     from .options import gate_options
-    from .workers import serial_note, xdist_workers
+    from .placement import serial_note, xdist_workers
     o, workers = gate_options(config), xdist_workers(config)
     note = serial_note(config)
     return (f"device {o.device}, dtype {o.dtype}, model {o.model}, engines {','.join(o.engines)}, "

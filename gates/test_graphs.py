@@ -25,9 +25,8 @@ from engine.config import lineage_config
 from engine.scheduler import StepKind
 
 from .compare import compare
-from .conftest import CANDIDATES, skip_unless_runs, workload_for
+from .runs import CANDIDATES, assert_gate, skip_unless_runs, workload_for
 from .reference import EngineReference
-from .test_tokens import assert_gate
 
 
 def skip_unless_graphs(opts, engine, backend):

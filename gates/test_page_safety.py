@@ -11,7 +11,7 @@ from engine.workload import Workload
 
 from . import summary, triage
 from .compare import compare, compare_request
-from .conftest import CANDIDATES, skip_unless_runs, tiny_pool_slots, workload_for
+from .runs import CANDIDATES, skip_unless_runs, tiny_pool_slots, workload_for
 from .records import GenRecord
 from .reference import EngineReference
 from .schedule_check import check_engine

@@ -25,7 +25,7 @@ from engine.request import Request, State
 from engine.scheduler import Scheduler
 from engine.workload import get_workload
 
-from .conftest import CANDIDATES, skip_unless_runs
+from .runs import CANDIDATES, skip_unless_runs
 from .prefill_share_check import DEBT_CASE, apply, assert_no_problems, check_debt_rule, check_identical, chunk_problems
 from .reference import EngineReference
 

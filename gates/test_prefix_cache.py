@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from . import summary
-from .conftest import CANDIDATES, skip_unless_runs
+from .runs import CANDIDATES, skip_unless_runs
 from .prefix import pair_problems, serve_pair
 from .prefix_machine import make_prefix_machine
 

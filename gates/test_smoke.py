@@ -11,7 +11,7 @@ from engine.workload import SMOKE_CPU
 
 from . import summary, triage
 from .compare import compare
-from .conftest import CANDIDATES, skip_unless_runs, workload_for
+from .runs import CANDIDATES, skip_unless_runs, workload_for
 from .reference import LazyReference
 
 

@@ -9,18 +9,10 @@ from engine.config import PREDECESSOR
 from engine.scheduler import StepKind
 from engine.workload import RequestSpec
 
-from . import summary, triage
 from .compare import compare
-from .conftest import CANDIDATES, skip_unless_runs, workload_for
+from .runs import CANDIDATES, assert_gate, skip_unless_runs, workload_for
 
 WORKLOADS = ["mixed-cpu", "uniform-cpu"]
-
-
-def assert_gate(report, engine=None, reference=None, score=None):
-    """Given the candidate's engine, the reference records and score, a failure also says where the first failing
-    token was computed and which re-runs of its request pass (gates/triage.py)."""
-    summary.record(report)
-    assert report.ok, triage.failure_message(report, engine, reference, score)
 
 
 @pytest.mark.parametrize("workload", WORKLOADS)

@@ -11,8 +11,7 @@ import torch
 from engine.scheduler import StepKind
 from engine.workload import get_workload
 
-from .conftest import skip_unless_runs, workload_for
-from .test_tokens import assert_gate
+from .runs import assert_gate, skip_unless_runs, workload_for
 from .tp import tp_vs_tp1
 
 # its ranks span GPUs that other xdist workers gate on, and on a CPU its rank processes would share the cores

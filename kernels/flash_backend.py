@@ -34,7 +34,7 @@ from .base import AttentionBackend, AttnBatch, Unavailable
 # flash-attn's split-KV decode divides the block table's WIDTH (not each row's length) into num_splits parts, and its
 # own heuristic (num_splits=0) picks the count from the row count alone. So a wide table (a captured decode step's
 # is as wide as the longest request the engine admits: 128 pages on the 1.5B shape) leaves a long row in a few
-# splits of many blocks each while most SMs idle (bench/flash_splits.py probes it; docs/RESULTS.md has the figures).
+# splits of many blocks each while most SMs idle (scripts/probes/flash_splits.py probes it; docs/RESULTS.md has the figures).
 # Hence: tables are cut to the pages the rows' lengths reach (prepare), and the split count gives each split about
 # BLOCKS_PER_SPLIT of flash-attn's key blocks of the table's width, at most MAX_SPLITS (0 in the variable:
 # flash-attn's heuristic). Both from the same probe: 3 blocks a split was fastest at narrow tables; at wide ones

@@ -11,11 +11,11 @@
 #   gates_graphs the graph gates (captured vs eager, stale table, graphs on vs off) on the small model
 #   gates_share  the prefill-share gates on the GPU
 #   planted_gpu captured decode graphs vs eager, padding, and the planted stale block table (tests/test_graph_buffers.py)
-#   profile     bench/profile_decode.py on the 1.5B shape: where a pure decode step's time goes, graphs on/off
+#   profile     scripts/probes/profile_decode.py on the 1.5B shape: where a pure decode step's time goes, graphs on/off
 #   steps_15b   step-timing benchmarks + ratio gates on the GPU (small and 1.5B), baseline saved per machine
 #   slowdown    the same with a planted slowdown, compared against that baseline, and the alert report
 #   bench_200   bench.serving flash: closed mixed 32 and 200 (128 new tokens), graphs on, peer beside it
-#   splits      bench/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits
+#   splits      scripts/probes/flash_splits.py: flash decode per layer inside a CUDA graph by num_splits
 #   closed_200  bench.serving flash: closed mixed 32 and 200 (128 new tokens) at chunk $CHUNK, no peer
 #   peer_200    bench.serving flash closed 200 (128 new tokens) at chunk $CHUNK, the peer beside it (its warm-up: 8 requests)
 #   open_eager  chunked and fused (EAGER_ENGINES), one part each: closed 8/32/64 and an open sweep (EAGER_RATES, EAGER_ARRIVALS)
@@ -86,7 +86,7 @@ for p in ${PARTS:-train}; do
     gates_share) need_flash; part gates_share 200 python3 -m pytest gates/test_prefill_share.py --model ${SMALL:-small-trained} \
              "${GATE_OPTS[@]}" --gate-summary logs/gate_summary_share.json ;;
     planted_gpu) need_flash; part planted_gpu 200 python3 -m pytest tests/test_graph_buffers.py "${GATE_OPTS[@]}" ;;
-    profile) need_flash; part profile 120 python3 -m bench.profile_decode --model $M15 --device cuda --steps 50 \
+    profile) need_flash; part profile 120 python3 -m scripts.probes.profile_decode --model $M15 --device cuda --steps 50 \
              --out results/profile ;;
     steps_15b) need_flash; part steps_15b 200 env STEPGATE_BENCH_ROUNDS=${ROUNDS:-20} python3 -m pytest \
              gates/test_step_timings.py "${GATE_OPTS[@]}" -k "${STEPS_K:-pure-decode or graphed or cheaper}" \
@@ -101,7 +101,7 @@ for p in ${PARTS:-train}; do
              --out results/graphs --no-progress --closed --peer --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK \
              --warmups ${WARM:-1} --reps ${REPS:-3} --peer-warmups ${PEER_WARM:-1} --peer-reps 1 ;;
-    splits) need_flash; part splits 90 python3 -m bench.flash_splits --out results/flash_splits.json ;;
+    splits) need_flash; part splits 90 python3 -m scripts.probes.flash_splits --out results/flash_splits.json ;;
     closed_200) need_flash; part closed_200 120 python3 -m bench.serving --model $M15 --device cuda --engine flash \
              --out results/closed200-c$CHUNK --no-progress --closed --batches 32,200 --uniform "" --new-tokens 128 \
              --chunk-tokens $CHUNK --warmups 1 --reps ${REPS:-2} ;;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 18 on one H200, one device call (under 8 minutes): captured loaded and chunk-only steps, their gates, and
-# the "Must show" figures with nano-vllm beside them; the results table (bench/loaded_table.py) is printed last.
+# the "Must show" figures with nano-vllm beside them; the results table (scripts/probes/loaded_table.py) is printed last.
 #   needs: STEPGATE_FLASH_ATTN_PATH (flash-attn's src:ext folders); nano-vllm's archive, xxhash wheel and
 #          run_peer.py in .device/nano-vllm/ (else shared/peers/nano-vllm/ or ../shared/peers/nano-vllm/)
 #   back under $OUT (3 files): table.md (the table and each part's exit status), table.json, results.tgz (every
@@ -24,13 +24,13 @@
 #   c8192-serial   c8192 with --overlap off: no step launched ahead (the overlap's A/B, in the same call)
 #   r512       the same at 512 rows and chunk 16384 (nano-vllm's batched-token budget)
 #   nano512    nano-vllm, 512 sequences
-#   profile    bench/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
+#   profile    scripts/probes/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
 #   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
 #   c512eager  c512 with --cuda-graphs off (one run), for graphs on vs off in the same call
 #   psteps     bench/profile_steps.py: each step kind's device time by kernel family at the step bench's state
 #   psteps512  bench/profile_steps.py at 512 rows and a 16,384-position chunk (the worst case of r512's loaded step:
 #              its chunk follows 16,383 cached positions)
-#   ptrace512  bench/profile_trace.py: the r512 run's own steps (its second pass), each profiled alone, by family
+#   ptrace512  scripts/probes/profile_trace.py: the r512 run's own steps (its second pass), each profiled alone, by family
 #   c512-splitkv, c8192-splitkv, r512-splitkv   c512 / c8192 / r512 with --decode-kernel flash
 #              (EngineConfig.decode_kernel: flash-attn's split-KV decode instead of the default Triton one: the
 #              decode kernel's A/B against the parts above)
@@ -105,9 +105,9 @@ bench r512 $(( 75 + 20 * REPS_R512 )) --chunk-tokens 16384 --max-batch 512 --war
 nano nano512 80 512 200 128
 part psteps512 90 python3 -m bench.profile_steps --model $M15 --rows 512 --chunk 16384 --kinds loaded,chunk-only \
   --steps 10 --out "$RES/profile_steps_512.json"
-part ptrace512 120 python3 -m bench.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 40 \
+part ptrace512 120 python3 -m scripts.probes.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 40 \
   --out "$RES/profile_trace_512.json"
-part profile 50 python3 -m bench.profile_decode --model $M15 --device cuda --steps 30 --out "$RES/profile"
+part profile 50 python3 -m scripts.probes.profile_decode --model $M15 --device cuda --steps 30 --out "$RES/profile"
 part steps 80 env STEPGATE_BENCH_ROUNDS=20 python3 -m pytest gates/test_step_timings.py --device cuda \
   --model $M15 -k "(flash or graphed) and not flex" -q -p no:cacheprovider -rs \
   --benchmark-json "$RES/steps.json" --benchmark-columns=median,iqr,rounds
@@ -116,7 +116,7 @@ bench c512-splitkv 100 --chunk-tokens 512 --decode-kernel flash --warmups 1 --re
 bench c8192-splitkv 80 --chunk-tokens 8192 --decode-kernel flash --warmups 1 --reps 1
 bench r512-splitkv 90 --chunk-tokens 16384 --max-batch 512 --decode-kernel flash --warmups 1 --reps 1
 
-python3 -m bench.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
+python3 -m scripts.probes.loaded_table "$RES" --json "$OUT/table.json" > "$RES/table.md" 2> "$RES/logs/table.log"
 { echo; echo "parts:"; sed 's/^/  /' "$RES/logs/status.txt"
   for f in planted overlap triton gates15b steps steps-noappend; do
     [ -f "$RES/logs/$f.log" ] && echo "  $f: $(grep -E '[0-9]+ (passed|failed)' "$RES/logs/$f.log" | tail -1)"; done

@@ -19,8 +19,10 @@ from engine import Engine, RequestSpec, lineage_config
 from engine.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CLIS = ["serving", "disturbance", "chunk_sweep", "kernel_bench", "profile_decode", "flash_splits", "host_step_time",
-        "compile_cost", "tp_bench", "loaded_table", "sdpa_probe", "flash_prefill", "profile_steps", "elementwise"]
+CLIS = ["bench.serving", "bench.disturbance", "bench.chunk_sweep", "bench.kernel_bench", "bench.tp_bench",
+        "bench.profile_steps", "scripts.probes.profile_decode", "scripts.probes.flash_splits",
+        "scripts.probes.host_step_time", "scripts.probes.compile_cost", "scripts.probes.loaded_table",
+        "scripts.probes.sdpa_probe", "scripts.probes.flash_prefill", "scripts.probes.elementwise"]
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +41,11 @@ def test_serving_help_as_a_module():
 
 @pytest.mark.parametrize("name", CLIS)
 def test_every_cli_answers_help(name, capsys):
-    mod = importlib.import_module(f"bench.{name}")
+    mod = importlib.import_module(name)
     with pytest.raises(SystemExit) as e:
         mod.main(["--help"])
     assert e.value.code == 0
-    assert f"python -m bench.{name}" in capsys.readouterr().out
+    assert f"python -m {name}" in capsys.readouterr().out
 
 
 def test_bad_options_are_refused():
@@ -107,7 +109,7 @@ def test_engine_run_until_stops_and_resumes(small):
 
 
 def test_sdpa_probe_times_every_choice_or_says_why_not():
-    from bench.sdpa_probe import CHOICES, probe
+    from scripts.probes.sdpa_probe import CHOICES, probe
     rows = probe("cpu", calls=1, rows=2)
     assert [(r["choice"], r["max_q"]) for r in rows] == [(c, q) for c in CHOICES for q in (1, 64)]
     math = [r for r in rows if r["choice"] == "math"]
@@ -119,7 +121,7 @@ def test_host_step_time_engine_mode_times_every_kind_and_profiles(capsys):
     """--engine serves a closed mixed draw to its end with the instant forward and the captured steps emulated: every
     request gets its whole budget from the replays (no eager fallback), and the report names each step kind and the
     profile's top functions."""
-    from bench import host_step_time as h
+    from scripts.probes import host_step_time as h
     steps, eng = h.serve_pass(rows=4, chunk=256, requests=6, new_tokens=3)
     assert all(len(r.output) == 3 and r.done for r in eng.requests.values()) and len(eng.requests) == 6
     assert {k for k, _, _ in steps} == {"pure-decode", "loaded", "chunk-only"}
@@ -171,7 +173,7 @@ def test_profile_trace_profiles_each_step_of_a_served_workload(tmp_path):
     """The second pass of a served workload, one profile per step: the steps the run really takes (a chunk-only
     first step, loaded steps while prompts remain), each step's families adding up to its device time, and a
     summary per kind."""
-    from bench.profile_trace import main
+    from scripts.probes.profile_trace import main
     out = tmp_path / "t.json"
     assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "4",
                  "--chunk", "64", "--requests", "5", "--new-tokens", "3", "--steps", "6", "--out", str(out)]) == 0
@@ -196,7 +198,7 @@ def test_profile_steps_chunk_option(tmp_path):
 
 
 def test_the_loaded_table_reads_each_part_and_says_what_did_not_run(tmp_path):
-    """bench.loaded_table over one call's files: targets judged from the runs' summaries, the Triton decode's A/B
+    """scripts.probes.loaded_table over one call's files: targets judged from the runs' summaries, the Triton decode's A/B
     rows where those parts ran, "not run" where a part left nothing."""
     from bench import loaded_table
 

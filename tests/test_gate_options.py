@@ -114,7 +114,7 @@ def test_ci_loads_the_seeded_hypothesis_profile():
 
 # -- a model's class comes from its config -------------------------------------------------------------------------
 def test_the_embedded_model_given_as_a_directory_is_small_and_gets_the_cpu_workloads():
-    from gates.conftest import TINY_POOL_SLOTS, workload_for
+    from gates.runs import TINY_POOL_SLOTS, workload_for
     from gates.step_states import model_cases
     from engine.workload import MIXED_CPU
     as_dir = os.path.relpath(SMALL_MODEL_DIR, REPO)        # golden/models/qwen2-small, the README's DIR form
@@ -140,7 +140,7 @@ def test_the_class_comes_from_the_config_not_the_name(tmp_path):
 
 
 def workload_for_model(model: str) -> str:
-    from gates.conftest import workload_for
+    from gates.runs import workload_for
     return workload_for(opts_of(model=model), "mixed-cpu")
 
 
@@ -178,7 +178,7 @@ def test_naming_the_backends_opts_out_and_cpu_still_skips(gate_dir, cuda_without
 
 
 def test_a_required_candidate_that_cannot_run_fails_inside_a_gate_too(cuda_without_flash):
-    from gates.conftest import skip_unless_runs
+    from gates.runs import skip_unless_runs
     with pytest.raises(pytest.fail.Exception, match="flash backend is required on cuda and cannot run: flash-attn "
                                                     "does not import"):
         skip_unless_runs(opts_of(device="cuda"), "flash", "flash")

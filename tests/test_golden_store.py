@@ -261,7 +261,7 @@ def test_a_golden_made_under_another_decode_kernel_is_reported_as_another_config
     import json
     import shutil
 
-    from gates.conftest import Runs
+    from gates.runs import Runs
     from gates.options import read_options
     src = Path(__file__).resolve().parents[1] / "golden" / "qwen2-small" / "mixed-cpu"
     dst = tmp_path / "qwen2-small" / "mixed-cpu"

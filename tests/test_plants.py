@@ -90,7 +90,7 @@ def test_a_poisoned_read_in_a_gate_run_names_the_configuration_it_ran_under(requ
     """The engine's error names the step, the slot read, its page and owner, and the reader; the gates' run adds the
     backend (and the rest of the configuration) it ran under."""
     from engine import PoisonedLogitsError
-    from gates.conftest import Runs
+    from gates.runs import Runs
     from gates.options import gate_options
     plants.stale_read(monkeypatch)
     with pytest.raises(PoisonedLogitsError) as e:       # this session's gate options: the defaults, on a CPU

@@ -9,6 +9,8 @@ the workers send theirs back, so rank 0 checks at every step that all ranks chos
 dies, raises or does not answer within `tp_timeout` becomes a WorkerError naming its rank."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import datetime
 import io
 import os
@@ -22,12 +24,14 @@ import torch.multiprocessing as mp
 from kernels import envs
 
 from . import layers as tp_layers
-from ..config import EngineConfig
 from ..errors import RankDisagreementError, WorkerError
 from ..runner import StepOutput
 from ..scheduler import Chunk, StepPlan
 from .shard import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, kv_page_problems, rank_devices
 from .worker import WorkerSpec, worker_main
+
+if TYPE_CHECKING:      # a value the facade hands down, not an import of it
+    from ..config import EngineConfig
 
 # forkserver: a worker is forked from a server that has imported torch once (a fresh import per worker costs seconds
 # on a small CPU), and no process that forks has touched CUDA. STEPGATE_TP_START=spawn for a fresh interpreter each.

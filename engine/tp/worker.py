@@ -2,6 +2,8 @@
 calls (engine/tp/runner.py) until told to stop. Whatever fails in it is sent to rank 0 before the process exits."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import datetime
 import io
 import os
@@ -14,11 +16,13 @@ import torch
 import torch.distributed as dist
 
 from . import layers as tp_layers
-from ..config import EngineConfig
 from ..model import ModelShape
 from ..request import Request
 from ..scheduler import Chunk
 from .shard import STARTUP_TIMEOUT_S, Group, PlanReceiver, ShardRunner, kv_page_problems
+
+if TYPE_CHECKING:      # a value the facade hands down, not an import of it
+    from ..config import EngineConfig
 
 
 @dataclass

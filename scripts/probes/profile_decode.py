@@ -4,7 +4,7 @@ An engine serves the first 32 requests of the mixed draw until all 32 rows decod
 tokens advance) are timed with host timers around each part of `Engine.step` and CUDA events around the device
 work, and one more window runs under torch's profiler (top ops by device and host time to --out).
 
-    python -m bench.profile_decode --model qwen2.5-1.5b-random --device cuda --steps 50 --out results/profile
+    python -m scripts.probes.profile_decode --model qwen2.5-1.5b-random --device cuda --steps 50 --out results/profile
 
 Parts: schedule (the scheduler's plan), pack (host lists to device tensors: the static buffer's fill for graphs,
 `build` eagerly), launch (graph replay or the eager forward's launches, until the host is free), wait+sample (the
@@ -100,7 +100,7 @@ def profile(e: Engine, steps: int, out: Path, tag: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.profile_decode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.profile_decode", description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="small")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="float16")

@@ -1,8 +1,8 @@
 """Host time of a step, on a CPU, with the 1.5B shape's page geometry (256-slot pages, tables 128 pages wide).
 
-    python -m bench.host_step_time [--rows 31] [--chunk 512] [--reps 300]
-    python -m bench.host_step_time --repo /path/to/other/checkout      # the same on another checkout
-    python -m bench.host_step_time --engine [--rows 32] [--chunk 512] [--passes 5] [--profile 25]
+    python -m scripts.probes.host_step_time [--rows 31] [--chunk 512] [--reps 300]
+    python -m scripts.probes.host_step_time --repo /path/to/other/checkout      # the same on another checkout
+    python -m scripts.probes.host_step_time --engine [--rows 32] [--chunk 512] [--passes 5] [--profile 25]
 
 Default: packing alone, the eager `ModelRunner.build` against the captured paths' in-place fills (`StepGraphs.fill`
 for a loaded step, `DecodeGraphs.fill` for a pure decode step), with the mixed draw's histories. The attention
@@ -192,7 +192,7 @@ def engine_main(a) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.host_step_time", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.host_step_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=None,
                     help="decode rows of the loaded step (default 31); --engine: max_batch (default 32)")
     ap.add_argument("--chunk", type=int, default=CHUNK_TOKENS,

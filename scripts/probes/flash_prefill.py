@@ -6,7 +6,7 @@ history alone. `flash_attn_with_kvcache` takes the same paged cache with several
 `num_splits`, so a chunk with a long history can spread over the SMs. This times both, 28 layer calls (each layer its
 own cache, as in the model) per replay, for one chunk at each history length, and checks they agree.
 
-    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m bench.flash_prefill --out results/flash_prefill.json
+    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m scripts.probes.flash_prefill --out results/flash_prefill.json
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from .flash_splits import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, have_flash, probe_args
-from .stats import graph_time
+from bench.stats import graph_time
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.flash_prefill", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.flash_prefill", description=__doc__.splitlines()[0])
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--histories", default="0,512,2048,4096", help="cached positions before the chunk")
     ap.add_argument("--splits", default="1,2,4,8,16", help="num_splits values tried with with_kvcache")

@@ -6,7 +6,7 @@ bench/profile_steps.py profiles one fixed state; this profiles the steps the ser
 512-row run's loaded steps carry several whole prompts, where the step bench's 512-row state has one chunk after
 16,383 cached positions: attention 21 ms against 249 ms of its step on the H200).
 
-    python -m bench.profile_trace --model qwen2.5-1.5b-random --device cuda --rows 512 --chunk 16384 \\
+    python -m scripts.probes.profile_trace --model qwen2.5-1.5b-random --device cuda --rows 512 --chunk 16384 \\
         --out results/profile_trace_r512.json
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from engine import Engine, lineage_config
 from engine.workload import MIXED
 
-from .profile_steps import by_family, engine_arguments, kernels_per_step
+from bench.profile_steps import by_family, engine_arguments, kernels_per_step
 
 
 def profile_steps_of_run(engine: Engine, specs, max_steps: int, cuda: bool) -> list[dict]:
@@ -63,7 +63,7 @@ def by_kind(rows: list[dict]) -> dict[str, dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.profile_trace", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.profile_trace", description=__doc__.splitlines()[0])
     engine_arguments(ap)
     ap.add_argument("--rows", type=int, default=32, help="max_batch")
     ap.add_argument("--chunk", type=int, default=512, help="the chunk budget")

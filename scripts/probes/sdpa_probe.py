@@ -1,7 +1,7 @@
 """Host cost of one SDPA call per kernel choice when every call has a new shape, as the `torch` backend's calls do
 (a step's histories grow by one token a step). Why kernels/torch_backend.py pins the math kernel on CUDA.
 
-    python -m bench.sdpa_probe [--device cuda] [--calls 200]
+    python -m scripts.probes.sdpa_probe [--device cuda] [--calls 200]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def probe(device: str, calls: int, rows: int = 32, heads: int = 4, kv_heads: int
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m bench.sdpa_probe", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.sdpa_probe", description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=200)
     a = ap.parse_args(argv)

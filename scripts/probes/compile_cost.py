@@ -10,8 +10,8 @@ Scenarios (CPU by default, the small model's attention shape, fp32):
 Each row: dynamo frame compiles and recompiles, graphs, graph breaks, FX graph cache hits and misses, distinct padded
 shapes run (the backends' `compiled_shapes`), wall and CPU seconds (this process and its compiler children).
 
-  python -m bench.compile_cost                        # every scenario, cold then warm, a table
-  python -m bench.compile_cost -s kernels --json out.json
+  python -m scripts.probes.compile_cost                        # every scenario, cold then warm, a table
+  python -m scripts.probes.compile_cost -s kernels --json out.json
 """
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def spawn(scenario: str, device: str, cache: str, tmp: str) -> dict:
     # folder, so a kept cache folder is all a warm run may rely on
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TMPDIR=tmp, PYTHONPATH=str(ROOT))
     env.pop("STEPGATE_COMPILE_CACHE", None)
-    p = subprocess.run([sys.executable, "-m", "bench.compile_cost", "--child", scenario, "--device", device],
+    p = subprocess.run([sys.executable, "-m", "scripts.probes.compile_cost", "--child", scenario, "--device", device],
                        env=env, cwd=ROOT, capture_output=True, text=True)
     if p.returncode:
         raise RuntimeError(f"{scenario} failed (exit {p.returncode}):\n{p.stderr[-4000:]}")
@@ -134,7 +134,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.compile_cost", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.compile_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("-s", "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {SCENARIOS}")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON ('-': stdout, no table)")

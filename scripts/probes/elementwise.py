@@ -5,7 +5,7 @@ compile: the same, unless the engine changes it). Each timing is a CUDA graph of
 layers run them), so launch gaps count as they do in a captured step. Each compiled mode compiles its own copy of
 the functions (Dynamo keeps its compiled graphs on the code object, which the modes would otherwise share).
 
-    python -m bench.elementwise --tokens 32,544,8192 --out results/elementwise.json
+    python -m scripts.probes.elementwise --tokens 32,544,8192 --out results/elementwise.json
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 from engine import model as M
 from engine.loader import QWEN25_1P5B, qwen2_config
 
-from .stats import graph_time
+from bench.stats import graph_time
 
 
 def _inputs(s: M.ModelShape, T: int, dev, dt):
@@ -39,14 +39,14 @@ def _inputs(s: M.ModelShape, T: int, dev, dt):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.elementwise", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.elementwise", description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="32,544,8192")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench.elementwise: needs CUDA (the pieces are compiled for the GPU)", file=sys.stderr)
+        print("scripts.probes.elementwise: needs CUDA (the pieces are compiled for the GPU)", file=sys.stderr)
         return 2
     dev, dt = torch.device("cuda"), torch.float16
     s = M.ModelShape.of(qwen2_config(**QWEN25_1P5B))
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         norm=types.SimpleNamespace(weight=torch.nn.Parameter(torch.ones(s.hidden_size, device=dev, dtype=dt)))))
     why = M.try_compile_elementwise(dev, dt, model, tokens=max(token_counts))
     if why:
-        print(f"bench.elementwise: torch.compile failed: {why}", file=sys.stderr)
+        print(f"scripts.probes.elementwise: torch.compile failed: {why}", file=sys.stderr)
         return 2
     modes["engine"] = dict(M.OPS)
     rows = []

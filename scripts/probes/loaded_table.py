@@ -1,7 +1,7 @@
 """The results table of `scripts/h200_loaded.sh`: issue 18's "Must show" figures read from one call's files, each
 with its target, its status and the command that produced it. Missing files read "not run".
 
-    python -m bench.loaded_table RESULTS_DIR [--json OUT.json]
+    python -m scripts.probes.loaded_table RESULTS_DIR [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def rows(res: Path) -> list[tuple]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.loaded_table", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.loaded_table", description=__doc__.split("\n\n")[0])
     ap.add_argument("results")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)

@@ -8,7 +8,7 @@ rows' true lengths: one long row then runs unsplit while most SMs idle.
 This captures 28 layer calls (each layer its own cache, as in the model) for each (table width, num_splits) and
 times replays with CUDA events; it prints a table and the fastest split count, and writes --out (JSON).
 
-    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m bench.flash_splits --out results/flash_splits.json
+    STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m scripts.probes.flash_splits --out results/flash_splits.json
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from engine.workload import MIXED
 from kernels.flash_backend import _import_flash, decode_splits_for
 
-from .stats import graph_time
+from bench.stats import graph_time
 
 
 # the 1.5B shape's attention: 256-slot pages, 12 query and 2 key/value heads of 128
@@ -46,7 +46,7 @@ def have_flash(prog: str) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.flash_splits", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.flash_splits", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--splits", default="auto,0,8,16,32,64",
                     help="num_splits values; 'auto': the flash backend's rule for the width and rows "

@@ -47,8 +47,9 @@ M15 = "qwen2.5-1.5b-random"
 DEFAULTS = {"cuda": (100, 10, 20), "cpu": (40, 5, 5)}
 # Process pairs per device kind: a process has a speed of its own (on the H200 an A/A pair of processes read 1.041x
 # for 100 rounds, another 0.995x), and only fresh processes sample it. Each pair costs a start (cuda: model load and
-# graph capture, about 40 s for a pair on the H200, overlapping when pairs start together); on the CPU host one
-# pair's bias stayed within 2.5% (docs/ab.md), so one pair keeps the CPU run short.
+# graph capture, about 40 s for a pair on the H200, overlapping when pairs start together). On the CPU host a pair's
+# A/A ratio stayed within 0.98-1.031x (docs/ab.md), under its 5% threshold, and each process adds a start of 7 s or
+# more on its 2 cores, so one pair keeps the CPU run short.
 PROCESSES = {"cuda": 3, "cpu": 1}
 
 

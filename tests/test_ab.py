@@ -193,8 +193,7 @@ def test_the_base_revision_is_checked_out_into_a_worktree_and_removed(tmp_path):
 
 
 # -- on this CPU: A/A and planted over two process pairs, one interleaved session ---------------------------------
-# one set of three processes: about 25 s on the 2-core host; two sets: six process starts, 60-80 s while other test
-# runs load the host
+# one set of three processes: 25-45 s on the 2-core host, with its load; two sets: six process starts, 60-130 s
 @pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_aa_is_quiet_and_a_planted_ten_percent_is_alerted_on_cpu(tmp_path, n):
     """n sets of three fresh processes of this checkout, all alive at once, timed in the same interleaved rounds:

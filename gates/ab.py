@@ -1,6 +1,7 @@
-"""Performance regressions decided on one machine in one job: the base revision and head, each in a process of its
-own that is kept alive, their step timings taken in interleaved rounds (base, head, base, head, ...: a drift of the
-host lands on both), and a verdict per benchmark with a confidence interval (gates/ab_stats.py).
+"""Performance regressions decided on one machine in one job: the base revision and head, each in processes of its
+own (--processes pairs of them: a process has a speed of its own), their step timings taken in interleaved rounds
+(base, head, base, head, ...: a drift of the host lands on both), and a verdict per benchmark with a confidence
+interval over the pairs (gates/ab_stats.py).
 
     python -m gates.ab --base origin/main --merge-base --device cuda      # a pull request against its merge base
     python -m gates.ab --base HEAD --device cpu                           # A/A: head against itself
@@ -10,7 +11,8 @@ host lands on both), and a verdict per benchmark with a confidence interval (gat
 The base revision is checked out into a temporary git worktree (or given as a checkout, --base-tree); head is this
 checkout, uncommitted changes included. Each side is timed by gates/ab_worker.py run with that side's tree first on
 the path, so the base needs none of this file's code. Writes to --out: ab.md (also appended to
-$GITHUB_STEP_SUMMARY when set), ab.json (every round's timings), ab.png (the rounds), base.log and head.log.
+$GITHUB_STEP_SUMMARY when set), ab.json (every round's timings), ab.png (the rounds), and each process's log
+(base-1.log, head-1.log, base-2.log, ...).
 Exit status: 0 no regression, 1 a regression, 2 the run could not be made (a revision, a worker, the deadline).
 """
 from __future__ import annotations
@@ -43,6 +45,12 @@ M15 = "qwen2.5-1.5b-random"
 # from one second to the next), so base and head must alternate faster than that to see the same host; and the
 # interval is resampled from rounds, so more rounds make it tighter.
 DEFAULTS = {"cuda": (100, 10, 20), "cpu": (40, 5, 5)}
+# Process pairs per device kind: a process has a speed of its own (on the H200 an A/A pair of processes read 1.041x
+# for 100 rounds, another 0.995x), and only fresh processes sample it. Each pair costs a start (cuda: model load and
+# graph capture, about 40 s for a pair on the H200, overlapping when pairs start together). On the CPU host a pair's
+# A/A ratio stayed within 0.98-1.031x (docs/ab.md), under its 5% threshold, and each process adds a start of 7 s or
+# more on its 2 cores, so one pair keeps the CPU run short.
+PROCESSES = {"cuda": 3, "cpu": 1}
 
 
 class ABError(Exception):
@@ -89,7 +97,7 @@ def worktree(commit: str, repo: Path = REPO, keep: bool = False):
 # -- one side: a worker process ------------------------------------------------------------------------------------
 @dataclass
 class Side:
-    name: str                  # "base" or "head"
+    name: str                  # unique in a run: "base-1", "head-1", "base-2", ...
     tree: Path
     args: list[str]            # the worker's options (benchmarks, device, ...)
     log: Path
@@ -133,13 +141,21 @@ class Side:
             return ""
         return "\n  " + "\n  ".join(text) if text else ""
 
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
+    def quit(self) -> None:
+        """Ask the worker to end, without waiting: several sides' teardowns (a second each) then overlap."""
+        if self.proc and self.proc.poll() is None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
                 self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self.quit()
+        if self.proc and self.proc.poll() is None:
+            try:
                 self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         if getattr(self, "_log", None):
@@ -220,8 +236,41 @@ def measure(sides: list[Side], specs: list[str], rounds: int, reps: int, deadlin
                 progress(f"ab: round {r + 1}/{rounds} ({time.monotonic() - t_first:.1f} s of rounds)")
     finally:
         for s in sides:
+            s.quit()
+        for s in sides:
             s.stop()
     return out, notes
+
+
+def measure_pairs(sets: list[dict[str, Side]], specs: list[str], rounds: int, reps: int, deadline: float,
+                  startup_timeout: float, successive: bool = False, progress=print
+                  ) -> tuple[dict[str, dict[str, dict[str, list[list[float]]]]], list[int], dict[str, dict], list[str]]:
+    """Time `rounds` rounds a role, spread over several sets of fresh processes (sets[p]: {role: Side}, e.g. base and
+    head): each set times rounds / len(sets) of them. By default every set is alive at once and each round goes
+    through all of them (base-1, head-1, base-2, head-2, ...): one start's wait for all, and a drift of the host
+    lands on every set. successive: one set after another (one set's memory at a time; a start each).
+    Returns {role: {clock: {spec: [round's timings, ...]}}} with the sets' rounds one set after another, the set
+    (numbered from 1) of each round, each role's info from the first set (the worker's ready message), and notes."""
+    per_set = -(-rounds // len(sets))
+    numbered = list(enumerate(sets, start=1))
+    batches = [[ns] for ns in numbered] if successive else [numbered]
+    roles = list(sets[0])
+    out = {r: {c: {spec: [] for spec in specs} for c in CLOCKS} for r in roles}
+    set_of_round, notes = [], []
+    for k, batch in enumerate(batches):
+        # each batch still to run gets an equal share of the time left, so a slow start cannot starve the last set
+        share = time.monotonic() + (deadline - time.monotonic()) / (len(batches) - k)
+        timings, cut = measure([side for _, st in batch for side in st.values()], specs, per_set, reps, share,
+                               startup_timeout, progress)
+        notes += [f"pair {', '.join(str(number) for number, _ in batch)}: {n}" for n in cut]
+        for number, st in batch:
+            done = len(timings[st[roles[0]].name][CLOCKS[0]][specs[0]])
+            set_of_round += [number] * done
+            for role, side in st.items():
+                for c in CLOCKS:
+                    for spec in specs:
+                        out[role][c][spec] += timings[side.name][c][spec]
+    return out, set_of_round, {r: sets[0][r].info for r in roles}, notes
 
 
 def ab(a) -> dict:
@@ -246,46 +295,55 @@ def ab(a) -> dict:
         if a.plant_head_ms:
             plant_env["STEPGATE_PLANT_SLOWDOWN_MS"] = str(a.plant_head_ms)
             head_meta["plant"] = (head_meta.get("plant", "") + f" {a.plant_head_ms:g} ms sleep").strip()
-        sides = [Side("base", base_tree, worker_args(a, specs), out / "base.log"),
-                 Side("head", head_tree, head_args, out / "head.log", plant_env)]
-        timings, notes = measure(sides, specs, a.rounds, a.reps, deadline, a.startup_timeout,
-                                 progress=(lambda *_: None) if a.quiet else print)
-    record = decide(timings["base"], timings["head"], specs, sides[0].info, sides[1].info,
+        sets = [dict(base=Side(f"base-{p}", base_tree, worker_args(a, specs), out / f"base-{p}.log"),
+                     head=Side(f"head-{p}", head_tree, head_args, out / f"head-{p}.log", plant_env))
+                for p in range(1, a.processes + 1)]
+        timings, pairs, info, notes = measure_pairs(sets, specs, a.rounds, a.reps, deadline, a.startup_timeout,
+                                                    a.successive, progress=(lambda *_: None) if a.quiet else print)
+    record = decide(timings["base"], timings["head"], specs, info["base"], info["head"],
                     dict(base=base_meta, head=head_meta, device=a.device, model=a.model, clock=a.clock,
                          threshold=threshold, confidence=a.confidence, resamples=a.resamples, seed=a.seed,
-                         reps=a.reps, warmup=a.warmup), notes)
+                         reps=a.reps, warmup=a.warmup, processes=a.processes, successive=a.successive), notes,
+                    pairs)
     record["seconds"] = time.monotonic() - t_start
     write(record, out, plot=not a.no_plot)
     return record
 
 
 def decide(base: dict, head: dict, specs: list[str], base_info: dict, head_info: dict, run: dict,
-           notes: list[str] = ()) -> dict:
+           notes: list[str] = (), pairs: list[int] | None = None) -> dict:
     """The record of one A/B run: per benchmark the medians, the ratio with its interval and the verdict, on the
-    run's clock. base / head: {clock: {spec: [round's timings, ...]}}, as measure() gives them; `run`: what the
-    record says about the run (sides, device, model, clock, threshold, confidence, resamples, seed, reps)."""
+    run's clock. base / head: {clock: {spec: [round's timings, ...]}}, as measure_pairs() gives them; pairs: the
+    process pair of each round (default: one pair); `run`: what the record says about the run (sides, device,
+    model, clock, threshold, confidence, resamples, seed, reps)."""
     clock = run["clock"]
     done = len(base[clock][specs[0]])
     if done < 3:
         raise ABError(f"only {done} round(s) measured before the deadline: no interval from that; raise --deadline "
                       f"or lower --rounds/--reps")
+    pairs = list(pairs) if pairs is not None else [1] * done
+    notes = list(notes)
+    if run.get("processes", 1) > len(set(pairs)):
+        notes.append(f"only {len(set(pairs))} of {run['processes']} process pairs measured before the deadline")
     benches = []
     for spec in specs:
         c = compare(base[clock][spec], head[clock][spec], run["threshold"], run["confidence"], run["resamples"],
-                    run["seed"])
+                    run["seed"], pairs)
         other = [x for x in CLOCKS if x != clock][0]
         o = compare(base[other][spec], head[other][spec], run["threshold"], run["confidence"], run["resamples"],
-                    run["seed"])
+                    run["seed"], pairs)
         benches.append(dict(name=bench_name(spec, run["device"], run["model"]), spec=spec, base_median=c.base_median,
                             head_median=c.head_median, ratio=c.ratio, low=c.low, high=c.high, verdict=c.verdict,
+                            pair_ratios=list(c.pairs),
                             other_clock=dict(clock=other, ratio=o.ratio, low=o.low, high=o.high),
                             base_rounds=base[clock][spec], head_rounds=head[clock][spec],
                             rounds_by_clock={"base": {x: base[x][spec] for x in CLOCKS},
                                              "head": {x: head[x][spec] for x in CLOCKS}},
                             state=base_info["benchmarks"][spec]))
     record = dict(run, device_kind=run["device"].split(":")[0], device_name=base_info.get("device_name"),
-                  rounds=done, threads=base_info.get("threads"), torch=base_info.get("torch"), benchmarks=benches,
-                  notes=list(notes) + config_notes(base_info, head_info), seconds=0.0)
+                  rounds=done, pair_of_round=pairs, pairs=len(set(pairs)), threads=base_info.get("threads"),
+                  torch=base_info.get("torch"), benchmarks=benches,
+                  notes=notes + config_notes(base_info, head_info), seconds=0.0)
     record["regression"] = any(b["verdict"] == REGRESSION for b in benches)
     return record
 
@@ -382,7 +440,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", action="append", help="engine configuration (default: flash on cuda, fused on cpu)")
     ap.add_argument("--kinds", default=None, help=f"step kinds, comma separated (default: {','.join(KINDS)})")
     ap.add_argument("--bench", action="append", help="CONFIG:KIND[:eager], instead of --config/--kinds")
-    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None, help="rounds a side in all, spread over the process pairs")
+    ap.add_argument("--processes", type=int, default=None,
+                    help="process pairs (fresh base and head processes each), the unit the interval resamples "
+                         "(default: 3 on cuda, 1 on cpu)")
+    ap.add_argument("--successive", action="store_true",
+                    help="start each pair after the previous one ended (default: all pairs alive at once, each "
+                         "round going through every pair)")
     ap.add_argument("--reps", type=int, default=None, help="steps a side per round and benchmark")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps per benchmark before the first round")
     ap.add_argument("--threads", type=int, default=None,
@@ -417,6 +481,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     cuda = a.device.startswith("cuda")
     rounds, reps, warmup = DEFAULTS["cuda" if cuda else "cpu"]
     a.rounds = a.rounds or rounds
+    a.processes = a.processes or PROCESSES["cuda" if cuda else "cpu"]
     a.reps = a.reps or reps
     a.warmup = a.warmup if a.warmup is not None else warmup
     a.threads = a.threads if a.threads is not None else (0 if cuda else 1)
@@ -425,8 +490,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if a.pin is None:
         a.pin = "" if cuda else str(max(os.sched_getaffinity(0)))
     a.pin = "" if a.pin == "none" else a.pin
-    if a.rounds < 3:
-        parser().error("--rounds: at least 3 (an interval needs rounds to resample)")
+    if a.rounds < 3 * a.processes:
+        parser().error("--rounds: at least 3 a process pair (an interval needs rounds to resample)")
     return a
 
 

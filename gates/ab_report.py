@@ -27,19 +27,23 @@ def side_label(side: dict) -> str:
 def rows(record: dict) -> tuple[list[str], list[list[str]]]:
     conf = int(round(record["confidence"] * 100))
     other = record["benchmarks"][0]["other_clock"]["clock"] if record["benchmarks"] else "other"
-    head = ["benchmark", "base (median)", "head (median)", f"ratio head/base [{conf}% CI]", f"{other} time ratio",
-            "verdict"]
+    head = ["benchmark", "base (median)", "head (median)", f"ratio head/base [{conf}% CI]", "each process pair",
+            f"{other} time ratio", "verdict"]
     body = [[b["name"], fmt_s(b["base_median"]), fmt_s(b["head_median"]),
-             f"{b['ratio']:.3f}x [{b['low']:.3f}, {b['high']:.3f}]", f"{b['other_clock']['ratio']:.3f}x",
+             f"{b['ratio']:.3f}x [{b['low']:.3f}, {b['high']:.3f}]",
+             " ".join(f"{r:.3f}" for r in b.get("pair_ratios", [])) or "-", f"{b['other_clock']['ratio']:.3f}x",
              b["verdict"]] for b in record["benchmarks"]]
     return head, body
 
 
 def rule(record: dict) -> str:
     t = record["threshold"]
+    pairs = record.get("pairs", 1)
     return (f"regression: the interval above 1 and the ratio above {1 + t:.3f} (A/A noise threshold "
             f"{t * 100:g}% on {record['device_kind']}); {record['clock']} time of each step; {record['rounds']} "
-            f"interleaved rounds x {record['reps']} steps a side, paired bootstrap over rounds")
+            f"interleaved rounds x {record['reps']} steps a side over {pairs} process pair(s), bootstrap over "
+            + ("pairs, then rounds within them" if pairs > 1 else "rounds (one pair: a process's own speed not "
+               "sampled)"))
 
 
 def summary_line(record: dict) -> str:
@@ -91,6 +95,10 @@ def plot(record: dict, path: Path) -> str | None:
                 ax.scatter([i + 1] * len(r), [t * 1e3 for t in r], s=4, color=color, alpha=0.25)
             ax.plot(range(1, len(rounds) + 1), [statistics.median(r) * 1e3 for r in rounds], "o-", color=color,
                     label=f"{side} {side_label(record[side])}")
+        pairs = record.get("pair_of_round", [])
+        for i in range(1, len(pairs)):        # where the next process pair's rounds begin
+            if pairs[i] != pairs[i - 1]:
+                ax.axvline(i + 0.5, color="grey", linestyle=":")
         ax.set_title(f"{b['name']}: {b['ratio']:.3f}x [{b['low']:.3f}, {b['high']:.3f}] {b['verdict']}", fontsize=9)
         ax.set_xlabel("round")
         ax.set_ylabel(f"step, {record['clock']} time (ms)")

@@ -1,18 +1,25 @@
 """The A/B decision: how sure we are that head's step is slower than base's, from timings taken in interleaved
-rounds on one machine (gates/ab.py): a seeded bootstrap confidence interval of the ratio of medians.
+rounds on one machine by one or more pairs of processes (gates/ab.py): a seeded hierarchical bootstrap confidence
+interval of the ratio of medians.
 
 Why this statistic: on a shared host the speed drifts from one second to the next (a neighbour's burst slows
 everything for a while), and base's part of a round and head's part beside it see the same host. So each round gives
-one paired ratio, median(head's steps) / median(base's steps) of that round; the estimate is the median of the
-rounds' ratios (taken on their logarithms, so that 0.5x and 2x weigh alike), and its interval comes from resampling
-whole rounds. Medians, not means: one descheduled step must not move the figure. (Pooling all rounds' steps before
-taking medians read A/A runs of this 2-core host as far as 0.93x; the paired ratios of the same runs read 0.97-1.05x.)
+one paired ratio, median(head's steps) / median(base's steps) of that round. Medians, not means: one descheduled step
+must not move the figure. (Pooling all rounds' steps before taking medians read A/A runs of this 2-core host as far
+as 0.93x; the paired ratios of the same runs read 0.97-1.05x.)
+
+Why the process pair is the unit: a process has a speed of its own that no number of rounds averages out (on the
+H200 one process of the same code sat at 2.64-2.69 ms a step for 100 rounds while its partner read 2.35-2.58 ms;
+docs/ab.md). So each pair of processes gives one ratio, the median of its rounds' ratios (on their logarithms, so
+that 0.5x and 2x weigh alike); the estimate is the mean of the pairs' ratios (geometric), and its interval comes from
+resampling pairs, then rounds within each drawn pair. With one pair this is the bootstrap over rounds; with two or
+three it reaches from about the lowest pair's ratio to the highest: pairs that disagree give a wide interval.
 
 Why two conditions for a regression: with enough rounds the interval gets tight around any systematic difference,
-including the percent or two two processes of the SAME code can differ by (memory placement, a neighbour's load
-during one process's steps). So a regression needs the interval above 1 (sure it is slower) AND the ratio above
-1 + threshold (slower by more than A/A runs on this kind of device were): THRESHOLDS, from measured A/A noise
-(docs/ab.md).
+including the percent or two two processes of the SAME code can differ by. So a regression needs the interval above
+1 (sure it is slower) AND the ratio above 1 + threshold (slower by more than A/A runs on this kind of device were):
+THRESHOLDS, from measured A/A noise (docs/ab.md). With few pairs the threshold carries most of the guard against a
+false alarm: every one of three A/A pairs reads above 1 one time in eight.
 """
 from __future__ import annotations
 
@@ -21,9 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 
 # Per device kind: a head slower than base by less than this share is never called a regression, however sure the
-# interval is. From A/A runs (docs/ab.md): CPU measured on a shared 2-core host; cuda provisional until
-# scripts/h200_ab.sh's A/A runs on the H200 set it.
-THRESHOLDS = {"cpu": 0.05, "cuda": 0.03}
+# interval is. From A/A runs (docs/ab.md): CPU measured on a shared 2-core host, one process pair a run. cuda
+# provisional: one pair a run on the H200 read A/A up to 1.041x and a 5% plant 1.070-1.073x but once 1.022x; 4.5%
+# sits above every A/A pair and below three pairs' mean with one such low pair (1.054x); several pairs a run are
+# not yet measured there.
+THRESHOLDS = {"cpu": 0.05, "cuda": 0.045}
 CONFIDENCE = 0.95
 RESAMPLES = 2000
 SEED = 0
@@ -46,6 +55,7 @@ class Comparison:
     threshold: float
     rounds: int
     verdict: str
+    pairs: tuple[float, ...] = ()    # each process pair's ratio, in the order the pairs were numbered
 
     def interval(self) -> str:
         return f"{self.ratio:.3f}x [{self.low:.3f}, {self.high:.3f}]"
@@ -76,21 +86,34 @@ def verdict(ratio: float, low: float, high: float, threshold: float) -> str:
 
 
 def compare(base: list[list[float]], head: list[list[float]], threshold: float, confidence: float = CONFIDENCE,
-            resamples: int = RESAMPLES, seed: int = SEED) -> Comparison:
-    """base[i], head[i]: the timings (seconds) of round i on each side. The ratio is the median over rounds of
-    median(head[i]) / median(base[i]); the interval is the bootstrap's percentile interval of that median over
-    resampled rounds. base_median / head_median: each side's median over all its steps, for the table."""
+            resamples: int = RESAMPLES, seed: int = SEED, pairs: list[int] | None = None) -> Comparison:
+    """base[i], head[i]: the timings (seconds) of round i on each side; pairs[i]: the process pair that timed round
+    i (default: one pair timed them all). The ratio is the geometric mean over pairs of each pair's median over its
+    rounds of median(head[i]) / median(base[i]); the interval is the bootstrap's percentile interval of that mean
+    over resampled pairs, and rounds resampled within each drawn pair. base_median / head_median: each side's median
+    over all its steps, for the table."""
     b, h = _rounds(base, "base"), _rounds(head, "head")
     if len(b) != len(h):
         raise StatsError(f"paired rounds needed: base has {len(b)}, head {len(h)}")
     if not 0 < confidence < 1:
         raise StatsError(f"confidence must be in (0, 1), got {confidence}")
-    n = len(b)
+    pairs = [0] * len(b) if pairs is None else list(pairs)
+    if len(pairs) != len(b):
+        raise StatsError(f"a pair for every round needed: {len(b)} rounds, {len(pairs)} pairs given")
     logs = np.log(np.array([np.median(x) for x in h]) / np.array([np.median(x) for x in b]))
+    ids = sorted(set(pairs))
+    groups = [logs[np.array(pairs) == p] for p in ids]          # each pair's rounds' log ratios
+    n = len(groups)
     rng = np.random.default_rng(seed)
-    boot = np.median(logs[rng.integers(0, n, size=(resamples, n))], axis=1)
+    # within[p, k]: pair p's median over a resample of its own rounds, resamples x n of them, so that a pair drawn
+    # twice into one bootstrap replicate brings two independent resamples of its rounds
+    within = np.stack([np.median(g[rng.integers(0, g.size, size=(resamples * n, g.size))], axis=1) for g in groups])
+    drawn = rng.integers(0, n, size=(resamples, n))             # the pairs of each replicate
+    boot = within[drawn, np.arange(resamples * n).reshape(resamples, n)].mean(axis=1)
     alpha = (1.0 - confidence) / 2
     low, high = (float(np.exp(x)) for x in np.quantile(boot, [alpha, 1.0 - alpha]))
-    ratio = float(np.exp(np.median(logs)))
+    pair_logs = np.array([np.median(g) for g in groups])
+    ratio = float(np.exp(pair_logs.mean()))
     return Comparison(float(np.median(np.concatenate(b))), float(np.median(np.concatenate(h))), ratio, low, high,
-                      confidence, threshold, n, verdict(ratio, low, high, threshold))
+                      confidence, threshold, len(b), verdict(ratio, low, high, threshold),
+                      tuple(float(x) for x in np.exp(pair_logs)))

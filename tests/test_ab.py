@@ -1,7 +1,7 @@
-"""The same-job A/B (gates/ab.py): its statistic on timings of known shape, its record and report, the base
-revision's checkout, and on this CPU, in one interleaved session, A/A (this checkout against itself: no alert) and
-head planted 10% slower (alerted); the baseline refresh into a folder of its own. The command line end to end (a
-base worktree, two runs) is marked slow."""
+"""The same-job A/B (gates/ab.py): its statistic on timings of known shape (process pairs that agree and that do
+not), its record and report, the base revision's checkout, and on this CPU, over two process pairs alive at once,
+A/A (this checkout against itself: no alert) and head planted 10% slower (alerted); the baseline refresh into a
+folder of its own. The command line end to end (a base worktree, two runs) is marked slow."""
 from __future__ import annotations
 
 import json
@@ -60,11 +60,49 @@ def test_a_faster_head_is_improved_and_the_interval_is_seeded():
     assert compare(base, head, threshold=0.05, seed=7) == c
 
 
+def pair_rounds(ratios: list[float], rounds: int = 30, seed: int = 0) -> tuple[list, list, list[int]]:
+    """Rounds of several process pairs on a drifting host, pair p's head slower than its base by ratios[p] (a
+    process's own speed, which no number of its rounds averages out), and the pair of each round."""
+    base, head, pairs = [], [], []
+    for p, r in enumerate(ratios):
+        base += drifting_rounds(rounds, 5, 1.0, seed + p)
+        head += drifting_rounds(rounds, 5, r, seed + p)
+        pairs += [p + 1] * rounds
+    return base, head, pairs
+
+
+def test_process_pairs_that_disagree_give_a_wide_interval_and_no_alert():
+    """Three pairs at 0.99x, 1.16x and 1.03x: their mean (1.058x) is above the threshold, but one pair of processes
+    read head faster, so the interval reaches below 1. Taking the rounds as the unit instead (one pair) would be
+    sure of a ratio those rounds' processes alone decided."""
+    base, head, pairs = pair_rounds([0.99, 1.16, 1.03])
+    c = compare(base, head, threshold=0.05, pairs=pairs)
+    assert c.verdict == OK and c.low < 1.0 and c.high > 1.12 and c.ratio > 1.05, c
+    assert [round(r, 2) for r in c.pairs] == [0.99, 1.16, 1.03], c.pairs
+    pooled = compare(base, head, threshold=0.05)
+    assert pooled.low > 1.0 > c.low, (pooled, c)
+
+
+def test_process_pairs_that_agree_give_a_tight_interval_and_alert():
+    base, head, pairs = pair_rounds([1.07, 1.07, 1.07])
+    c = compare(base, head, threshold=0.05, pairs=pairs)
+    assert c.verdict == REGRESSION and 1.05 < c.low <= 1.07 <= c.high < 1.09, c
+    assert compare(base, head, threshold=0.05, pairs=pairs) == c         # seeded
+
+
+def test_one_pair_is_the_bootstrap_over_rounds():
+    base, head, _ = pair_rounds([1.10])
+    one = compare(base, head, threshold=0.05, pairs=[7] * len(base))
+    assert one == compare(base, head, threshold=0.05) and one.pairs == (one.ratio,), one
+
+
 def test_rounds_must_pair_and_hold_timings():
     with pytest.raises(StatsError, match="paired rounds needed: base has 3, head 2"):
         compare([[1.0]] * 3, [[1.0]] * 2, threshold=0.05)
     with pytest.raises(StatsError, match="every round needs at least one timing"):
         compare([[1.0], []], [[1.0], [1.0]], threshold=0.05)
+    with pytest.raises(StatsError, match="a pair for every round needed: 3 rounds, 2 pairs given"):
+        compare([[1.0]] * 3, [[1.0]] * 3, threshold=0.05, pairs=[1, 2])
 
 
 # -- the record and what is written --------------------------------------------------------------------------------
@@ -75,8 +113,8 @@ def record_of(head_scale: float) -> dict:
                for side, scale in (("base", 1.0), ("head", head_scale))}
     run = dict(base=dict(rev="main", commit="a" * 40, tree="/b"), head=dict(rev="HEAD", commit="b" * 40, tree="/h"),
                device="cpu", model="small", clock="cpu", threshold=THRESHOLDS["cpu"], confidence=0.95,
-               resamples=500, seed=0, reps=3, warmup=1)
-    return ab.decide(timings["base"], timings["head"], [spec], info, info, run)
+               resamples=500, seed=0, reps=3, warmup=1, processes=2)
+    return ab.decide(timings["base"], timings["head"], [spec], info, info, run, pairs=[1] * 10 + [2] * 10)
 
 
 def test_the_report_names_a_regression_in_markdown_json_and_a_plot(tmp_path, monkeypatch):
@@ -86,12 +124,15 @@ def test_the_report_names_a_regression_in_markdown_json_and_a_plot(tmp_path, mon
     assert rec["regression"] and rec["benchmarks"][0]["verdict"] == REGRESSION
     ab.write(rec, tmp_path)
     md = (tmp_path / "ab.md").read_text()
-    assert "| benchmark | base (median) | head (median) | ratio head/base [95% CI] | wall time ratio | verdict |" in md
+    assert ("| benchmark | base (median) | head (median) | ratio head/base [95% CI] | each process pair | wall time "
+            "ratio | verdict |") in md
+    assert "over 2 process pair(s), bootstrap over pairs, then rounds within them" in md
     assert "| cpu-small-fused-pure-decode |" in md and "**REGRESSION**" in md, md
     assert "1 regression(s): cpu-small-fused-pure-decode 1.2" in md
     assert summary.read_text().strip() == md.strip()          # appended for the CI run's page
     saved = json.loads((tmp_path / "ab.json").read_text())
     assert len(saved["benchmarks"][0]["base_rounds"]) == 20 and saved["base"]["commit"] == "a" * 40
+    assert saved["pair_of_round"] == [1] * 10 + [2] * 10 and len(saved["benchmarks"][0]["pair_ratios"]) == 2
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -151,27 +192,34 @@ def test_the_base_revision_is_checked_out_into_a_worktree_and_removed(tmp_path):
         ab.resolve("no-such-branch", merge_base=False, repo=repo)
 
 
-# -- on this CPU: A/A and planted, one interleaved session ---------------------------------------------------------
-def test_aa_is_quiet_and_a_planted_ten_percent_is_alerted_on_cpu(tmp_path):
-    """Three processes of this checkout, timed in the same interleaved rounds: `base`, `again` (A/A against base)
-    and `planted` (a busy-wait of 10% of its own step inside every timed step). The comparisons are the command's
-    own (gates.ab.decide), at its CPU defaults (CPU time of each step, the CPU threshold)."""
-    a = ab.parse(SMALL_STATE + ["--base-tree", str(REPO), "--out", str(tmp_path)])
+# -- on this CPU: A/A and planted over two process pairs, one interleaved session ---------------------------------
+# one set of three processes: 25-45 s on the 2-core host, with its load; two sets: six process starts, 60-130 s
+@pytest.mark.parametrize("n", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_aa_is_quiet_and_a_planted_ten_percent_is_alerted_on_cpu(tmp_path, n):
+    """n sets of three fresh processes of this checkout, all alive at once, timed in the same interleaved rounds:
+    `base`, `again` (A/A against base) and `planted` (a busy-wait of 10% of its own step inside every timed step);
+    each set times its share of the rounds. The comparisons are the command's own (gates.ab.decide, the process pair
+    the unit of its interval), at its CPU defaults (CPU time of each step, the CPU threshold)."""
+    a = ab.parse(SMALL_STATE + ["--base-tree", str(REPO), "--out", str(tmp_path), "--processes", str(n)])
     specs = ab.bench_specs(a)
     args = ab.worker_args(a, specs)
-    sides = [ab.Side("base", REPO, args, tmp_path / "base.log"), ab.Side("again", REPO, args, tmp_path / "again.log"),
-             ab.Side("planted", REPO, args + ["--plant-frac", "0.10"], tmp_path / "planted.log")]
-    timings, notes = ab.measure(sides, specs, a.rounds, a.reps, deadline=ab.time.monotonic() + 400,
-                                startup_timeout=300, progress=lambda *_: None)
+    sets = [{role: ab.Side(f"{role}-{p}", REPO, args + extra, tmp_path / f"{role}-{p}.log")
+             for role, extra in (("base", []), ("again", []), ("planted", ["--plant-frac", "0.10"]))}
+            for p in range(1, n + 1)]
+    timings, pairs, info, notes = ab.measure_pairs(sets, specs, a.rounds, a.reps, deadline=ab.time.monotonic() + 400,
+                                                   startup_timeout=300, progress=lambda *_: None)
     assert not notes, notes
+    assert pairs == [p for p in range(1, n + 1) for _ in range(a.rounds // n)], pairs
     run = dict(base={}, head={}, device="cpu", model=a.model, clock=a.clock, threshold=THRESHOLDS["cpu"],
-               confidence=a.confidence, resamples=a.resamples, seed=a.seed, reps=a.reps, warmup=a.warmup)
-    aa = ab.decide(timings["base"], timings["again"], specs, sides[0].info, sides[1].info, run)
-    planted = ab.decide(timings["base"], timings["planted"], specs, sides[0].info, sides[2].info, run)
+               confidence=a.confidence, resamples=a.resamples, seed=a.seed, reps=a.reps, warmup=a.warmup,
+               processes=n)
+    aa = ab.decide(timings["base"], timings["again"], specs, info["base"], info["again"], run, pairs=pairs)
+    planted = ab.decide(timings["base"], timings["planted"], specs, info["base"], info["planted"], run, pairs=pairs)
     table = f"A/A {aa['benchmarks'][0]}\nplanted {planted['benchmarks'][0]}".replace("_rounds", "")[:3000]
+    assert len(aa["benchmarks"][0]["pair_ratios"]) == n and aa["pairs"] == n, table
     assert not aa["regression"], table
     assert planted["regression"], table
-    assert sides[2].info["plant_frac"] == 0.10 and sides[0].info["plant_frac"] == 0
+    assert info["planted"]["plant_frac"] == 0.10 and info["base"]["plant_frac"] == 0
 
 
 # -- the command line end to end (slow), the baseline refresh ------------------------------------------------
@@ -200,9 +248,10 @@ def test_the_command_exits_0_on_aa_and_1_on_a_planted_slowdown(clone, tmp_path):
     rec = json.loads((tmp_path / "aa" / "ab.json").read_text())
     assert rec["base"]["commit"] == rec["head"]["commit"] == ab.git("rev-parse", "HEAD", cwd=clone)
     assert "stepgate-ab-base" not in ab.git("worktree", "list", cwd=clone)      # the base worktree is gone
-    loud = run_ab(clone, tmp_path / "planted", "--plant-head-frac", "0.10")
+    loud = run_ab(clone, tmp_path / "planted", "--plant-head-frac", "0.10", "--processes", "2", "--successive")
     assert loud.returncode == 1, loud.stdout[-3000:] + loud.stderr[-3000:]
     assert "REGRESSION" in loud.stdout and "planted 10% busy-wait" in loud.stdout
+    assert "over 2 process pair(s)" in loud.stdout and (tmp_path / "planted" / "head-2.log").is_file()
 
 
 def test_refresh_baseline_saves_the_step_timings_with_their_commit(tmp_path):

@@ -198,9 +198,9 @@ def test_profile_steps_chunk_option(tmp_path):
 
 
 def test_the_loaded_table_reads_each_part_and_says_what_did_not_run(tmp_path):
-    """scripts.probes.loaded_table over one call's files: targets judged from the runs' summaries, the Triton decode's A/B
-    rows where those parts ran, "not run" where a part left nothing."""
-    from bench import loaded_table
+    """scripts.probes.loaded_table over one call's files: targets judged from the runs' summaries, the Triton
+    decode's A/B rows where those parts ran, "not run" where a part left nothing."""
+    from scripts.probes import loaded_table
 
     def summary(part, seconds, pure):
         d = tmp_path / part / "flash"

@@ -105,7 +105,7 @@ def test_a_compiler_that_fails_falls_back_to_eager(monkeypatch, small):
 
 def test_bench_byte_counts_and_no_cuda(capsys):
     """bench.elementwise's bandwidth figures divide by the bytes each piece must move; without CUDA it says so."""
-    from bench import elementwise
+    from scripts.probes import elementwise
     s = M.ModelShape(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=1, num_heads=6, num_kv_heads=2,
                      head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6, max_positions=64, tie_word_embeddings=False)
     args = elementwise._inputs(s, 4, "cpu", torch.float16)

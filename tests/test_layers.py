@@ -150,3 +150,19 @@ def test_the_rules_see_a_planted_circle_and_a_planted_torch_import(tmp_path):
     planted = tmp_path / "request.py"
     planted.write_text("import torch\n" + source)
     assert "torch" in runtime_imports(planted, "engine.request") and "torch" not in runtime_imports(fake)
+
+
+def test_raw_run_files_are_small_and_hold_no_code():
+    """Device runs' raw files (docs/runs/, cited by RESULTS.md) stay a size-capped record: summaries and tables, no
+    script that imports the library, at most 1 MiB in all; older runs' files live in git history."""
+    runs = REPO / "docs" / "runs"
+    files = [p for p in runs.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= 1 << 20
+    code = [str(p.relative_to(REPO)) for p in files if p.suffix in (".py", ".sh", ".ipynb")]
+    assert not code, f"code under the raw-run folder: {code}"
+    assert not (REPO / "artifacts").exists(), "raw artifacts moved out of the tree (git history keeps them)"
+
+
+def test_bench_keeps_the_product_benchmarks():
+    modules = sorted(p.name for p in (REPO / "bench").glob("*.py"))
+    assert len(modules) <= 12, modules

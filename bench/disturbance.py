@@ -266,7 +266,7 @@ def main(argv=None) -> int:
             (problems if strict else notes).append(f"chunk {ct}, p {p}: tokens {what}")
         row = {"model": loaded[2], "device": a.device, "dtype": dtype, "engine": a.engine, "served": e.served.key(),
                "chunk_tokens": ct,
-               "prefill_share": e.scheduler.prefill_share, "b_tokens": b_tokens, "b_at_s": b_at, "c_after_s": c_after,
+               "prefill_share": e.scheduler.ledger.prefill_share, "b_tokens": b_tokens, "b_at_s": b_at, "c_after_s": c_after,
                "b_alone_s": None, "b_slowdown": None, "wall_s": time.perf_counter() - t, "tokens_identical": same,
                "tokens_check": what,
                **m}

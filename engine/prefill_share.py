@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:       # the ledger reads a step's plan and chunks; it is below the scheduler, which holds it
     from .scheduler import Chunk, StepPlan
 
 DEBT_CAP_SECONDS = 1.0      # the debt saturates at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * the loaded step's time)
@@ -50,14 +50,14 @@ def normalise_share(p) -> float:
 
 
 class DebtLedger:
-    """The decoders' debt and what it is computed from; the Scheduler keeps it on itself (plants and tests read and
-    override it there) and calls open_ledger, prepay, owes, settle and forget."""
+    """The decoders' debt and what it is computed from: an object the Scheduler holds (Scheduler.ledger; a planted
+    ledger comes in as the scheduler's ledger_cls), which it asks prepay, owes, settle and forget."""
 
-    def open_ledger(self, prefill_share) -> None:
+    def __init__(self, prefill_share=1.0, short_prompt_positions: int = 512):
+        self.short_prompt_positions = short_prompt_positions
         self.prefill_share = normalise_share(prefill_share)
         self.debt = 0.0                      # seconds of pure decode steps owed to the decoders
         self.decode_estimate: float | None = None   # running estimate of a pure decode step's duration (s)
-        self.withheld_steps = 0              # steps that withheld a long prompt's chunk for the debt
         self.chunk_extra: dict[str, float] = {}   # request id -> extra seconds of its latest long chunk
         self.prepaid: dict[str, float] = {}       # request id -> debt charged ahead for its last long chunk
 

@@ -142,8 +142,11 @@ class CancelResult:
         return not self.cancelled
 
 
-class Scheduler(DebtLedger):
-    """Strict FCFS admission, the choice of each step's prompt chunks and decode tokens, the end of the step."""
+class Scheduler:
+    """Strict FCFS admission, the choice of each step's prompt chunks and decode tokens, the end of the step. It holds
+    the prefill-share debt ledger (`ledger`, of class `ledger_cls`)."""
+
+    ledger_cls = DebtLedger
 
     def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = CHUNK_TOKENS,
                  prefill_share: float = 1.0, short_prompt_positions: int = 512, log: ScheduleLog | None = None):
@@ -159,7 +162,8 @@ class Scheduler(DebtLedger):
         self.running: list[Request] = []     # admitted, in admission (= arrival) order
         self.step_index = 0
         self.next_arrival = 0
-        self.open_ledger(prefill_share)
+        self.ledger = self.ledger_cls(prefill_share, short_prompt_positions)
+        self.withheld_steps = 0              # steps that withheld a long prompt's chunk for the debt
         self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
         self.chains: dict[str, Chain] = {}   # request id -> its pages' keys (prefix cache on)
         # admissions and releases, for the gates' engine-level checks; None: one that keeps nothing (bounded memory)
@@ -282,10 +286,10 @@ class Scheduler(DebtLedger):
         self.log.admitted(plan.index, plan.admitted, self.pool, free, rows, self.waiting)
         plan.decodes = [r for r in self.running if r.state is DECODE]
         if not plan.decodes:
-            self.debt = 0.0                  # debt counts only runnable decoders
-        elif self.prefill_share < 1.0:
-            self.prepay(self.pick_chunks()[0])
-        plan.chunks, withheld = self.pick_chunks(withhold_long=self.owes)
+            self.ledger.debt = 0.0           # debt counts only runnable decoders
+        elif self.ledger.prefill_share < 1.0:
+            self.ledger.prepay(self.pick_chunks()[0])
+        plan.chunks, withheld = self.pick_chunks(withhold_long=self.ledger.owes)
         plan.long_chunks = sum(c.long for c in plan.chunks)
         plan.withheld = len(withheld)
         self.withheld_steps += bool(withheld)
@@ -299,7 +303,7 @@ class Scheduler(DebtLedger):
         """Retire finished and cancelled requests; their pages return to the free list now, at the step's end.
         `duration`: the step's measured seconds, for the prefill-share debt (None: the debt is left as it is)."""
         plan, self.plan = self.plan, None
-        self.settle(plan, duration)
+        self.ledger.settle(plan, duration)
         if plan is not None and self.pool.cache is not None:
             self.register_pages(plan)        # before the releases below: a finishing request's pages stay cached
         retired = [r for r in self.running if r.done]
@@ -307,7 +311,7 @@ class Scheduler(DebtLedger):
             self.running[:] = [r for r in self.running if not r.done]
         for r in retired:
             self.chains.pop(r.request_id, None)
-            self.forget(r.request_id)
+            self.ledger.forget(r.request_id)
             self.log.release(self.step_index, self.pool, r.request_id)
         self.step_index += 1
         return self.log.end_step(self.step_index - 1, self.pool)
@@ -348,7 +352,7 @@ class Scheduler(DebtLedger):
             return None                                  # a row frees for the queue's head: it may be admitted
         chunks = []
         if prefilling:
-            if self.prefill_share < 1.0:
+            if self.ledger.prefill_share < 1.0:
                 return None                              # the debt may withhold a long prompt's chunk
             chunks = self.pick_chunks(prefilling=prefilling)[0]
         if not rows and not chunks:

@@ -96,7 +96,7 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     C = chunk_tokens
     pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
     sched = scheduler_cls(pool, max_batch=64, chunk_tokens=C, prefill_share=p, short_prompt_positions=short)
-    p_used = sched.prefill_share
+    p_used = sched.ledger.prefill_share
     decoders = [Request(f"d{i}", [1] * 4, b) for i, b in enumerate(budgets)]
     for r in decoders:
         sched.add(r)
@@ -112,7 +112,7 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         long_work = any(c.request is longp for c in plan.chunks) and long_left
         if not plan.decodes and longp.state is State.PREFILL and not any(c.request is longp for c in plan.chunks):
             raise GateFailure(f"step {plan.index}: the long prompt's chunk was withheld while nobody decodes (debt "
-                              f"{sched.debt:.4g} s): debt must count only runnable decoders")
+                              f"{sched.ledger.debt:.4g} s): debt must count only runnable decoders")
         extra = extra_ratio * t_decode * plan.prompt_positions / C
         duration = (t_decode if plan.decodes else 0.0) + extra
         apply(plan)

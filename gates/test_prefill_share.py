@@ -43,7 +43,7 @@ def test_tokens_and_chunks_identical_across_prefill_share(runs, opts, engine, ba
     _, base_engine = runs.candidate(engine, backend, WORKLOAD)           # the default, p = 1 (shared with test_tokens)
     base = base_engine.results()
     problems = chunk_problems(base, chunk_tokens, "p=1")
-    assert base_engine.scheduler.prefill_share == 1.0 and base_engine.scheduler.withheld_steps == 0
+    assert base_engine.scheduler.ledger.prefill_share == 1.0 and base_engine.scheduler.withheld_steps == 0
     for p in SHARES[1:]:
         _, e = runs.candidate(engine, backend, WORKLOAD, prefill_share=p)
         assert e.pool.num_free == e.pool.capacity, f"p={p}: pages leaked, the pool is not whole after the run"
@@ -159,4 +159,4 @@ def test_a_short_prompt_never_waits(p, chat_len, at, chunk_tokens, n_decoders):
     plan = sched.schedule()
     got = [(c.request.request_id, c.start, c.length) for c in plan.chunks]
     assert got and got[0] == ("chat", 0, min(C, chat_len)), \
-        f"a short chat arriving with debt {sched.debt:.3g} s got {got} in its first step"
+        f"a short chat arriving with debt {sched.ledger.debt:.3g} s got {got} in its first step"

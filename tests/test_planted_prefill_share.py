@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from engine.loader import load_model
 from engine.request import State
-from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS
+from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS, DebtLedger
 from engine.scheduler import Chunk, StepPlan, Scheduler
 from engine.workload import MIXED_CPU
 from gates.prefill_share_check import DEBT_CASE, check_debt_rule, check_identical, chunk_problems, serve
@@ -41,7 +41,7 @@ class CutsShortWhenOwed(Scheduler):
         return chunks, []
 
 
-class NeverSaturates(Scheduler):
+class UncappedLedger(DebtLedger):
     """The debt grows without a cap."""
 
     def account(self, plan, duration, ahead=0.0):
@@ -52,23 +52,12 @@ class NeverSaturates(Scheduler):
             super().account(plan, duration, ahead)
 
 
-class CountsNoDecoders(Scheduler):
-    """The debt ignores whether anyone decodes: owed after any long work, withheld from a prompt filling alone."""
+class NeverSaturates(Scheduler):
+    ledger_cls = UncappedLedger
 
-    def schedule(self):
-        self.pool.begin_step()
-        plan = StepPlan(self.step_index, admitted=self.admit())
-        plan.decodes = [r for r in self.running if r.state is State.DECODE]
-        plan.chunks, withheld = self.pick_chunks(withhold_long=self.owes)
-        plan.long_chunks = sum(not self.is_short(c.request) for c in plan.chunks)
-        plan.withheld = len(withheld)
-        self.withheld_steps += bool(withheld)
-        for c in plan.chunks:
-            c.request.chunks.append((c.start, c.length))
-        self.plan = plan
-        return plan
 
-    def account(self, plan, duration, ahead=0.0):   # (its schedule() pays nothing ahead)
+class DecoderBlindLedger(DebtLedger):
+    def account(self, plan, duration, ahead=0.0):   # (its scheduler pays nothing ahead)
         p, t = self.prefill_share, duration
         if plan.long_chunks:
             cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t)
@@ -77,6 +66,24 @@ class CountsNoDecoders(Scheduler):
             if plan.decodes:
                 self.decode_estimate = t
             self.debt = max(0.0, self.debt - t)
+
+
+class CountsNoDecoders(Scheduler):
+    """The debt ignores whether anyone decodes: owed after any long work, withheld from a prompt filling alone."""
+    ledger_cls = DecoderBlindLedger
+
+    def schedule(self):
+        self.pool.begin_step()
+        plan = StepPlan(self.step_index, admitted=self.admit())
+        plan.decodes = [r for r in self.running if r.state is State.DECODE]
+        plan.chunks, withheld = self.pick_chunks(withhold_long=self.ledger.owes)
+        plan.long_chunks = sum(not self.is_short(c.request) for c in plan.chunks)
+        plan.withheld = len(withheld)
+        self.withheld_steps += bool(withheld)
+        for c in plan.chunks:
+            c.request.chunks.append((c.start, c.length))
+        self.plan = plan
+        return plan
 
 
 # -- the chunk-boundary gate ---------------------------------------------------------------------------------------
@@ -108,12 +115,15 @@ def test_chunk_cut_short_when_debt_is_owed_is_caught(loaded):
 
 
 
+class PayAfterLedger(DebtLedger):
+    def prepay(self, chunks):
+        pass
+
+
 class PaysLastPieceAfter(Scheduler):
     """The rule before the prepay: a prompt's last long piece is paid for only after it runs, so its debt falls due
     once the prompt already emits its first token, and the decoders get n - 1 of n debts while it fills."""
-
-    def prepay(self, chunks):
-        pass
+    ledger_cls = PayAfterLedger
 
 
 # -- the debt property ---------------------------------------------------------------------------------------------

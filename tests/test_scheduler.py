@@ -332,7 +332,7 @@ def decoding_with_long_prompt(p, n_decoders=2, long_len=2000, chunk_tokens=128):
 
 @pytest.mark.parametrize("p", [0.0, 0.005, -0.5, 1.5, float("nan"), float("inf"), "x", None])
 def test_prefill_share_out_of_range_falls_back_to_1(p):
-    assert Scheduler(PagePool(4, 64), prefill_share=p).prefill_share == 1.0
+    assert Scheduler(PagePool(4, 64), prefill_share=p).ledger.prefill_share == 1.0
 
 
 def test_prefill_share_1_never_owes():
@@ -340,7 +340,7 @@ def test_prefill_share_1_never_owes():
     for _ in range(5):
         plan = timed_step(sched, 10.0)
         assert plan.long_chunks == 1 and plan.withheld == 0
-        assert sched.debt == 0.0
+        assert sched.ledger.debt == 0.0
     assert sched.withheld_steps == 0
 
 
@@ -349,12 +349,12 @@ def test_debt_withholds_long_pieces_for_pure_decode_steps():
     plan = timed_step(sched, 1.0)                       # a pure decode step teaches the estimate: 1 s
     assert plan.kind == "loaded" and plan.long_chunks == 1   # (the first long piece: debt 0 so far)
     # no estimate yet when that loaded step ran: its whole second counts as extra
-    assert sched.debt == pytest.approx(1.0)
+    assert sched.ledger.debt == pytest.approx(1.0)
     plan = timed_step(sched, 1.0)
-    assert plan.kind == "pure-decode" and plan.withheld == 1 and sched.decode_estimate == 1.0
-    assert sched.debt == 0.0
+    assert plan.kind == "pure-decode" and plan.withheld == 1 and sched.ledger.decode_estimate == 1.0
+    assert sched.ledger.debt == 0.0
     plan = timed_step(sched, 4.0)                       # loaded: 3 s beyond a decode step, owes 3 (1 - p) / p = 3
-    assert plan.long_chunks == 1 and sched.debt == pytest.approx(3.0)
+    assert plan.long_chunks == 1 and sched.ledger.debt == pytest.approx(3.0)
     kinds = [timed_step(sched, 1.0).kind for _ in range(4)]
     assert kinds == ["pure-decode"] * 3 + ["loaded"]
     assert sched.withheld_steps == 4
@@ -363,24 +363,24 @@ def test_debt_withholds_long_pieces_for_pure_decode_steps():
 def test_debt_saturates():
     sched, _, _ = decoding_with_long_prompt(0.01)
     plan = timed_step(sched, 0.5)                       # loaded: owes 0.5 * 99 = 49.5 s, capped at max(1, 8 * 0.5)
-    assert plan.long_chunks == 1 and sched.debt == pytest.approx(4.0)
+    assert plan.long_chunks == 1 and sched.ledger.debt == pytest.approx(4.0)
     n = 0
     while timed_step(sched, 0.01).kind == "pure-decode":
         n += 1
     assert n == 400                                     # 4 s of 10 ms decode steps, then the next long piece
     timed_step(sched, 0.05)                             # a fast loaded step owes 3.96 s: the cap is 1 s
-    assert sched.debt == pytest.approx(1.0)
+    assert sched.ledger.debt == pytest.approx(1.0)
 
 
 def test_debt_counts_only_runnable_decoders():
     sched, decoders, long_ = decoding_with_long_prompt(0.25, n_decoders=1)
     timed_step(sched, 5.0)
-    assert sched.debt > 0
+    assert sched.ledger.debt > 0
     sched.cancel("d0", {"d0": decoders[0]})             # the only decoder goes: nobody is owed anything
     plan = timed_step(sched, 0.1)
-    assert plan.kind == "chunk-only" and plan.long_chunks == 1 and sched.debt == 0.0
+    assert plan.kind == "chunk-only" and plan.long_chunks == 1 and sched.ledger.debt == 0.0
     timed_step(sched, 5.0)                              # long work with nobody decoding owes nothing
-    assert sched.debt == 0.0
+    assert sched.ledger.debt == 0.0
 
 
 def test_short_prompts_never_wait_for_the_debt():
@@ -388,12 +388,12 @@ def test_short_prompts_never_wait_for_the_debt():
     timed_step(sched, 1.0)
     timed_step(sched, 1.0)
     timed_step(sched, 1.0)
-    assert sched.debt == pytest.approx(1.0) and sched.decode_estimate == 1.0
+    assert sched.ledger.debt == pytest.approx(1.0) and sched.ledger.decode_estimate == 1.0
     chat = req("chat", 100, 3)
     sched.add(chat)
     plan = timed_step(sched, 1.2)
     assert chunks(plan) == [("chat", 0, 100)] and plan.withheld == 1 and plan.long_chunks == 0
-    assert sched.debt == 0.0        # decode tokens + a short piece pay the decode part: min(1.2, 1.0)
+    assert sched.ledger.debt == 0.0        # decode tokens + a short piece pay the decode part: min(1.2, 1.0)
 
 
 @pytest.mark.parametrize("last_step, debt_after", [(4.0, 0.0), (6.0, 2.0), (2.0, 0.0)])
@@ -405,13 +405,13 @@ def test_last_long_piece_pays_its_debt_ahead(last_step, debt_after):
     timed_step(sched, 1.0)                              # first long piece: no estimate yet, owes 1 s
     timed_step(sched, 1.0)                              # paid by a pure decode step; the estimate is 1 s
     plan = timed_step(sched, 4.0)                       # second long piece: owes 3 s, its extra is the estimate
-    assert chunks(plan) == [("long", 128, 128)] and sched.debt == pytest.approx(3.0)
+    assert chunks(plan) == [("long", 128, 128)] and sched.ledger.debt == pytest.approx(3.0)
     kinds = [timed_step(sched, 1.0).kind for _ in range(6)]
     # its own 3 s, then the last long piece's 3 s ahead: 6 pure decode steps before it
-    assert kinds == ["pure-decode"] * 6 and sched.prepaid == {"long": pytest.approx(3.0)}
+    assert kinds == ["pure-decode"] * 6 and sched.ledger.prepaid == {"long": pytest.approx(3.0)}
     plan = timed_step(sched, last_step)
     assert chunks(plan) == [("long", 256, 128)] and plan.long_chunks == 1
-    assert sched.debt == pytest.approx(debt_after)
+    assert sched.ledger.debt == pytest.approx(debt_after)
     plan = timed_step(sched, 1.0)                       # the short tail never waits
     assert chunks(plan) == [("long", 384, 128)] and plan.long_chunks == 0
 
@@ -419,10 +419,10 @@ def test_last_long_piece_pays_its_debt_ahead(last_step, debt_after):
 def test_a_single_long_piece_has_no_estimate_and_does_not_wait():
     sched, decoders, long_ = decoding_with_long_prompt(0.5, long_len=600)   # one long piece, then 472: short
     plan = sched.schedule()
-    assert plan.long_chunks == 1 and plan.withheld == 0 and sched.prepaid == {"long": 0.0}
+    assert plan.long_chunks == 1 and plan.withheld == 0 and sched.ledger.prepaid == {"long": 0.0}
     advance(plan)
     sched.finish_step(duration=3.0)
-    assert sched.debt == pytest.approx(3.0) and sched.prepaid == {}   # owed after it, as for any long piece
+    assert sched.ledger.debt == pytest.approx(3.0) and sched.ledger.prepaid == {}   # owed after it, as for any long piece
 
 
 def test_a_cancelled_prompt_gives_back_the_debt_it_charged_ahead():
@@ -431,7 +431,7 @@ def test_a_cancelled_prompt_gives_back_the_debt_it_charged_ahead():
     timed_step(sched, 1.0)
     timed_step(sched, 4.0)                              # owes 3 s; the last long piece is next
     plan = timed_step(sched, 1.0)                       # withheld: charges 3 s ahead, pays 1
-    assert plan.withheld == 1 and sched.debt == pytest.approx(5.0) and sched.prepaid == {"long": 3.0}
+    assert plan.withheld == 1 and sched.ledger.debt == pytest.approx(5.0) and sched.ledger.prepaid == {"long": 3.0}
     sched.cancel("long", {"long": long_})
     timed_step(sched, 1.0)                              # the long prompt retires at the end of this step
-    assert sched.prepaid == {} and sched.debt == pytest.approx(1.0)   # 5 - 1 paid - 3 given back
+    assert sched.ledger.prepaid == {} and sched.ledger.debt == pytest.approx(1.0)   # 5 - 1 paid - 3 given back

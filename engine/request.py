@@ -1,8 +1,13 @@
 """Per-request bookkeeping: what a request asked for, where it is, what it emitted. No tensors."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import enum
 from dataclasses import dataclass, field
+
+if TYPE_CHECKING:
+    from .prefix_cache import Chain
 
 
 class State(enum.Enum):
@@ -37,6 +42,8 @@ class Request:
     chunks: list[tuple[int, int]] = field(default_factory=list)   # (start, length) of each prompt chunk, in order
     chunk_steps: list[int] = field(default_factory=list)   # step index of each prompt chunk
     pages: list[int] = field(default_factory=list)   # reserved on admit; kept after release, for failure reports
+    # its pages' hash chain in the prefix cache (engine/kv_cache.py), from its first lookup until it retires
+    chain: "Chain | None" = field(default=None, compare=False, repr=False)
 
     @property
     def prompt_len(self) -> int:

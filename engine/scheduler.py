@@ -26,9 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .kv_cache import KVCacheManager
 from .pool import PagePool
 from .prefill_share import DebtLedger
-from .prefix_cache import Chain
 from .request import CANCELLED, DECODE, PREFILL, Request, State
 from .schedule_log import ScheduleLog
 
@@ -154,7 +154,7 @@ class Scheduler:
             raise ValueError(f"max_batch and chunk_tokens must be >= 1, got {max_batch}, {chunk_tokens}")
         if short_prompt_positions < 0:
             raise ValueError(f"short_prompt_positions must be >= 0, got {short_prompt_positions}")
-        self.pool = pool
+        self.kv = KVCacheManager(pool)       # the one seam to the pages (reserve, prefix hits, releases)
         self.max_batch = max_batch
         self.chunk_tokens = chunk_tokens
         self.short_prompt_positions = short_prompt_positions
@@ -165,7 +165,6 @@ class Scheduler:
         self.ledger = self.ledger_cls(prefill_share, short_prompt_positions)
         self.withheld_steps = 0              # steps that withheld a long prompt's chunk for the debt
         self.plan: StepPlan | None = None    # the open step's plan (schedule() .. finish_step())
-        self.chains: dict[str, Chain] = {}   # request id -> its pages' keys (prefix cache on)
         # admissions and releases, for the gates' engine-level checks; None: one that keeps nothing (bounded memory)
         self.log = log if log is not None else ScheduleLog(keep=False)
 
@@ -186,8 +185,8 @@ class Scheduler:
         admitted = []
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
-            hits = self.prefix_hits(r)
-            if not self.pool.can_reserve(r.slots_needed, hits):
+            hits = self.kv.hits(r)
+            if not self.kv.can_admit(r, hits):
                 break
             self.waiting.popleft()
             self.admit_one(r, hits)
@@ -196,50 +195,10 @@ class Scheduler:
 
     def admit_one(self, r: Request, hits: list[int]) -> None:
         """Reserve on admit; a prompt prefix found cached (`hits`, whole pages) counts as already computed."""
-        r.pages = self.pool.reserve(r.request_id, r.slots_needed, hits)
-        r.num_cached = r.cached_prefix = len(hits) * self.pool.page_size
-        cache = self.pool.cache
-        if cache is not None:
-            self.chains[r.request_id].registered = len(hits)
-            cache.lookups += self.shareable_pages(r)
-            cache.hits += len(hits)
+        self.kv.admit(r, hits)
         r.state = State.PREFILL
         r.admit_step = self.step_index
         self.running.append(r)
-
-    # -- the prefix cache ------------------------------------------------------------------------------------
-    def shareable_pages(self, r: Request) -> int:
-        """Whole pages of the prompt a request may find cached: at least its last prompt position is computed, so
-        that the step that completes the prompt has logits to sample."""
-        return (r.prompt_len - 1) // self.pool.page_size
-
-    def prefix_hits(self, r: Request) -> list[int]:
-        cache = self.pool.cache
-        if cache is None:
-            return []
-        chain = self.chains.setdefault(r.request_id, Chain())
-        return cache.match(chain, r.prompt, self.pool.page_size, self.shareable_pages(r))
-
-    def register_pages(self, plan: StepPlan) -> None:
-        """Cache the pages this step completed (prompt and decode pages alike: each position is computed once and
-        never rewritten), in admission order, so that of two equal pages computed in one step the earlier
-        request's is kept."""
-        cache, ps = self.pool.cache, self.pool.page_size
-        # only a chunk's request, or a decode row that just filled its page (its one new position is a page's last),
-        # can have completed a page: look at those, not at every row
-        filled = {id(c.request) for c in plan.chunks}
-        filled.update(id(r) for r in plan.decodes if r.num_cached % ps == 0)
-        for r in [r for r in self.running if id(r) in filled] if filled else ():
-            chain = self.chains.get(r.request_id)
-            full = r.num_cached // ps
-            if chain is None or full <= chain.registered:
-                continue
-            # position p holds tokens[p]; a page within the prompt needs no copy of the prompt and output
-            tokens = r.prompt if full * ps <= r.prompt_len else r.prompt + r.output
-            cache.extend(chain, tokens, ps, full)
-            for k in range(chain.registered, full):
-                self.pool.register(r.request_id, k, chain.keys[k], cache.hashed_of(chain, tokens, ps, k))
-            chain.registered = full
 
     # -- the step's work -------------------------------------------------------------------------------------
     def is_short(self, r: Request, at: int | None = None) -> bool:
@@ -280,10 +239,10 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         """Admit, then pick this step's prompt chunks and decode tokens. Opens the step in the pool."""
-        self.pool.begin_step()
-        free, rows = self.pool.num_free, len(self.running)
+        self.kv.begin_step()
+        free, rows = self.kv.num_free, len(self.running)
         plan = StepPlan(self.step_index, admitted=self.admit())
-        self.log.admitted(plan.index, plan.admitted, self.pool, free, rows, self.waiting)
+        self.log.admitted(plan.index, plan.admitted, self.kv.pool, free, rows, self.waiting)
         plan.decodes = [r for r in self.running if r.state is DECODE]
         if not plan.decodes:
             self.ledger.debt = 0.0           # debt counts only runnable decoders
@@ -304,17 +263,17 @@ class Scheduler:
         `duration`: the step's measured seconds, for the prefill-share debt (None: the debt is left as it is)."""
         plan, self.plan = self.plan, None
         self.ledger.settle(plan, duration)
-        if plan is not None and self.pool.cache is not None:
-            self.register_pages(plan)        # before the releases below: a finishing request's pages stay cached
+        if plan is not None:
+            self.kv.register(plan, self.running)   # before the releases below: a finishing request's pages stay cached
         retired = [r for r in self.running if r.done]
         if retired:     # not list.remove: a Request compares by value, field by field
             self.running[:] = [r for r in self.running if not r.done]
         for r in retired:
-            self.chains.pop(r.request_id, None)
+            self.kv.forget(r)
             self.ledger.forget(r.request_id)
-            self.log.release(self.step_index, self.pool, r.request_id)
+            self.log.release(self.step_index, self.kv.pool, r.request_id)
         self.step_index += 1
-        return self.log.end_step(self.step_index - 1, self.pool)
+        return self.log.end_step(self.step_index - 1, self.kv.pool)
 
     def next_step(self, plan: StepPlan) -> "Foresight | None":
         """The step after `plan`, read before `plan`'s tokens are known (its bookkeeping not yet done), when it is
@@ -370,7 +329,7 @@ class Scheduler:
             return CancelResult(request_id, "already-cancelled", len(r.output))
         if r.state is State.WAITING:
             self.waiting.remove(r)
-            self.chains.pop(request_id, None)
+            self.kv.forget(r)
         r.state = State.CANCELLED   # a running one is retired (pages released) at the end of the step
         return CancelResult(request_id, "cancelled", len(r.output))
 

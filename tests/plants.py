@@ -41,8 +41,8 @@ class QueueJumpingScheduler(Scheduler):
     def admit(self):
         admitted = []
         for r in list(self.waiting):
-            hits = self.prefix_hits(r)
-            if len(self.running) < self.max_batch and self.pool.can_reserve(r.slots_needed, hits):
+            hits = self.kv.hits(r)
+            if len(self.running) < self.max_batch and self.kv.can_admit(r, hits):
                 self.waiting.remove(r)
                 self.admit_one(r, hits)
                 admitted.append(r)

@@ -1,7 +1,8 @@
 """The layers of engine/ (docs/DESIGN.md's "Layers inside engine/"), held as rules on the import graph, read from the
 source (runtime imports; a block under `if TYPE_CHECKING:` is a type, not an import):
 
-- bookkeeping: requests, the pool, the prefix cache, the scheduler and its prefill-share ledger, the schedule log,
+- bookkeeping: requests, the pool, the prefix cache, the KV-cache manager (the scheduler's one seam to the pages),
+  the scheduler and its prefill-share ledger, the schedule log,
   the step-path census: no torch, no numpy, nothing from the other layers;
 - execution: the runner, model, packing, captured steps, tensor parallel (engine/tp/), the loader: nothing from the
   facade;
@@ -18,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = {
-    "bookkeeping": {"engine.request", "engine.pool", "engine.prefix_cache", "engine.scheduler",
+    "bookkeeping": {"engine.request", "engine.pool", "engine.prefix_cache", "engine.kv_cache", "engine.scheduler",
                     "engine.prefill_share", "engine.schedule_log", "engine.census", "engine.errors"},
     "execution": {"engine.runner", "engine.model", "engine.packing", "engine.graphs", "engine.step_graphs",
                   "engine.loader", "engine.dtypes", "engine.tp", "engine.tp.runner", "engine.tp.shard",

@@ -81,7 +81,7 @@ def test_resident_memory_is_flat_over_20000_requests(loaded):
     assert growth(curve) < GROWTH_BOUND, f"grew {growth(curve) / 2**20:.2f} MiB after warm-up: {show(curve)}"
     assert not e.requests and not e.topk and len(e.trace) == CONFIG.trace_limit, \
         (len(e.requests), len(e.topk), len(e.trace))
-    assert not e.scheduler.ledger.chunk_extra and not e.scheduler.ledger.prepaid and not e.scheduler.chains
+    assert not e.scheduler.ledger.chunk_extra and not e.scheduler.ledger.prepaid and all(r.chain is None for r in e.scheduler.running)
     log = e.scheduler.log
     assert not (log.admissions or log.waits or log.releases or log.ends)
     assert len(e.pool.last_owner) < e.pool.num_pages

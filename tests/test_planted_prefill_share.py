@@ -73,7 +73,7 @@ class CountsNoDecoders(Scheduler):
     ledger_cls = DecoderBlindLedger
 
     def schedule(self):
-        self.pool.begin_step()
+        self.kv.begin_step()
         plan = StepPlan(self.step_index, admitted=self.admit())
         plan.decodes = [r for r in self.running if r.state is State.DECODE]
         plan.chunks, withheld = self.pick_chunks(withhold_long=self.ledger.owes)

@@ -54,9 +54,10 @@ class CancelKeepsCountsScheduler(Scheduler):
     """(3) A cancelled request's pages leave it without their counts going down."""
 
     def finish_step(self, duration=None):
+        pool = self.kv.pool
         for r in self.running:
-            if r.state is State.CANCELLED and r.request_id in self.pool.owned:
-                self.pool.owned[r.request_id] = []
+            if r.state is State.CANCELLED and r.request_id in pool.owned:
+                pool.owned[r.request_id] = []
         return super().finish_step(duration)
 
 

@@ -170,7 +170,7 @@ def test_the_pool_without_a_cache_shares_nothing():
     a, b = Request("a", [1] * 9, 2), Request("b", [1] * 9, 2)
     serve(sched, a)
     serve(sched, b)
-    assert b.cached_prefix == 0 and b.chunks[0] == (0, 9) and pool.num_cached == 0 and not sched.chains
+    assert b.cached_prefix == 0 and b.chunks[0] == (0, 9) and pool.num_cached == 0 and a.chain is None and b.chain is None
     assert pool.num_free == len(pool.free) == pool.capacity
 
 
@@ -182,4 +182,4 @@ def test_a_waiting_request_cancelled_leaves_no_chain():
     step(sched)
     assert b.state is State.WAITING
     sched.cancel("b", {"b": b})
-    assert "b" not in sched.chains
+    assert b.chain is None

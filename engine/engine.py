@@ -102,7 +102,11 @@ class Engine:
             self.runner = TPRunner.start(config.with_(cuda_graphs=self.use_cuda_graphs(config)), self.model, dtype,
                                          num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
-        self.overlap = self.use_overlap(config)
+        try:
+            self.overlap = self.use_overlap(config)
+        except errors.ConfigError:
+            self.runner.close()         # workers already started (tp > 1) stop with the refusal
+            raise
         # what this engine serves: every None of the config decided (golden meta, the gate summary, bench rows)
         self.served = config.resolved(graphs=self.runner.graphs is not None, overlap=self.overlap).with_(
             num_pages=num_pages, max_model_len=self.max_model_len)

@@ -250,3 +250,17 @@ def test_usr1_prints_every_threads_stack_and_the_process_goes_on():
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert p.returncode == 0 and "still running" in p.stdout, p.stderr
     assert "Current thread" in p.stderr and "File " in p.stderr, p.stderr
+
+
+def test_the_tp_runner_with_captured_steps_cannot_be_given_overlap_on_one_rank(loaded):
+    """A step launched ahead would run on rank 0 alone: the tp runner says it cannot (Runner.can_launch_ahead), so
+    overlap=True is refused (and the started workers stopped), and overlap's default stays off, captured steps or
+    not (CPU: the captured steps' path runs uncaptured on every rank)."""
+    from engine.errors import ConfigError
+    with pytest.raises(ConfigError, match="every rank would have to launch it"):
+        Engine(config(cuda_graphs=True, overlap=True), loaded=loaded)
+    with Engine(config(cuda_graphs=True), loaded=loaded) as eng:
+        assert eng.runner.graphs is not None and not eng.runner.can_launch_ahead
+        assert eng.overlap is False and eng.served.overlap is False
+        got = {r: res.tokens for r, res in eng.run(specs()).items()}
+        assert eng.steps_ahead == 0 and all(len(t) == 8 for t in got.values())

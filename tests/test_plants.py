@@ -136,3 +136,13 @@ def test_the_coverage_rules_name_each_path():
                    "a.decode.z: declared by its backend (kernels.declared_paths), never ran: neither an engine nor "
                    "the kernel gate took it"]
     assert problems(census, {**checked, "a.decode.x+append": 1, "a.decode.z": 1}, ["a.decode.z"]) == []
+
+
+def test_a_bug_in_a_step_launched_ahead_fails_the_cpu_smoke_gate(tmp_path):
+    """The `ahead-tokens` plant (a pure decode step launched ahead gathers each row's token from the next row's
+    sample) passed every CPU gate while poison mode turned steps launched ahead off; the smoke gate now runs them on
+    a CPU (the captured steps' path uncaptured), so the whole gate run stops at its second file's first gate."""
+    r = plant_table.run_row(plant_table.Row("ahead-tokens", "ahead-tokens"), timeout=600, log_dir=tmp_path)
+    log = next(tmp_path.glob("*.log")).read_text()
+    assert r.caught and r.gate.startswith("gates/test_smoke.py::test_smoke_steps_launched_ahead["), log[-3000:]
+    assert r.named and "launched ahead" in log, log[-3000:]

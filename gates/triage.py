@@ -206,7 +206,7 @@ def triage(engine, failure: Failure, reference: GenRecord, score, threshold: flo
         # alone, a request's steps can still be launched ahead: the batch's rows are what it lacks (see the verdict)
         run("no step launched ahead", r.prompt, n, ref, overlap=False)
     if engine.runner.graphs is not None:
-        run("CUDA graphs off", r.prompt, n, ref, cuda_graphs=False, overlap=False)
+        run("CUDA graphs off", r.prompt, n, ref, cuda_graphs=False, **({"overlap": False} if engine.overlap else {}))
     else:
         t.variants.append(Variant("CUDA graphs off", None, "not applicable: graphs were off"))
     for b in (backends if backends is not None else [b for b in kernels.BACKENDS if b != c.backend]):

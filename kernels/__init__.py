@@ -15,29 +15,34 @@ if TYPE_CHECKING:
 _IN_BASE = ("AttentionBackend", "AttnBatch", "KernelPath", "Unavailable")
 
 
+def _backends() -> dict:
+    """The registry, made once (tests and plants add to the same dict)."""
+    if "BACKENDS" not in globals():
+        from .flash_backend import FlashBackend
+        from .flex_backend import FlexBackend
+        from .torch_backend import TorchBackend
+        globals()["BACKENDS"] = {"torch": TorchBackend, "flex": FlexBackend, "flash": FlashBackend}
+    return globals()["BACKENDS"]
+
+
 def __getattr__(name: str):
     """The backend registry and the base classes, imported when first asked for."""
     if name in _IN_BASE:
         return getattr(importlib.import_module(".base", __name__), name)
     if name == "BACKENDS":
-        from .flash_backend import FlashBackend
-        from .flex_backend import FlexBackend
-        from .torch_backend import TorchBackend
-        backends = {"torch": TorchBackend, "flex": FlexBackend, "flash": FlashBackend}
-        globals()["BACKENDS"] = backends
-        return backends
+        return _backends()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def declared_paths(names=None) -> list[KernelPath]:
     """The registry of kernel paths: every path each backend (`names`, default all) declares it can take. The kernel
     gate's cases come from here, and the coverage gate holds the paths a run took against it."""
-    return [p for name, cls in __getattr__("BACKENDS").items() if names is None or name in names
+    return [p for name, cls in _backends().items() if names is None or name in names
             for p in cls.declared_paths()]
 
 
 def backend_class(name: str) -> type[AttentionBackend]:
-    backends = __getattr__("BACKENDS")
+    backends = _backends()
     try:
         return backends[name]
     except KeyError:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .errors import PoolInvariantError
 from .pool import PagePool
 from .prefill_share import DebtLedger
 from .prefix_cache import Chain
@@ -124,6 +125,18 @@ class Foresight:
     """The step after the one in flight, as Scheduler.next_step foresees it: its prompt chunks and decode rows."""
     chunks: list[Chunk]
     rows: list[NextRow]
+
+
+@dataclass(frozen=True)
+class ScheduleMark:
+    """Scheduler.mark(): what schedule() changes that its plan does not record, as it was before."""
+    in_step: bool
+    debt: float
+    prepaid: dict[str, float]
+    withheld_steps: int
+    admissions: int           # lengths of the schedule log's lists
+    waits: int
+    lru: list[int] | None     # the prefix cache's evictable pages in LRU order (None: nothing can be admitted)
 
 
 @dataclass(frozen=True)
@@ -294,6 +307,44 @@ class Scheduler(DebtLedger):
             c.request.chunk_steps.append(plan.index)
         self.plan = plan
         return plan
+
+    def mark(self) -> "ScheduleMark":
+        """What schedule() is about to change beyond what its plan records: taken before it, for undo(). Cheap: the
+        prefix cache's evictable pages are copied only when the step may admit."""
+        cache = self.pool.cache
+        may_admit = bool(self.waiting) and len(self.running) < self.max_batch
+        return ScheduleMark(self.pool.in_step, self.debt, dict(self.prepaid), self.withheld_steps,
+                            len(self.log.admissions), len(self.log.waits),
+                            list(cache.lru) if cache is not None and may_admit else None)
+
+    def undo(self, plan: StepPlan, mark: "ScheduleMark", evicted: list[int]) -> None:
+        """Undo schedule() for a step that failed before its end: the bookkeeping is as before it (Engine.step redoes
+        the step), but for the cached pages it evicted (`evicted`), which come back free. A request admitted by it
+        and cancelled since goes nowhere: it holds no pages, never ran, and is done."""
+        for c in plan.chunks:
+            c.request.chunks.pop()
+            c.request.chunk_steps.pop()
+        ps, cache = self.pool.page_size, self.pool.cache
+        admitted = plan.admitted
+        if admitted:
+            if any(a is not b for a, b in zip(self.running[-len(admitted):], admitted)):   # not !=: by value
+                raise PoolInvariantError(f"step {plan.index}: its admissions are not the last running requests")
+            del self.running[-len(admitted):]
+        self.pool.unreserve([(r.request_id, r.cached_prefix // ps) for r in admitted], evicted, mark.lru)
+        for r in reversed(admitted):
+            if cache is not None:
+                cache.lookups -= self.shareable_pages(r)
+                cache.hits -= r.cached_prefix // ps
+            r.pages, r.num_cached, r.cached_prefix, r.admit_step = [], 0, 0, None
+            if r.state is CANCELLED:
+                self.chains.pop(r.request_id, None)
+            else:
+                r.state = State.WAITING
+                self.waiting.appendleft(r)
+        self.debt, self.prepaid, self.withheld_steps = mark.debt, mark.prepaid, mark.withheld_steps
+        del self.log.admissions[mark.admissions:], self.log.waits[mark.waits:]
+        self.pool.in_step = mark.in_step
+        self.plan = None
 
     def finish_step(self, duration: float | None = None) -> list[int]:
         """Retire finished and cancelled requests; their pages return to the free list now, at the step's end.

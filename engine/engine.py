@@ -54,6 +54,7 @@ class HeldSigint:
             if self.caught:     # again, through the handler put back: KeyboardInterrupt by default
                 signal.raise_signal(signal.SIGINT)
 
+
 def free_memory(device: str) -> int | None:
     """Bytes the KV pool may take on `device` now: free GPU memory, or the memory the OS says is available without
     swapping (None where neither can be read)."""

@@ -173,7 +173,7 @@ def check_injected(loaded, point: str, at: int, kind: str, prefix_cache: bool, p
         check_pool(e)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(st.sampled_from(STEP_POINTS), st.integers(0, 28), st.sampled_from(KINDS), st.booleans(), st.booleans())
 def test_an_exception_at_any_point_of_any_step_is_redone_or_fails_the_engine(emulated, point, at, kind, prefix_cache,
                                                                             poison):
@@ -200,7 +200,7 @@ def sigint_after(seconds: float) -> threading.Timer:
     return t
 
 
-@pytest.mark.parametrize("runs", [pytest.param(8), pytest.param(30, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("runs", [pytest.param(5), pytest.param(30, marks=pytest.mark.slow)])
 def test_a_real_ctrl_c_at_a_random_moment_never_breaks_the_run(emulated, runs):
     """The issue's case: SIGINT from another thread, at a random moment of the run (forward, bookkeeping, between
     steps); the run goes on after each. Tokens, chunks and steps stay the undisturbed run's; the pool stays whole."""

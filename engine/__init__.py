@@ -2,9 +2,9 @@
 from .config import LINEAGE, PREDECESSOR, EngineConfig, lineage_config
 from .engine import Engine, StepRecord
 from .errors import (BadArrivalTimeError, BadBudgetError, BadPromptError, BadRequestIdError, ConfigError,
-                     DuplicateRequestIdError, EmptyPromptError, ExceedsMaxPositionsError, NeverFitsError, NoRoomError,
-                     PoisonedLogitsError, PoolInvariantError, PoolTooLargeError, RequestError, RequestNotDoneError,
-                     TokenOutOfVocabError, UnknownRequestError)
+                     DuplicateRequestIdError, EmptyPromptError, EngineDeadError, ExceedsMaxPositionsError,
+                     NeverFitsError, NoRoomError, PoisonedLogitsError, PoolInvariantError, PoolTooLargeError,
+                     RequestError, RequestNotDoneError, TokenOutOfVocabError, UnknownRequestError)
 from .request import RequestResult
 from .scheduler import CancelResult, StepKind
 from .workload import RequestSpec, Workload, get_workload
@@ -14,4 +14,4 @@ __all__ = ["Engine", "EngineConfig", "StepRecord", "LINEAGE", "PREDECESSOR", "li
            "TokenOutOfVocabError", "ExceedsMaxPositionsError", "BadBudgetError", "NeverFitsError",
            "DuplicateRequestIdError", "PoisonedLogitsError", "BadPromptError", "BadRequestIdError",
            "BadArrivalTimeError", "UnknownRequestError", "RequestNotDoneError", "ConfigError", "PoolInvariantError",
-           "PoolTooLargeError", "NoRoomError"]
+           "PoolTooLargeError", "NoRoomError", "EngineDeadError"]

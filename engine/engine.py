@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import copy
+import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -18,12 +21,39 @@ from .pool import PagePool, pages_for
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
 from .schedule_log import ScheduleLog
-from .scheduler import CancelResult, Chunk, Foresight, Scheduler, StepKind, StepPlan
+from .scheduler import CancelResult, Chunk, Foresight, ScheduleMark, Scheduler, StepKind, StepPlan
 from .tp.layers import rank_shape
 from .workload import RequestSpec
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
 SCORE_OWNER = ("score",)
+
+# The points of a step at which Engine calls its step_hook (a test seam: tests/test_step_atomic.py raises at each).
+# An exception at one of the first four undoes the step, and the next step() redoes it; at one of the next three it
+# stops the step's commit half-way, so the engine fails (EngineDeadError); at the last the step stands.
+STEP_POINTS = ("scheduled", "launched", "launched-ahead", "read-back", "applied", "finished", "traced", "poisoned")
+
+
+class HeldSigint:
+    """Ctrl-C (SIGINT) held over a block of bookkeeping and delivered at its end, so that a KeyboardInterrupt never
+    lands half-way through it. Only the main thread receives signals and may set a handler: elsewhere a no-op."""
+
+    def __enter__(self) -> "HeldSigint":
+        self.old, self.caught = None, False
+        # getsignal None: a handler set outside Python, which could not be put back
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
+            self.old = signal.signal(signal.SIGINT, self.hold)
+        return self
+
+    def hold(self, signum, frame) -> None:
+        self.caught = True
+
+    def __exit__(self, *exc) -> None:
+        if self.old is not None:
+            signal.signal(signal.SIGINT, self.old)
+            if self.caught:     # again, through the handler put back: KeyboardInterrupt by default
+                signal.raise_signal(signal.SIGINT)
+
 
 def free_memory(device: str) -> int | None:
     """Bytes the KV pool may take on `device` now: free GPU memory, or the memory the OS says is available without
@@ -65,13 +95,15 @@ class Engine:
     steps, or under `engine.lock`."""
 
     def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None,
-                 schedule_log: ScheduleLog | None = None, pool_cls=PagePool, scheduler_cls=Scheduler):
+                 schedule_log: ScheduleLog | None = None, pool_cls=PagePool, scheduler_cls=Scheduler,
+                 step_hook: Callable[[str], None] | None = None):
         """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
         small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines.
         `schedule_log`: where the scheduler records every admission, release and step end, for a check of the whole
         run (gates/schedule_check.py: pass ScheduleLog()); None: nothing is recorded, so memory stays flat.
         `pool_cls`, `scheduler_cls`: the bookkeeping's classes (the gates' planted pools and schedulers come in
-        here, at construction, never patched in afterwards)."""
+        here, at construction, never patched in afterwards). `step_hook`: called with each of STEP_POINTS as a step
+        passes it (a test seam; None: nothing is called)."""
         self.config = config
         dtype = torch_dtype(config.dtype)
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
@@ -120,6 +152,13 @@ class Engine:
         self._stepping = threading.RLock()      # one step (or score) at a time: they share the runner
         self.t0 = time.perf_counter()
         self._auto_id = 0
+        self.hook = step_hook or (lambda point: None)
+        # the step between its schedule and its commit: (plan, what its schedule changed, the pages it evicted),
+        # undone by the next step() if an exception left it open
+        self._open: tuple[StepPlan, ScheduleMark, list[int]] | None = None
+        self._unpoisoned: list[int] = []    # pages freed by the last step, poisoned after its commit
+        self._poisoned_ahead = False        # the open step's freed pages were poisoned for the step launched ahead
+        self._dead: errors.EngineDeadError | None = None   # the first failure that left the state untrusted
 
     def pool_pages(self, config: EngineConfig, dtype) -> int:
         """The pool's pages, null page included: num_pages, or as many as kv_cache_bytes holds, but no more than
@@ -181,6 +220,60 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- failure ---------------------------------------------------------------------------------------------
+    def alive(self) -> None:
+        """Raise EngineDeadError if a failure has left the engine's state untrusted; every public call but close()
+        checks this first, so that nothing is served from that state."""
+        dead = self._dead
+        if dead is not None:    # a new error each time: raising one instance again would grow its traceback
+            raise errors.EngineDeadError(str(dead), dead.cause, dead.step) from dead.cause
+
+    def _fail(self, what: str, cause: BaseException) -> None:
+        """Mark the engine failed: `cause` stopped it while `what`. The first failure is the one named."""
+        if self._dead is None:
+            step = self.scheduler.step_index
+            self._dead = errors.EngineDeadError(
+                f"the engine failed at step {step} {what}: {type(cause).__name__}: {cause}; its state cannot be "
+                f"trusted, so it serves nothing more: make a new engine", cause, step)
+            cause.add_note("the engine is failed: every later call raises EngineDeadError")
+
+    @contextmanager
+    def _bookkeeping(self, what: str):
+        """A block of the step's bookkeeping, all or nothing: under the lock, with Ctrl-C held to its end. It calls
+        no device, so an exception out of it is a bug that may have stopped it half-way: the engine fails."""
+        with self.lock, HeldSigint():
+            try:
+                yield
+            except BaseException as e:
+                self._fail(what, e)
+                raise
+
+    def _recover(self) -> None:
+        """Before a step (or score): finish what an exception interrupted after the last one. A step still open
+        failed before its commit and is undone (so it is redone now); pages it freed are poisoned."""
+        if self._open is not None:
+            with self._bookkeeping("while undoing a step"):
+                self._undo()
+        if self._unpoisoned:
+            self.runner.poison_pages(self._unpoisoned)
+            self._unpoisoned = []
+
+    def _undo(self, cause: BaseException | None = None) -> None:
+        """Undo the open step's schedule (under the lock): the bookkeeping is as before it; the step launched ahead
+        on its samples is dropped. Its forward wrote only the open step's own slots: written again by the redo before
+        anything reads them, or, for pages that go back to the pool, poisoned before the next forward."""
+        plan, mark, evicted = self._open
+        self._ahead = None
+        self.scheduler.undo(plan, mark, evicted)
+        for r in plan.admitted:
+            r.admit_time = None
+        self._open = None
+        if self._poisoned_ahead:
+            # the pages of requests this step finishes were poisoned for the step launched after it; the redo
+            # would read them
+            self._fail("after poisoning the pages it frees (poison mode, a step launched ahead), so it cannot be "
+                       "redone", cause or RuntimeError("the step was interrupted before its commit"))
+
     # -- clock -----------------------------------------------------------------------------------------------
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -199,10 +292,11 @@ class Engine:
         `prompt`: any iterable of token ids or a one-dimensional integer array, read once. `request_id`: a non-empty
         string or an integer, stored as its decimal string (7 and "7" are one id); None: "req-N". An id is in use
         until pop_result() releases it. `arrival_time`: seconds on the engine's clock (None: now)."""
+        self.alive()
         rid = None if request_id is None else inputs.request_id_of(request_id)
         tokens, budget = self.validate(prompt, budget, rid or "request")
         at = None if arrival_time is None else inputs.arrival_of(arrival_time, rid or "request")
-        with self.lock:
+        with self.lock, HeldSigint():   # a request is held and queued, or neither
             if rid is None:
                 while f"req-{self._auto_id}" in self.requests:
                     self._auto_id += 1
@@ -242,8 +336,9 @@ class Engine:
         token is dropped); its pages return at the end of that step (or of the next one, between steps); nobody
         else's tokens change. An unknown, finished or already cancelled id is a no-op: CancelResult.outcome says
         which ("unknown", "already-finished", "already-cancelled"), .noop is True."""
+        self.alive()
         rid = inputs.request_id_of(request_id)
-        with self.lock:
+        with self.lock, HeldSigint():
             res = self.scheduler.cancel(rid, self.requests)
             if res.cancelled:
                 self.requests[rid].finish_time = self.now()
@@ -253,8 +348,9 @@ class Engine:
         """Take a finished or cancelled request's result and forget the request (its record, its top-k records):
         the id can be submitted again. A request still waiting or running (a cancelled one until the end of the
         step that retires it) raises RequestNotDoneError; an id the engine does not hold, UnknownRequestError."""
+        self.alive()
         rid = inputs.request_id_of(request_id)
-        with self.lock:
+        with self.lock, HeldSigint():
             r = self.requests.get(rid)
             if r is None:
                 raise errors.UnknownRequestError(f"no request {rid!r} (never submitted, or its result was popped)")
@@ -269,8 +365,13 @@ class Engine:
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> StepRecord:
         """One step. One thread steps at a time (a second waits); the forward runs without the bookkeeping lock, so
-        submit and cancel from other threads do not wait for it."""
+        submit and cancel from other threads do not wait for it.
+        All or nothing: an exception before the step's commit (in its forward or readback, Ctrl-C included) leaves
+        the engine as before the step, and the next step() redoes it; the commit holds Ctrl-C until it ends; an
+        exception that stops the commit half-way fails the engine (EngineDeadError from every later call)."""
         with self._stepping:
+            self.alive()
+            self._recover()
             return self._step()
 
     def _step(self) -> StepRecord:
@@ -278,43 +379,25 @@ class Engine:
         ahead, self._ahead = self._ahead, None
         if cfg.sync_trace and ahead is None:
             self._sync()
-        with self.lock:
+        with self._bookkeeping("while scheduling"):
             start = self.now()
+            mark = self.scheduler.mark()
             plan = self.scheduler.schedule()
             # cached pages evicted to admit this step's requests: NaN before their new owners write them
             evicted = self.pool.take_evicted()
+            self._open, self._poisoned_ahead = (plan, mark, evicted), False
             for r in plan.admitted:
                 r.admit_time = start
             blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
             # the forward's own view: a submit or cancel during it changes no page of the plan's requests
             pages_of = dict(self.pool.owned)
-        ran_ahead = ahead is not None and self.matches(ahead[0], plan)
-        if ran_ahead:
-            pending = ahead[1]          # launched during the step before, on the rows this schedule chose
-            self.steps_ahead += 1
-        else:
-            # a submit or cancel since the step was foreseen: that launch wrote only its requests' own next slots
-            # (each decode row's next position, each chunk's positions), which a request writes again before it
-            # reads them (or, cancelled, never reads); its samples are dropped
-            self.ahead_discarded += ahead is not None
-            self.runner.poison_pages(evicted)
-            pending = self.runner.launch(plan, pages_of, cfg.forward) if not plan.empty else None
-        if pending is not None and self.overlap:
-            # launch the next step, if it can be foreseen, before reading this one back: the device goes from this
-            # step to the next without waiting for this step's readback, bookkeeping and the next one's packing
-            with self.lock:
-                step = self.scheduler.next_step(plan)
-                # poison mode: the pages this step frees are poisoned before the step launched after it, as they
-                # would be between two serial steps, so that a step launched ahead that reads one is caught
-                freeing = self.pages_freed_by(plan) if cfg.poison and step is not None else []
-            self.runner.poison_pages(freeing)
-            launched = self.runner.launch_ahead(step, pages_of, pending, cfg.forward) if step is not None else None
-            if launched is not None:
-                self._ahead = (step, launched)
-        out = pending.result() if pending is not None else None
-        if cfg.sync_trace and self._ahead is None:
-            self._sync()
-        with self.lock:
+        try:
+            out, ran_ahead = self._forward(plan, ahead, evicted, pages_of)
+        except BaseException as e:
+            with self._bookkeeping("while undoing a step"):
+                self._undo(e)
+            raise
+        with self._bookkeeping("while committing a step"):
             end = self.now()
             if out is not None:
                 sampled = plan.sampled
@@ -323,23 +406,70 @@ class Engine:
                         self._sync()
                         self._ahead = None
                     err = poison_error(self, plan, sampled, out.nonfinite)   # reads the cache as the step left it
-                    self.scheduler.finish_step()   # keep the pool consistent before raising
-                    raise err
+                    self.scheduler.finish_step()   # keep the pool consistent for the report's readers
+                    raise err                      # the step is lost half-way: the engine fails (_bookkeeping)
                 # a request cancelled during the forward emits nothing
                 emitted = plan.apply(out.tokens, end)
+                self.hook("applied")
                 if out.topk_ids:                    # record mode
                     emitted = {id(r) for r in emitted}
                     for r, ids, vals in zip(sampled, out.topk_ids, out.topk_vals):
                         if id(r) in emitted:
                             self.topk.setdefault(r.request_id, []).append((ids, vals))
-            freed = self.scheduler.finish_step(duration=end - start)   # the step's time feeds the prefill-share debt
+            # the step's time feeds the prefill-share debt
+            self._unpoisoned = self.scheduler.finish_step(duration=end - start)
+            self._open = None
+            self.hook("finished")
+            self.steps_ahead += ran_ahead
+            self.ahead_discarded += ahead is not None and not ran_ahead
             rec = StepRecord(plan.index, plan.kind, plan.prompt_positions, len(plan.decodes), len(plan.chunks),
                              len(plan.admitted), start, end - start, blocked, plan.withheld, ran_ahead)
             self.trace.append(rec)
             if cfg.trace_limit is not None and len(self.trace) > cfg.trace_limit:
                 del self.trace[:len(self.trace) - cfg.trace_limit]
-        self.runner.poison_pages(freed)    # no step can admit into them before this: one thread steps at a time
+            self.hook("traced")
+        # no step can admit into them before this: one thread steps at a time (and the next one poisons them first if
+        # an exception stops this)
+        self.runner.poison_pages(self._unpoisoned)
+        self._unpoisoned = []
+        self.hook("poisoned")
         return rec
+
+    def _forward(self, plan: StepPlan, ahead, evicted: list[int], pages_of) -> tuple[object, bool]:
+        """The step's forward and readback, and the launch of the step after it: (its sampled rows, whether it was
+        the step launched ahead). Changes no bookkeeping, so that an exception here is undone by undoing the
+        schedule (Engine._undo)."""
+        cfg = self.config
+        self.hook("scheduled")
+        ran_ahead = ahead is not None and self.matches(ahead[0], plan)
+        if ran_ahead:
+            pending = ahead[1]          # launched during the step before, on the rows this schedule chose
+        else:
+            # a submit or cancel since the step was foreseen: that launch wrote only its requests' own next slots
+            # (each decode row's next position, each chunk's positions), which a request writes again before it
+            # reads them (or, cancelled, never reads); its samples are dropped
+            self.runner.poison_pages(evicted)
+            pending = self.runner.launch(plan, pages_of, cfg.forward) if not plan.empty else None
+        self.hook("launched")
+        if pending is not None and self.overlap:
+            # launch the next step, if it can be foreseen, before reading this one back: the device goes from this
+            # step to the next without waiting for this step's readback, bookkeeping and the next one's packing
+            with self.lock:
+                step = self.scheduler.next_step(plan)
+                # poison mode: the pages this step frees are poisoned before the step launched after it, as they
+                # would be between two serial steps, so that a step launched ahead that reads one is caught
+                freeing = self.pages_freed_by(plan) if cfg.poison and step is not None else []
+            self._poisoned_ahead = bool(freeing)
+            self.runner.poison_pages(freeing)
+            launched = self.runner.launch_ahead(step, pages_of, pending, cfg.forward) if step is not None else None
+            if launched is not None:
+                self._ahead = (step, launched)
+                self.hook("launched-ahead")
+        out = pending.result() if pending is not None else None
+        self.hook("read-back")
+        if cfg.sync_trace and self._ahead is None:
+            self._sync()
+        return out, ran_ahead
 
     def pages_freed_by(self, plan: StepPlan) -> list[int]:
         """The pages that the end of `plan`'s step will free, before its tokens are known: its bookkeeping run on a
@@ -366,6 +496,7 @@ class Engine:
         arrival_time on the engine's clock, while the engine works; otherwise all arrive now. until(engine): checked
         before each step; once true, return and leave what is queued or running as it is. The run holds
         gc_frozen(): no full garbage collection of what was alive before it lands between its steps."""
+        self.alive()
         with gc_frozen():
             return self._run(specs, open_loop, progress, until)
 
@@ -394,6 +525,7 @@ class Engine:
 
     def results(self) -> dict[str, RequestResult]:
         """Every request the engine holds (not popped), by id."""
+        self.alive()
         with self.lock:
             return {rid: RequestResult.of(r) for rid, r in self.requests.items()}
 
@@ -404,6 +536,7 @@ class Engine:
         (nothing changes); a pool whose free pages cannot hold them now, because requests being served hold the
         rest, raises NoRoomError: steps free pages, so call again after some (a wait here would wait forever, since
         no step runs while score() holds the runner)."""
+        self.alive()
         tokens = self.token_ids(tokens, "score")
         if len(tokens) > self.max_model_len:
             raise errors.ExceedsMaxPositionsError(
@@ -411,6 +544,8 @@ class Engine:
                 f"model's: {self.shape.max_positions})")
         self.pool.check_fits("score", len(tokens), 0)
         with self._stepping:
+            self.alive()
+            self._recover()
             with self.lock:
                 if not self.pool.can_reserve(len(tokens)):
                     raise errors.NoRoomError(

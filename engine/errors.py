@@ -100,3 +100,15 @@ class RankDisagreementError(RuntimeError):
         super().__init__(message)
         self.step = step
         self.rows = rows
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed half-way through a step's bookkeeping (a bug, or a poisoned step) and its state can no
+    longer be trusted: every later call raises this, naming the first cause (`.cause`, also `__cause__`), rather
+    than serve a token that might be wrong. Make a new engine. An exception during a step's forward is not this:
+    that step is undone and the next step() redoes it."""
+
+    def __init__(self, message: str, cause: BaseException | None = None, step: int | None = None):
+        super().__init__(message)
+        self.cause = cause
+        self.step = step

@@ -57,6 +57,21 @@ class KVCacheManager:
             cache.lookups += self.shareable_pages(r)
             cache.hits += len(hits)
 
+    def lru(self) -> list[int] | None:
+        """The cached pages nobody holds, least recently used first (None: no prefix cache): what unadmit restores."""
+        return list(self.pool.cache.lru) if self.pool.cache is not None else None
+
+    def unadmit(self, admitted: list[Request], evicted: list[int], lru: list[int] | None) -> None:
+        """Undo admit() for a step that failed before its end (Engine.step redoes it): the pages go back where they
+        were taken (pool.unreserve), the prefix-cache counts back; the requests hold nothing, computed nothing."""
+        ps, cache = self.pool.page_size, self.pool.cache
+        self.pool.unreserve([(r.request_id, r.cached_prefix // ps) for r in admitted], evicted, lru)
+        for r in admitted:
+            if cache is not None:
+                cache.lookups -= self.shareable_pages(r)
+                cache.hits -= r.cached_prefix // ps
+            r.pages, r.cached_prefix = [], 0
+
     # -- a step --------------------------------------------------------------------------------------------------
     def begin_step(self) -> None:
         self.pool.begin_step()

@@ -10,7 +10,7 @@ to the runner to poison before the step's forward). Every page but the null page
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
 from .errors import NeverFitsError, PoolInvariantError
 from .prefix_cache import PrefixCache, short
@@ -128,6 +128,29 @@ class PagePool:
                     f"{self.refs[page]}, hash {short(self.cache.key_of(page))}): it cannot have been computed by "
                     f"{owner}")
         return self.cache.register(page, key, hashed)
+
+    def unreserve(self, reserved: list[tuple[str, int]], evicted: list[int], lru: list[int] | None) -> None:
+        """Undo this step's reserve() calls, for a step that failed before its end (Engine.step redoes it).
+        `reserved`: (owner, its cached hits) in the order reserved; `evicted`: the cached pages those reservations
+        evicted; `lru`: the evictable cached pages, in order, before them (None: the step reserved nothing). The
+        pages go back where they were taken, so that the redone step takes the same ones, except that an evicted page
+        comes back free, not cached: the step's forward may have written it. Every page taken is poisoned before the
+        next forward (take_evicted), for the same reason."""
+        taken = []
+        for owner, hits in reversed(reserved):
+            pages = self.owned.pop(owner)
+            for p in pages:
+                self.refs[p] -= 1
+                if not self.refs[p]:
+                    del self.refs[p]
+            taken[:0] = pages[hits:]
+        gone = set(evicted)
+        # the free list was taken from the front, and ran empty before any eviction
+        self.free.extendleft(reversed([p for p in taken if p not in gone]))
+        self.free.extend(evicted)
+        if lru is not None and self.cache is not None:
+            self.cache.lru = OrderedDict.fromkeys(p for p in lru if p not in gone)
+        self.evicted.extend(taken)
 
     def begin_step(self) -> None:
         self.in_step = True

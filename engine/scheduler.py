@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .errors import PoolInvariantError
 from .kv_cache import KVCacheManager
 from .pool import PagePool
 from .prefill_share import DebtLedger
@@ -124,6 +125,18 @@ class Foresight:
     """The step after the one in flight, as Scheduler.next_step foresees it: its prompt chunks and decode rows."""
     chunks: list[Chunk]
     rows: list[NextRow]
+
+
+@dataclass(frozen=True)
+class ScheduleMark:
+    """Scheduler.mark(): what schedule() changes that its plan does not record, as it was before."""
+    in_step: bool
+    debt: float
+    prepaid: dict[str, float]
+    withheld_steps: int
+    admissions: int           # lengths of the schedule log's lists
+    waits: int
+    lru: list[int] | None     # the prefix cache's evictable pages in LRU order (None: nothing can be admitted)
 
 
 @dataclass(frozen=True)
@@ -257,6 +270,38 @@ class Scheduler:
             c.request.chunk_steps.append(plan.index)
         self.plan = plan
         return plan
+
+    def mark(self) -> "ScheduleMark":
+        """What schedule() is about to change beyond what its plan records: taken before it, for undo(). Cheap: the
+        prefix cache's evictable pages are copied only when the step may admit."""
+        may_admit = bool(self.waiting) and len(self.running) < self.max_batch
+        return ScheduleMark(self.kv.pool.in_step, self.ledger.debt, dict(self.ledger.prepaid), self.withheld_steps,
+                            len(self.log.admissions), len(self.log.waits), self.kv.lru() if may_admit else None)
+
+    def undo(self, plan: StepPlan, mark: "ScheduleMark", evicted: list[int]) -> None:
+        """Undo schedule() for a step that failed before its end: the bookkeeping is as before it (Engine.step redoes
+        the step), but for the cached pages it evicted (`evicted`), which come back free. A request admitted by it
+        and cancelled since goes nowhere: it holds no pages, never ran, and is done."""
+        for c in plan.chunks:
+            c.request.chunks.pop()
+            c.request.chunk_steps.pop()
+        admitted = plan.admitted
+        if admitted:
+            if any(a is not b for a, b in zip(self.running[-len(admitted):], admitted)):   # not !=: by value
+                raise PoolInvariantError(f"step {plan.index}: its admissions are not the last running requests")
+            del self.running[-len(admitted):]
+        self.kv.unadmit(admitted, evicted, mark.lru)
+        for r in reversed(admitted):
+            r.num_cached, r.admit_step = 0, None
+            if r.state is CANCELLED:
+                self.kv.forget(r)
+            else:
+                r.state = State.WAITING
+                self.waiting.appendleft(r)
+        self.ledger.debt, self.ledger.prepaid, self.withheld_steps = mark.debt, mark.prepaid, mark.withheld_steps
+        del self.log.admissions[mark.admissions:], self.log.waits[mark.waits:]
+        self.kv.pool.in_step = mark.in_step
+        self.plan = None
 
     def finish_step(self, duration: float | None = None) -> list[int]:
         """Retire finished and cancelled requests; their pages return to the free list now, at the step's end.

@@ -64,11 +64,13 @@ def watched(pool_cls):
             check(after <= before, EVICTION,
                   lambda: f"release({owner!r}) put pages straight back on the free list ({before} -> {after} free, "
                           f"in_step={self.in_step}); pages may return only at end_step()")
-            held = {p for pages_of in self.owned.values() for p in pages_of}
+            held = {p: o for o, pages_of in self.owned.items() for p in pages_of}
             for p in pages:
                 who = self.holder(p)
-                check(p in held or who == (owner, "released"), PROVENANCE,
-                      lambda: f"page {p} released by {owner!r} in this step: the pool names {who} as its holder")
+                want = (held[p], "owned") if p in held else (owner, "released")
+                check(who == want or (p in held and who[1] == "owned"), PROVENANCE,
+                      lambda: f"page {p} released by {owner!r} in this step: the pool names {who} as its holder, "
+                              f"not {want}")
 
     Watched.__name__ = Watched.__qualname__ = f"Watched{pool_cls.__name__}"
     return Watched

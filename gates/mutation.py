@@ -75,6 +75,10 @@ def enclosing(source: str, line: int) -> str:
     """The classes and functions around `line`, dotted ("Request.queue_wait"; "" at module level): the same line
     text can sit in two places."""
     lines = source.splitlines()
+    if lines[line - 1].strip().startswith("@"):      # a decorator: the place of the function it decorates
+        at = next(i for i in range(line, len(lines)) if re.match(r"\s*(async\s+def|def|class)\s", lines[i]))
+        name = re.match(r"\s*(?:async\s+def|def|class)\s+(\w+)", lines[at])[1]
+        return ".".join(filter(None, [enclosing(source, at + 1), name]))
     indent = len(lines[line - 1]) - len(lines[line - 1].lstrip())
     names = []
     for text in reversed(lines[:line - 1]):
@@ -91,8 +95,9 @@ def mutant_lines(source: str, operator: str, occurrence: int, line: int) -> tupl
     from cosmic_ray.plugins import get_operator
     mutated = mutate_code(source, get_operator(operator)(), occurrence)
     before, after = source.splitlines(), (mutated or source).splitlines()
-    shift = len(after) - len(before)        # a mutation that drops lines (a decorator) leaves the line numbers
-    return before[line - 1].strip(), after[line - 1 + min(shift, 0)].strip() if after else ""
+    if len(after) < len(before):            # a line removed (a decorator)
+        return before[line - 1].strip(), "(removed)"
+    return before[line - 1].strip(), after[line - 1].strip()
 
 
 # -- the campaign ---------------------------------------------------------------------------------------------------

@@ -157,16 +157,18 @@ def provenance_problems(requests, trace) -> list[str]:
 
 
 def holder_problems(pool, log: ScheduleLog) -> list[str]:
-    """The page holders failure reports name (PagePool.holder) against the schedule log's last release of each page."""
+    """The page holders failure reports name (PagePool.holder, and the step a page was freed at) against the schedule
+    log's last release of each page."""
     last = {}
     for r in log.releases:
         for p in r.pages:
-            last[p] = r.owner
+            last[p] = (r.owner, r.step)
     out = []
-    for p, owner in sorted(last.items()):
+    for p, (owner, step) in sorted(last.items()):
         who, how = pool.holder(p)
-        if who != owner:
-            out.append(f"{PROVENANCE} violated: page {p} was last released by {owner}, the pool names {who} ({how})")
+        if who != owner or pool.last_owner.get(p) != (owner, step):
+            out.append(f"{PROVENANCE} violated: page {p} was last released by {owner} at step {step}, the pool names "
+                       f"{who} ({how}; last owner {pool.last_owner.get(p)})")
     return out[:SHOWN]
 
 

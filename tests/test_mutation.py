@@ -57,8 +57,9 @@ def test_equivalent_reason_matches_stripped_lines_in_their_place():
 
 
 def test_enclosing_names_the_class_and_function():
-    source = "X = 1\nclass A:\n    def f(self):\n        if X:\n            return 2\n    y = 3\ndef g():\n    return 4\n"
-    assert [mutation.enclosing(source, n) for n in (1, 5, 6, 8)] == ["", "A.f", "A", "g"]
+    source = ("X = 1\nclass A:\n    def f(self):\n        if X:\n            return 2\n    y = 3\n    @property\n"
+              "    def h(self):\n        return 4\n")
+    assert [mutation.enclosing(source, n) for n in (1, 5, 6, 7, 9)] == ["", "A.f", "A", "A.h", "A.h"]
 
 
 @pytest.mark.parametrize("worker,test,output,expected", [
@@ -105,6 +106,7 @@ def test_mutant_lines_name_the_original_and_the_mutated_line():
     source = "def f(a, b):\n    return a + b\n"
     assert mutation.mutant_lines(source, "core/ReplaceBinaryOperator_Add_Sub", 0, 2) == ("return a + b",
                                                                                          "return a - b")
+    assert mutation.mutant_lines("@d\ndef f():\n    pass\n", "core/RemoveDecorator", 0, 1) == ("@d", "(removed)")
 
 
 def test_the_nightly_workflow_campaigns_every_cpu_module():

@@ -188,8 +188,8 @@ def test_real_engine_holder_forgotten_fails_the_check(loaded, monkeypatch):
         self.pending.append((owner, self.owned.pop(owner)))     # the planted bug: last_owner never written
     monkeypatch.setattr(PagePool, "release", release)
     eng = engine_run(loaded)
-    with pytest.raises(ScheduleViolation, match=r"provenance violated: page \d+ was last released by \S+, the pool "
-                                                r"names None \(never owned\)"):
+    with pytest.raises(ScheduleViolation, match=r"provenance violated: page \d+ was last released by \S+ at step "
+                                                r"\d+, the pool names None \(never owned; last owner None\)"):
         check_engine(eng, "fused[torch] tiny pool")
 
 

@@ -182,15 +182,17 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
         f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n")
     env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "CI": "1"}
     earlier = json.loads(meta_path.read_text())["seconds"] if resume and db.is_file() and meta_path.is_file() else 0
-    started = time.time()
+    started, at_commit = time.time(), commit()        # the tree the mutants run on is the one copied now
+    entries = load_equivalent(REPO / cfg["equivalent"])
     if resume and retest and db.is_file():
         retest_survivors(db)
+        filter_session(db, tree, module, entries, all_operators=True)    # survivors since allow-listed: not rerun
     if not (resume and db.is_file()):
         db.unlink(missing_ok=True)
         r = cr("init", str(cfg_path), str(db), cwd=tree, env=env)
         if r.returncode:
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
-        filter_session(db, tree, module, load_equivalent(REPO / cfg["equivalent"]), cfg.get("operators") == "all")
+        filter_session(db, tree, module, entries, cfg.get("operators") == "all")
     t0 = time.time()
     base = subprocess.run(command.split(), cwd=tree, env=env, capture_output=True, text=True,
                           timeout=suite["timeout"])
@@ -206,7 +208,7 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     meta = dict(module=module, suite=cfg["modules"][module], command=suite["command"], timeout_s=suite["timeout"],
                 device=suite["device"], baseline_s=round(baseline_s, 1),
                 seconds=round(earlier + time.time() - started, 1),
-                finished=finished, commit=commit(), machine=machine(), date=time.strftime("%Y-%m-%d"))
+                finished=finished, commit=at_commit, machine=machine(), date=time.strftime("%Y-%m-%d"))
     meta_path.write_text(json.dumps(meta, indent=1))
     shutil.rmtree(tree, ignore_errors=True)
     return meta

@@ -51,14 +51,18 @@ def submit_or_refuse(pool, scheduler, request: Request) -> None:
 
 
 def watched(pool_cls):
-    """`pool_cls` with a spy on release(): releasing must never grow the free list (pages wait for end_step), and
-    until then the pool names the releasing request as the holder of its pages nobody else holds (what a failure
-    report says of a page read in that step)."""
+    """`pool_cls` with a spy on release(): releasing must never grow the free list (pages wait for end_step); the
+    pool names a held page's owner as its holder, and until the step's end the releasing request as the holder of
+    its pages nobody else holds (what a failure report says of a page read in that step)."""
 
     class Watched(pool_cls):
         def release(self, owner):
             before = self.num_free
             pages = list(self.owned.get(owner, []))
+            for p in pages:
+                who = self.holder(p)
+                check(who[1] == "owned", PROVENANCE,
+                      lambda: f"page {p} held by {owner!r}: the pool names {who} as its holder")
             super().release(owner)
             after = self.num_free
             check(after <= before, EVICTION,

@@ -172,9 +172,9 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     (also written beside the session)."""
     suite = cfg["suites"][cfg["modules"][module]]
     meta_path = work / f"{slug(module)}.meta.json"
-    if resume and not retest and meta_path.is_file() and json.loads(meta_path.read_text())["finished"]:
-        return json.loads(meta_path.read_text())      # nothing left to run
     tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
+    if resume and not retest and meta_path.is_file() and db.is_file() and pending(db) == 0:
+        return json.loads(meta_path.read_text())      # nothing left to run
     copy_tree(tree)
     command = suite["command"].replace("python ", f"{sys.executable} ", 1)
     cfg_path.write_text(

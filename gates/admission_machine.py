@@ -36,8 +36,8 @@ from engine.pool import NULL_PAGE, PagePool
 from engine.request import Request
 from engine.scheduler import Scheduler
 
-from .schedule_check import (CANCEL, CAPACITY, COMPLETES, EVICTION, FCFS, NEVER_FITS, OWNERS, PLAN, RESERVE, ROWS,
-                             STATE, TOTAL, ceil_pages)
+from .schedule_check import (CANCEL, CAPACITY, COMPLETES, EVICTION, FCFS, NEVER_FITS, OWNERS, PLAN, PROVENANCE,
+                             RESERVE, ROWS, STATE, TOTAL, ceil_pages)
 from .stepping import PHASE_OF, SteppingMachine, check, violated
 
 PAGE_SIZES = (64, 256)
@@ -51,16 +51,30 @@ def submit_or_refuse(pool, scheduler, request: Request) -> None:
 
 
 def watched(pool_cls):
-    """`pool_cls` with a spy on release(): releasing must never grow the free list (pages wait for end_step)."""
+    """`pool_cls` with a spy on release(): releasing must never grow the free list (pages wait for end_step); the
+    pool names a held page's owner as its holder, and until the step's end the releasing request as the holder of
+    its pages nobody else holds (what a failure report says of a page read in that step)."""
 
     class Watched(pool_cls):
         def release(self, owner):
             before = self.num_free
+            pages = list(self.owned.get(owner, []))
+            for p in pages:
+                who = self.holder(p)
+                check(who[1] == "owned", PROVENANCE,
+                      lambda: f"page {p} held by {owner!r}: the pool names {who} as its holder")
             super().release(owner)
             after = self.num_free
             check(after <= before, EVICTION,
                   lambda: f"release({owner!r}) put pages straight back on the free list ({before} -> {after} free, "
                           f"in_step={self.in_step}); pages may return only at end_step()")
+            held = {p: o for o, pages_of in self.owned.items() for p in pages_of}
+            for p in pages:
+                who = self.holder(p)
+                want = (held[p], "owned") if p in held else (owner, "released")
+                check(who == want or (p in held and who[1] == "owned"), PROVENANCE,
+                      lambda: f"page {p} released by {owner!r} in this step: the pool names {who} as its holder, "
+                              f"not {want}")
 
     Watched.__name__ = Watched.__qualname__ = f"Watched{pool_cls.__name__}"
     return Watched

@@ -9,8 +9,15 @@ gates/test_admission.py, does that). Every gate run of an engine is checked here
 - eviction at the end of the step: a release never reaches the free list inside the step, the step's end returns
   the pages released in it (but those still held by another request or cached), and a finished request is released
   at the end of the step of its last token;
-- every page back: at the end of the run nothing is owned and the pool's own invariants hold."""
+- every page back: at the end of the run nothing is owned and the pool's own invariants hold;
+- provenance: each cached position's writing step, as failure reports name it (Request.step_of), adds up per step to
+  the prompt positions and decode tokens the step trace recorded (a wrong step in a failure would send triage to
+  the wrong step); the pool names each page's last holder as the schedule log does; each result's times are in
+  order (arrival, admission, first token = its first token's time, finish) and its queue wait is admission -
+  arrival; in record mode every emitted token has its top-k."""
 from __future__ import annotations
+
+from collections import Counter
 
 from engine.errors import PoolInvariantError
 from engine.request import State
@@ -34,6 +41,8 @@ PLAN = "step plan"
 CANCEL = "cancel outcome"
 STATE = "request state"
 KEPT = "schedule log kept"
+PROVENANCE = "provenance"
+RECORD = "request record"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -123,6 +132,70 @@ def pool_problems(pool) -> list[str]:
     return out
 
 
+def provenance_problems(requests, trace) -> list[str]:
+    """Per step, the positions whose K/V `Request.step_of` says it wrote against the step trace's counts (steps the
+    trace no longer holds, with a trace_limit, are left out)."""
+    prompt, decode, out = Counter(), Counter(), []
+    for r in requests:
+        if not 0 <= r.cached_prefix <= r.num_cached:
+            out.append(f"{PROVENANCE} violated: {r.request_id} found {r.cached_prefix} prompt positions in the prefix "
+                       f"cache, {r.num_cached} cached in all")
+            continue
+        for pos in range(r.cached_prefix, r.num_cached):
+            step = r.step_of(pos)
+            if step is None:
+                out.append(f"{PROVENANCE} violated: {r.request_id} position {pos} is cached but no step wrote it")
+                break
+            (prompt if pos < r.prompt_len else decode)[step] += 1
+    for rec in trace:
+        got = (prompt[rec.index], decode[rec.index])
+        if got != (rec.prompt_positions, rec.decode_tokens):
+            out.append(f"{PROVENANCE} violated: step {rec.index} ({rec.kind.value}) wrote {rec.prompt_positions} "
+                       f"prompt positions and {rec.decode_tokens} decode tokens, the requests' step_of names it for "
+                       f"{got[0]} and {got[1]}")
+    return out
+
+
+def holder_problems(pool, log: ScheduleLog) -> list[str]:
+    """The page holders failure reports name (PagePool.holder, and the step a page was freed at) against the schedule
+    log's last release of each page."""
+    last = {}
+    for r in log.releases:
+        for p in r.pages:
+            last[p] = (r.owner, r.step)
+    out = []
+    for p, (owner, step) in sorted(last.items()):
+        who, how = pool.holder(p)
+        if who != owner or pool.last_owner.get(p) != (owner, step):
+            out.append(f"{PROVENANCE} violated: page {p} was last released by {owner} at step {step}, the pool names "
+                       f"{who} ({how}; last owner {pool.last_owner.get(p)})")
+    return out[:SHOWN]
+
+
+def record_problems(results) -> list[str]:
+    """Each RequestResult's times: arrival <= admission <= first token <= finish, the first token's time is its
+    first token's, and the queue wait is admission - arrival."""
+    out = []
+    for r in results:
+        times = [t for t in (r.arrival_time, r.admit_time, r.first_token_time, r.finish_time) if t is not None]
+        first = r.token_times[0] if r.token_times else None
+        wait = None if r.admit_time is None else r.admit_time - r.arrival_time
+        if times != sorted(times) or r.first_token_time != first or r.queue_wait != wait:
+            out.append(f"{RECORD} violated: {r.request_id}: arrival {r.arrival_time}, admitted {r.admit_time}, "
+                       f"first token {r.first_token_time} (its first token's time {first}), finished "
+                       f"{r.finish_time}, queue wait {r.queue_wait}")
+    return out[:SHOWN]
+
+
+def topk_problems(engine) -> list[str]:
+    """Record mode: one top-k entry per emitted token of every request (the 0.02 rule reads them at a flip)."""
+    if not engine.config.record_topk:
+        return []
+    out = [f"{RECORD} violated: {rid} emitted {len(r.output)} tokens, {len(engine.topk.get(rid, []))} top-k entries "
+           f"were recorded" for rid, r in engine.requests.items() if len(engine.topk.get(rid, [])) != len(r.output)]
+    return out[:SHOWN]
+
+
 def engine_problems(engine) -> list[str]:
     """Every scheduling invariant broken by a finished engine run, in the order checked."""
     sched = engine.scheduler
@@ -133,7 +206,9 @@ def engine_problems(engine) -> list[str]:
     finished = {rid: r.token_steps[-1] for rid, r in engine.requests.items()
                 if r.state is State.FINISHED and r.token_steps}
     return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +
-            eviction_problems(sched.log, finished) + pool_problems(engine.pool))
+            eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
+            provenance_problems(engine.requests.values(), engine.trace) + holder_problems(engine.pool, sched.log) +
+            record_problems(engine.results().values()) + topk_problems(engine))
 
 
 def check_engine(engine, label: str) -> None:

@@ -4,7 +4,8 @@
   identical for p in {1, 0.75, 0.5, 0.25}; the p < 1 runs must really have withheld long-prompt pieces (or the gate
   proves nothing), and every chunk is a whole piece [k*C, min((k+1)*C, L));
 - cancellation: requests cancelled while waiting, mid-prefill (between chunks) and mid-decode keep exactly a prefix
-  of what an uncancelled run emits; every other request's tokens are identical to the uncancelled run; a cancelled
+  of what an uncancelled run emits, and their provenance (gates/schedule_check.py) adds up to the step trace;
+  every other request's tokens are identical to the uncancelled run; a cancelled
   request's pages return at the end of the next step and the pool is whole at the end; cancelling an unknown,
   finished or already cancelled id is a no-op with a clear outcome;
 - the debt rule itself, as a hypothesis property over the scheduler alone (no model, synthetic step durations):
@@ -28,6 +29,7 @@ from engine.workload import get_workload
 from .runs import CANDIDATES, skip_unless_runs
 from .prefill_share_check import DEBT_CASE, apply, assert_no_problems, check_debt_rule, check_identical, chunk_problems
 from .reference import EngineReference
+from .schedule_check import provenance_problems
 
 SHARES = (1.0, 0.75, 0.5, 0.25)
 WORKLOAD = "mixed-cpu"
@@ -121,6 +123,7 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
                                 f"run's: {r.tokens[:8]} / {r.chunks[:4]} vs {f.tokens[:8]} / {f.chunks[:4]}")
         else:
             problems += check_identical({rid: f}, {rid: r}, "uncancelled", "with cancellations")
+    problems += provenance_problems(e.requests.values(), e.trace)   # cancelled ones too, waiting ones included
     assert_no_problems(problems, f"cancellation at p={p} ({len(cancelled)} cancelled: {cancelled})")
 
 

@@ -30,8 +30,8 @@ def check(name: str, wf: dict, options) -> list[str]:
     return cw.check_workflow(name, wf, options, cw.declared_labels())
 
 
-def test_there_are_the_two_workflows():
-    assert [p.name for p in WORKFLOWS] == ["cpu.yml", "gpu-gates.yml"]
+def test_there_are_the_three_workflows():
+    assert [p.name for p in WORKFLOWS] == ["cpu.yml", "gpu-gates.yml", "mutation.yml"]
 
 
 def schema_errors(*paths) -> str:

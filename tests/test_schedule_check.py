@@ -35,7 +35,9 @@ def drive(pool_cls=PagePool, scheduler_cls=Scheduler, pages: int = PAGES):
         plan = sched.schedule()
         plan.apply([7] * len(plan.sampled), 0.0)
         sched.finish_step()
-    return SimpleNamespace(scheduler=sched, pool=pool, requests=requests)
+    # no step trace and no results: the provenance and record checks have nothing to compare here
+    return SimpleNamespace(scheduler=sched, pool=pool, requests=requests, trace=[], results=dict,
+                           config=SimpleNamespace(record_topk=0))
 
 
 def first_problem(run) -> str:
@@ -161,4 +163,41 @@ def test_real_engine_eager_free_fails_the_check(loaded, monkeypatch, no_pool_che
     eng = engine_run(loaded)
     with pytest.raises(ScheduleViolation, match=r"eviction at the end of the step violated: step \d+ released \S+'s "
                                                 r"pages \[[\d, ]+\] straight to the free list during the step"):
+        check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_real_engine_provenance_off_by_one_fails_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign (docs/mutation.md): Request.step_of naming another chunk's step survived every
+    gate, because only failure reports read it."""
+    def step_of(self, pos):
+        for (start, length), step in zip(self.chunks, self.chunk_steps):
+            if start < pos <= start + length:      # the planted bug: one position late
+                return step
+        j = pos - self.prompt_len + 1
+        return self.token_steps[j] if 1 <= j < len(self.token_steps) else None
+    monkeypatch.setattr(Request, "step_of", step_of)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"provenance violated: \S+ position 0 is cached but no step wrote "
+                                                r"it"):
+        check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_real_engine_holder_forgotten_fails_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign: PagePool.release not recording each page's last owner survived every gate."""
+    def release(self, owner):
+        self.pending.append((owner, self.owned.pop(owner)))     # the planted bug: last_owner never written
+    monkeypatch.setattr(PagePool, "release", release)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"provenance violated: page \d+ was last released by \S+ at step "
+                                                r"\d+, the pool names None \(never owned; last owner None\)"):
+        check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_real_engine_first_token_time_wrong_fails_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign: Request.first_token_time giving the last token's time survived every gate."""
+    monkeypatch.setattr(Request, "first_token_time", property(lambda self: self.token_times[-1]
+                                                              if self.token_times else None))
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"request record violated: \S+: arrival [\d.e-]+, admitted "
+                                                r"[\d.e-]+, first token [\d.e-]+ \(its first token's time"):
         check_engine(eng, "fused[torch] tiny pool")

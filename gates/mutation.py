@@ -1,0 +1,358 @@
+"""The mutation campaign: cosmic-ray mutates one module at a time in a copy of the tree and runs the module's suite
+of gates (gates/mutation.toml) once per mutant; this module drives it and writes the report (per module: killed,
+survived, timed out, equivalent, time; every survivor with its diff), Markdown for a CI summary and JSON for history.
+
+    python -m gates.mutation run --module engine/pool.py [--module ...] [--max-minutes 60]
+    python -m gates.mutation report [--markdown mutation.md] [--out mutation.json]
+
+Mutants in the committed allow-list (gates/mutation_equivalent.toml: the original line, the mutated line, why they
+are equivalent) are marked skipped in cosmic-ray's session before it runs, and reported as equivalent. docs/mutation.md
+has the recipe and the reasons for the choices here."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "gates" / "mutation.toml"
+WORK = REPO / "results" / "mutation"
+
+# "selective" mutation (Offutt et al., 1996; Kaminski et al., 2011 for comparisons): each arithmetic operator is
+# replaced by one other, each comparison by its boundary and its negation, instead of by every operator Python has.
+# The rest of cosmic-ray's core operators (numbers, booleans, not, and/or, loops, decorators, break/continue) all run.
+SELECTIVE = {
+    "ReplaceBinaryOperator": {"Add": {"Sub"}, "Sub": {"Add"}, "Mul": {"FloorDiv"}, "Div": {"Mul"},
+                              "FloorDiv": {"Mul"}, "Mod": {"FloorDiv"}, "Pow": {"Mul"}, "LShift": {"RShift"},
+                              "RShift": {"LShift"}, "BitOr": {"BitAnd"}, "BitAnd": {"BitOr"}, "BitXor": {"BitOr"},
+                              "MatMult": {"Mul"}},
+    "ReplaceComparisonOperator": {"Lt": {"LtE", "GtE"}, "LtE": {"Lt", "Gt"}, "Gt": {"GtE", "LtE"},
+                                  "GtE": {"Gt", "Lt"}, "Eq": {"NotEq"}, "NotEq": {"Eq"}, "Is": {"IsNot"},
+                                  "IsNot": {"Is"}, "In": {"NotIn"}, "NotIn": {"In"}},
+}
+LEFT_OUT = "not in the selective operator set"
+DEFERRED = "deferred: not run while survivors were run again"
+
+
+def selected(operator: str) -> bool:
+    m = re.fullmatch(r"core/(ReplaceBinaryOperator|ReplaceComparisonOperator)_(\w+?)_(\w+)", operator)
+    return m is None or m[3] in SELECTIVE[m[1]].get(m[2], set())
+
+
+def load_config(path: Path = CONFIG) -> dict:
+    return tomllib.loads(path.read_text())
+
+
+def load_equivalent(path: Path) -> list[dict]:
+    """The allow-list: each entry names module, where (the enclosing class and function, dotted), operator, line (the
+    original, stripped), mutant (the mutated line, stripped) and why."""
+    entries = tomllib.loads(path.read_text()).get("equivalent", []) if path.is_file() else []
+    for e in entries:
+        missing = {"module", "where", "operator", "line", "mutant", "why"} - set(e)
+        if missing:
+            raise ValueError(f"{path}: an entry without {sorted(missing)}: {e}")
+    return entries
+
+
+def equivalent_reason(entries: list[dict], module: str, where: str, operator: str, line: str,
+                      mutant: str) -> str | None:
+    key = (module, where, operator, line.strip(), mutant.strip())
+    for e in entries:
+        if (e["module"], e["where"], e["operator"], e["line"], e["mutant"]) == key:
+            return e["why"]
+    return None
+
+
+def enclosing(source: str, line: int) -> str:
+    """The classes and functions around `line`, dotted ("Request.queue_wait"; "" at module level): the same line
+    text can sit in two places."""
+    lines = source.splitlines()
+    if lines[line - 1].strip().startswith("@"):      # a decorator: the place of the function it decorates
+        at = next(i for i in range(line, len(lines)) if re.match(r"\s*(async\s+def|def|class)\s", lines[i]))
+        name = re.match(r"\s*(?:async\s+def|def|class)\s+(\w+)", lines[at])[1]
+        return ".".join(filter(None, [enclosing(source, at + 1), name]))
+    indent = len(lines[line - 1]) - len(lines[line - 1].lstrip())
+    names = []
+    for text in reversed(lines[:line - 1]):
+        m = re.match(r"(\s*)(?:async\s+def|def|class)\s+(\w+)", text)
+        if m and len(m[1]) < indent:
+            names.append(m[2])
+            indent = len(m[1])
+    return ".".join(reversed(names))
+
+
+def mutant_lines(source: str, operator: str, occurrence: int, line: int) -> tuple[str, str]:
+    """(original line, mutated line), stripped, of one mutation: how the allow-list names it."""
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+    mutated = mutate_code(source, get_operator(operator)(), occurrence)
+    before, after = source.splitlines(), (mutated or source).splitlines()
+    if len(after) < len(before):            # a line removed (a decorator)
+        return before[line - 1].strip(), "(removed)"
+    return before[line - 1].strip(), after[line - 1].strip()
+
+
+# -- the campaign ---------------------------------------------------------------------------------------------------
+def copy_tree(dest: Path) -> None:
+    """The checkout's files (tracked and untracked, not ignored) copied to `dest`: cosmic-ray edits files in place."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    if dest.exists():
+        shutil.rmtree(dest)
+    for f in filter(None, files):
+        src = REPO / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def slug(module: str) -> str:
+    return module.removesuffix(".py").replace("/", ".")
+
+
+def cr(*args, cwd: Path, env: dict, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cosmic_ray.cli", *args], cwd=cwd, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def filter_session(db_path: Path, tree: Path, module: str, entries: list[dict], all_operators: bool) -> None:
+    """Mark skipped what is not run: operators outside the selective set, and the allow-list's equivalent mutants."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+    source = (tree / module).read_text()
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in db.pending_work_items:
+            m = item.mutations[0]
+            if not (all_operators or selected(m.operator_name)):
+                db.set_result(item.job_id, WorkResult(output=LEFT_OUT, worker_outcome=WorkerOutcome.SKIPPED))
+                continue
+            line, mutant = mutant_lines(source, m.operator_name, m.occurrence, m.start_pos[0])
+            why = equivalent_reason(entries, module, enclosing(source, m.start_pos[0]), m.operator_name, line, mutant)
+            if why:
+                db.set_result(item.job_id, WorkResult(output=f"equivalent: {why}", diff=f"- {line}\n+ {mutant}",
+                                                      worker_outcome=WorkerOutcome.SKIPPED))
+
+
+def retest_survivors(db_path: Path) -> None:
+    """After a gap is closed: the survivors back to pending, and the mutants never run set aside (DEFERRED) so that
+    cosmic-ray exec runs the survivors alone; `restore_deferred` makes those pending again."""
+    import sqlite3
+    with sqlite3.connect(db_path) as c:
+        never_run = "SELECT job_id FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
+        c.execute("INSERT INTO work_results (job_id, worker_outcome, output) SELECT job_id, 'SKIPPED', ? FROM "
+                  f"({never_run})", (DEFERRED,))
+        c.execute("DELETE FROM work_results WHERE worker_outcome = 'NORMAL' AND test_outcome = 'SURVIVED'")
+
+
+def restore_deferred(db_path: Path) -> None:
+    import sqlite3
+    with sqlite3.connect(db_path) as c:
+        c.execute("DELETE FROM work_results WHERE output = ?", (DEFERRED,))
+
+
+def pending(db_path: Path) -> int:
+    import sqlite3
+    with sqlite3.connect(db_path) as c:
+        return c.execute("SELECT COUNT(*) FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
+                         ).fetchone()[0]
+
+
+def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool = False,
+               retest: bool = False) -> dict:
+    """One module's campaign: copy, cosmic-ray init, filter, a baseline run of the suite, cosmic-ray exec until done
+    or the deadline (`resume`: an earlier session's pending mutants, its time added). Returns the run's metadata
+    (also written beside the session)."""
+    suite = cfg["suites"][cfg["modules"][module]]
+    meta_path = work / f"{slug(module)}.meta.json"
+    tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
+    if resume and not retest and meta_path.is_file() and db.is_file() and pending(db) == 0:
+        return json.loads(meta_path.read_text())      # nothing left to run
+    copy_tree(tree)
+    command = suite["command"].replace("python ", f"{sys.executable} ", 1)
+    cfg_path.write_text(
+        f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {float(suite["timeout"])}\nexcluded-modules = []\n'
+        f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n")
+    env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "CI": "1"}
+    earlier = json.loads(meta_path.read_text())["seconds"] if resume and db.is_file() and meta_path.is_file() else 0
+    started, at_commit = time.time(), commit()        # the tree the mutants run on is the one copied now
+    entries = load_equivalent(REPO / cfg["equivalent"])
+    if resume and retest and db.is_file():
+        retest_survivors(db)
+        filter_session(db, tree, module, entries, all_operators=True)    # survivors since allow-listed: not rerun
+    if not (resume and db.is_file()):
+        db.unlink(missing_ok=True)
+        r = cr("init", str(cfg_path), str(db), cwd=tree, env=env)
+        if r.returncode:
+            raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
+        filter_session(db, tree, module, entries, cfg.get("operators") == "all")
+    t0 = time.time()
+    base = subprocess.run(command.split(), cwd=tree, env=env, capture_output=True, text=True,
+                          timeout=suite["timeout"])
+    baseline_s = time.time() - t0
+    if base.returncode:
+        raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
+    try:
+        cr("exec", str(cfg_path), str(db), cwd=tree, env=env, timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        pass                    # the mutants not run stay pending and are reported as not run
+    restore_deferred(db)
+    finished = pending(db) == 0
+    meta = dict(module=module, suite=cfg["modules"][module], command=suite["command"], timeout_s=suite["timeout"],
+                device=suite["device"], baseline_s=round(baseline_s, 1),
+                seconds=round(earlier + time.time() - started, 1),
+                finished=finished, commit=at_commit, machine=machine(), date=time.strftime("%Y-%m-%d"))
+    meta_path.write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(tree, ignore_errors=True)
+    return meta
+
+
+def commit() -> str:
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                           text=True).stdout.strip()
+    return r.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def machine() -> str:
+    return f"{platform.node()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+def outcome(worker: str, test: str | None, output: str | None) -> str:
+    """One mutant's verdict from cosmic-ray's result: killed, survived, timeout, equivalent, incompetent, left out."""
+    if worker == "skipped":
+        return "equivalent" if (output or "").startswith("equivalent") else "left out"
+    if worker != "normal":
+        return "incompetent"            # the worker itself failed (an exception, a crash): not a test verdict
+    if test == "killed":
+        return "timeout" if output == "timeout" else "killed"
+    return test or "incompetent"        # survived / incompetent
+
+
+def summarize(module: str, mutants: list[dict], meta: dict) -> dict:
+    """Counts, score and survivors of one module. `mutants`: dicts of operator, line, outcome ("pending" when not
+    run), diff, why. Score: (killed + timeout) / (all run - equivalent); a timeout is the suite catching a hang."""
+    counts = {k: 0 for k in ("killed", "survived", "timeout", "equivalent", "incompetent", "pending", "left out")}
+    for m in mutants:
+        counts[m["outcome"]] += 1
+    judged = counts["killed"] + counts["survived"] + counts["timeout"]
+    score = (counts["killed"] + counts["timeout"]) / judged if judged else None
+    return dict(module=module, counts=counts, score=score, meta=meta,
+                survivors=[m for m in mutants if m["outcome"] == "survived"],
+                equivalent=[m for m in mutants if m["outcome"] == "equivalent"])
+
+
+def read_session(db_path: Path, module: str, entries: list[dict]) -> list[dict]:
+    """The mutants of one session; a survivor the allow-list has gained since it ran counts as equivalent (matched
+    against the module as it is now)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    source = (REPO / module).read_text() if (REPO / module).is_file() else ""
+    out = []
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            m = item.mutations[0]
+            verdict = outcome(result.worker_outcome.value, result.test_outcome and result.test_outcome.value,
+                              result.output)
+            why = (result.output or "").removeprefix("equivalent: ") if verdict == "equivalent" else ""
+            if verdict == "survived" and source:
+                line, mutant = mutant_lines(source, m.operator_name, m.occurrence, m.start_pos[0])
+                why = equivalent_reason(entries, module, enclosing(source, m.start_pos[0]), m.operator_name, line,
+                                        mutant) or ""
+                verdict = "equivalent" if why else verdict
+            out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
+                            outcome=verdict, diff=result.diff or "", why=why))
+        for item in db.pending_work_items:
+            m = item.mutations[0]
+            out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
+                            outcome="pending", diff="", why=""))
+    return sorted(out, key=lambda m: (m["line"], m["operator"], m["occurrence"]))
+
+
+def markdown(reports: list[dict]) -> str:
+    lines = ["# Mutation campaign", "",
+             "| module | killed | survived | timeout | equivalent | incompetent | not run | score | time | machine |"
+             " commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        c, meta = r["counts"], r["meta"]
+        score = "-" if r["score"] is None else f"{100 * r['score']:.1f}%"
+        lines.append(f"| `{r['module']}` | {c['killed']} | {c['survived']} | {c['timeout']} | {c['equivalent']} | "
+                     f"{c['incompetent']} | {c['pending']} | {score} | {meta.get('seconds', 0) / 60:.1f} min | "
+                     f"{meta.get('machine', '?')} | {meta.get('commit', '?')} |")
+    lines += ["", "Score: (killed + timeout) / (killed + survived + timeout); equivalent mutants are left out. "
+              "Commands: gates/mutation.toml's suites (the gates' fast subsets)."]
+    for r in reports:
+        if r["meta"].get("command"):
+            lines += ["", f"`{r['module']}`: `{r['meta']['command']}` (per-mutant timeout {r['meta']['timeout_s']} s,"
+                      f" baseline {r['meta']['baseline_s']} s)"]
+        for m in r["equivalent"]:
+            lines += [f"- equivalent: `{r['module']}` line {m['line']}, {m['operator']}: {m['why']}"]
+        for m in r["survivors"]:
+            lines += ["", f"### survivor: `{r['module']}` line {m['line']}, {m['operator']} #{m['occurrence']}", "",
+                      "```diff", m["diff"].strip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def report(work: Path, entries: list[dict], modules: list[str] | None = None) -> list[dict]:
+    out = []
+    for db in sorted(work.glob("*.sqlite")):
+        meta_path = work / f"{db.stem}.meta.json"
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        module = meta.get("module", db.stem.replace(".", "/") + ".py")
+        if modules and module not in modules:
+            continue
+        out.append(summarize(module, read_session(db, module, entries), meta))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gates.mutation", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run campaigns, then write the report")
+    run.add_argument("--module", action="append", help="a module of gates/mutation.toml (repeatable)")
+    run.add_argument("--suite", action="append", help="every module of this suite (repeatable)")
+    run.add_argument("--max-minutes", type=float, default=60.0, help="total time cap; what is left is 'not run'")
+    run.add_argument("--resume", action="store_true", help="go on with the sessions under --work (their pending "
+                     "mutants); without it each module starts a new session")
+    run.add_argument("--retest", action="store_true", help="with --resume: run the survivors again (a gap closed)")
+    rep = sub.add_parser("report", help="write the report from the sessions under --work")
+    for p in (run, rep):
+        p.add_argument("--work", type=Path, default=WORK, help="sessions and metadata (default results/mutation)")
+        p.add_argument("--markdown", type=Path, default=None, help="write the Markdown report here")
+        p.add_argument("--out", type=Path, default=None, help="write the JSON report here")
+    args = ap.parse_args(argv)
+    cfg = load_config()
+    args.work = args.work.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    modules = None
+    if args.cmd == "run":
+        modules = list(args.module or []) + [m for m, s in cfg["modules"].items() if s in (args.suite or [])]
+        unknown = [m for m in modules if m not in cfg["modules"]]
+        if unknown or not modules:
+            ap.error(f"modules {unknown or '(none)'}: known: {', '.join(cfg['modules'])}")
+        deadline = time.time() + 60 * args.max_minutes
+        for m in modules:
+            if time.time() >= deadline:
+                print(f"{m}: not run (the {args.max_minutes} min cap was reached)", file=sys.stderr)
+                continue
+            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest)
+            print(f"{m}: {meta['seconds']:.0f} s{'' if meta['finished'] else ' (cap reached)'}", file=sys.stderr)
+    reports = report(args.work, load_equivalent(REPO / cfg["equivalent"]), modules)
+    text = markdown(reports)
+    if args.markdown:
+        args.markdown.write_text(text)
+    if args.out:
+        args.out.write_text(json.dumps(reports, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

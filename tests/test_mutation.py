@@ -1,0 +1,142 @@
+"""The mutation campaign's configuration and report (gates/mutation.py): what it selects, how it reads cosmic-ray's
+verdicts, the score and the Markdown; the configuration names only modules and gates that exist."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from gates import mutation
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_configured_modules_and_suites_exist():
+    cfg = mutation.load_config()
+    missing = [m for m in cfg["modules"] if not (REPO / m).is_file()]
+    assert missing == [], f"gates/mutation.toml names modules that moved or went: {missing}"
+    assert set(cfg["modules"].values()) <= set(cfg["suites"])
+    for name, suite in cfg["suites"].items():
+        paths = [w.split("::")[0] for w in shlex.split(suite["command"]) if w.startswith("gates/")]
+        assert paths and all((REPO / p).is_file() for p in paths), f"suite {name}: {suite['command']}"
+        assert suite["timeout"] > 0 and suite["device"] in ("cpu", "cuda")
+
+
+def test_the_committed_allow_list_reads_and_gives_each_mutant_a_reason():
+    cfg = mutation.load_config()
+    for e in mutation.load_equivalent(REPO / cfg["equivalent"]):
+        assert e["module"] in cfg["modules"] and len(e["why"].split()) >= 5, e
+        assert e["line"] in {line.strip() for line in (REPO / e["module"]).read_text().splitlines()}, (
+            f"{e['module']} no longer has the line {e['line']!r}: the entry is stale")
+
+
+def test_an_allow_list_entry_without_a_reason_is_refused(tmp_path):
+    path = tmp_path / "eq.toml"
+    path.write_text('[[equivalent]]\nmodule = "engine/pool.py"\nwhere = ""\noperator = "x"\nline = "a"\n'
+                    'mutant = "b"\n')
+    with pytest.raises(ValueError, match="why"):
+        mutation.load_equivalent(path)
+
+
+def test_selective_operators():
+    assert mutation.selected("core/ReplaceBinaryOperator_Add_Sub")
+    assert not mutation.selected("core/ReplaceBinaryOperator_Add_BitXor")
+    assert mutation.selected("core/ReplaceComparisonOperator_Lt_LtE")
+    assert mutation.selected("core/ReplaceComparisonOperator_Lt_GtE")
+    assert not mutation.selected("core/ReplaceComparisonOperator_Lt_Eq")
+    assert mutation.selected("core/ReplaceComparisonOperator_IsNot_Is")
+    assert mutation.selected("core/NumberReplacer") and mutation.selected("core/ZeroIterationForLoop")
+
+
+def test_equivalent_reason_matches_stripped_lines_in_their_place():
+    entries = [dict(module="m.py", where="A.f", operator="op", line="x = 1", mutant="x = 2", why="nobody reads x")]
+    assert mutation.equivalent_reason(entries, "m.py", "A.f", "op", "    x = 1", "    x = 2 ") == "nobody reads x"
+    assert mutation.equivalent_reason(entries, "m.py", "A.f", "op", "x = 1", "x = 0") is None
+    assert mutation.equivalent_reason(entries, "m.py", "B.f", "op", "x = 1", "x = 2") is None
+
+
+def test_enclosing_names_the_class_and_function():
+    source = ("X = 1\nclass A:\n    def f(self):\n        if X:\n            return 2\n    y = 3\n    @property\n"
+              "    def h(self):\n        return 4\n")
+    assert [mutation.enclosing(source, n) for n in (1, 5, 6, 7, 9)] == ["", "A.f", "A", "A.h", "A.h"]
+
+
+@pytest.mark.parametrize("worker,test,output,expected", [
+    ("normal", "killed", "FAILED gates/...", "killed"),
+    ("normal", "killed", "timeout", "timeout"),
+    ("normal", "survived", "5 passed", "survived"),
+    ("normal", "incompetent", "Traceback", "incompetent"),
+    ("exception", None, "Traceback", "incompetent"),
+    ("skipped", None, "equivalent: never read", "equivalent"),
+    ("skipped", None, mutation.LEFT_OUT, "left out"),
+])
+def test_outcome(worker, test, output, expected):
+    assert mutation.outcome(worker, test, output) == expected
+
+
+def mutants(*outcomes):
+    return [dict(operator="core/NumberReplacer", occurrence=i, line=10 + i, outcome=o,
+                 diff=f"--- a\n+++ b\n-x = {i}\n+x = {i + 1}", why="never read" if o == "equivalent" else "")
+            for i, o in enumerate(outcomes)]
+
+
+def test_summarize_scores_killed_and_timeouts_over_the_non_equivalent():
+    r = mutation.summarize("engine/pool.py", mutants("killed", "killed", "timeout", "survived", "equivalent",
+                                                     "pending", "left out"), {})
+    assert r["counts"] == {"killed": 2, "survived": 1, "timeout": 1, "equivalent": 1, "incompetent": 0,
+                           "pending": 1, "left out": 1}
+    assert r["score"] == pytest.approx(3 / 4)
+    assert [m["line"] for m in r["survivors"]] == [13]
+    assert mutation.summarize("m.py", mutants("pending"), {})["score"] is None
+
+
+def test_markdown_lists_every_survivor_with_its_diff():
+    meta = dict(seconds=600, machine="vm, 2 cores", commit="abc1234", command="python -m pytest -x gates/x.py",
+                timeout_s=150, baseline_s=20.0)
+    text = mutation.markdown([mutation.summarize("engine/pool.py", mutants("killed", "survived", "survived"),
+                                                 meta)])
+    assert "| `engine/pool.py` | 1 | 2 | 0 | 0 | 0 | 0 | 33.3% | 10.0 min | vm, 2 cores | abc1234 |" in text
+    assert text.count("### survivor: `engine/pool.py`") == 2
+    assert "+x = 2" in text and "+x = 3" in text and "python -m pytest -x gates/x.py" in text
+
+
+def test_mutant_lines_name_the_original_and_the_mutated_line():
+    pytest.importorskip("cosmic_ray", reason="cosmic-ray is the mutation extra (pip install -e '.[mutation]')")
+    source = "def f(a, b):\n    return a + b\n"
+    assert mutation.mutant_lines(source, "core/ReplaceBinaryOperator_Add_Sub", 0, 2) == ("return a + b",
+                                                                                         "return a - b")
+    assert mutation.mutant_lines("@d\ndef f():\n    pass\n", "core/RemoveDecorator", 0, 1) == ("@d", "(removed)")
+
+
+def test_the_nightly_workflow_campaigns_every_cpu_module():
+    yaml = pytest.importorskip("yaml")
+    cfg = mutation.load_config()
+    cpu = [m for m, s in cfg["modules"].items() if cfg["suites"][s]["device"] == "cpu"]
+    wf = yaml.safe_load((REPO / ".github/workflows/mutation.yml").read_text())
+    assert wf["jobs"]["cpu"]["strategy"]["matrix"]["module"] == cpu
+
+
+def session(path, results):
+    """A session database with cosmic-ray's two tables (work_items, work_results), `results`: job id -> (worker,
+    test outcome) or None (pending)."""
+    import sqlite3
+    with sqlite3.connect(path) as c:
+        c.execute("CREATE TABLE work_items (job_id VARCHAR PRIMARY KEY)")
+        c.execute("CREATE TABLE work_results (worker_outcome VARCHAR, output TEXT, test_outcome VARCHAR, diff TEXT, "
+                  "job_id VARCHAR PRIMARY KEY)")
+        for job, res in results.items():
+            c.execute("INSERT INTO work_items VALUES (?)", (job,))
+            if res:
+                c.execute("INSERT INTO work_results VALUES (?, '', ?, '', ?)", (res[0], res[1], job))
+
+
+def test_retest_runs_the_survivors_alone_then_restores_the_rest(tmp_path):
+    db = tmp_path / "s.sqlite"
+    session(db, {"k": ("NORMAL", "KILLED"), "s1": ("NORMAL", "SURVIVED"), "s2": ("NORMAL", "SURVIVED"),
+                 "p1": None, "p2": None, "p3": None})
+    assert mutation.pending(db) == 3
+    mutation.retest_survivors(db)
+    assert mutation.pending(db) == 2            # s1 and s2 alone: what cosmic-ray exec would run now
+    mutation.restore_deferred(db)
+    assert mutation.pending(db) == 5            # the never-run ones pending again (and the survivors, not rerun here)

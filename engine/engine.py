@@ -96,13 +96,14 @@ class Engine:
 
     def __init__(self, config: EngineConfig = EngineConfig(), model=None, *, loaded=None,
                  schedule_log: ScheduleLog | None = None, pool_cls=PagePool, scheduler_cls=Scheduler,
+                 runner_cls=ModelRunner,
                  step_hook: Callable[[str], None] | None = None):
         """`model`: a checkpoint directory, an in-memory transformers model, "qwen2.5-1.5b-random", or None for the
         small model. `loaded`: an already loaded (model, hf_config, name), to share weights between engines.
         `schedule_log`: where the scheduler records every admission, release and step end, for a check of the whole
         run (gates/schedule_check.py: pass ScheduleLog()); None: nothing is recorded, so memory stays flat.
-        `pool_cls`, `scheduler_cls`: the bookkeeping's classes (the gates' planted pools and schedulers come in
-        here, at construction, never patched in afterwards). `step_hook`: called with each of STEP_POINTS as a step
+        `pool_cls`, `scheduler_cls`, `runner_cls`: the engine's parts (the gates' planted pools, schedulers and
+        runners come in here, at construction, never patched in afterwards; tp > 1 runs engine.tp's runner). `step_hook`: called with each of STEP_POINTS as a step
         passes it (a test seam; None: nothing is called)."""
         self.config = config
         dtype = torch_dtype(config.dtype)
@@ -127,7 +128,7 @@ class Engine:
         width = self.pool.pages_needed(self.max_model_len)
         if config.tp == 1:
             self.runner = build_runner(self.model, config, dtype, num_pages, max_kv, width,
-                                       graphs=self.use_cuda_graphs(config))
+                                       graphs=self.use_cuda_graphs(config), runner_cls=runner_cls)
         else:
             from .tp.runner import TPRunner
             # workers load a named model themselves; an in-memory one reaches them as shards from rank 0

@@ -246,3 +246,24 @@ def test_a_process_that_froze_objects_itself_keeps_its_freeze(loaded, monkeypatc
 def _spec(rid, prompt, budget):
     from engine.workload import RequestSpec
     return RequestSpec(rid, prompt, budget)
+
+
+def test_the_engine_takes_its_parts_at_construction(loaded):
+    """Pool, scheduler and runner classes come in at construction (planted ones too), never patched in after."""
+    from engine.pool import PagePool
+    from engine.runner import ModelRunner
+    from engine.scheduler import Scheduler
+
+    class Pool(PagePool):
+        pass
+
+    class Sched(Scheduler):
+        pass
+
+    class Runner(ModelRunner):
+        pass
+    e = Engine(CONFIG, loaded=loaded, pool_cls=Pool, scheduler_cls=Sched, runner_cls=Runner)
+    assert (type(e.pool), type(e.scheduler), type(e.runner)) == (Pool, Sched, Runner)
+    assert e.scheduler.kv.pool is e.pool
+    res = e.run([_spec("p", *A)])
+    assert len(res["p"].tokens) == A[1]

@@ -134,3 +134,11 @@ def test_every_option_of_a_console_script_has_help(script, monkeypatch):
     bare = [f"{p.prog}: {'/'.join(a.option_strings or [a.dest])}" for p in parsers_of(SCRIPTS[script], monkeypatch) for a in p._actions
             if not a.help and not isinstance(a, argparse._SubParsersAction)]
     assert bare == [], f"options without help: {bare}"
+
+
+def test_every_package_folder_is_listed():
+    """A subpackage missing from pyproject's explicit list is missing from a wheel (engine/tp/ once was)."""
+    listed = set(tomllib.loads((CHECKOUT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(CHECKOUT).parts) for top in ("engine", "kernels", "gates", "bench")
+             for p in (CHECKOUT / top).rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -132,7 +132,9 @@ def test_score_from_a_thread_beside_serving_is_typed(loaded):
         stop.set()
         t.join()
     assert not failures, failures
-    assert "no room" in outcomes and True in outcomes and False not in outcomes, outcomes
+    # which of the two a score meets depends on the threads' timing; never another error, never other logits
+    # (a score refused for room: tests/test_limits.py's full-pool case, deterministic)
+    assert outcomes and set(outcomes) <= {True, "no room"}, outcomes
     assert {k: r.tokens for k, r in e.results().items()} == {k: r.tokens for k, r in clean.results().items()}
     e.pool.check()
     assert e.pool.num_free == e.pool.capacity

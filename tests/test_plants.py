@@ -97,8 +97,8 @@ def test_a_poisoned_read_in_a_gate_run_names_the_configuration_it_ran_under(requ
         Runs(gate_options(request.config)).candidate("chunked", "torch", "smoke-cpu")
     assert str(e.value).startswith("step 1 (loaded): non-finite logits for ['smoke-cpu-0001']"), str(e.value)
     assert "smoke-cpu-0001 read slot 128 (page 2): owned by smoke-cpu-0000" in str(e.value)
-    assert e.value.__notes__ == ["in chunked[torch] on smoke-cpu: backend torch, forward chunked, page_size 64, "
-                                 "chunk_tokens 128, cpu float32"]
+    assert e.value.__notes__[-1] == ("in chunked[torch] on smoke-cpu: backend torch, forward chunked, page_size 64, "
+                                     "chunk_tokens 128, cpu float32")
 
 
 @pytest.mark.parametrize("rc,gate,caught", [(0, "not caught", False), (4, "(session, exit 4)", True),

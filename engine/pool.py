@@ -120,14 +120,14 @@ class PagePool:
         out, self.evicted = self.evicted, []
         return out
 
-    def register(self, owner: str, index: int, key: bytes, hashed: tuple) -> bool:
-        """Cache page `index` of `owner` (full, just computed) under `key`; False if another page has that key."""
+    def register(self, owner: str, index: int, key: bytes, hashed: tuple) -> None:
+        """Cache page `index` of `owner` (full, just computed) under `key`, unless another page has that key."""
         page = self.owned[owner][index]
         if self.refs[page] != 1 or page in self.cache.by_page:     # the message only when it fails: once a page
             require(False, f"{owner}'s page {page} (#{index}) is shared or cached already (count "
                     f"{self.refs[page]}, hash {short(self.cache.key_of(page))}): it cannot have been computed by "
                     f"{owner}")
-        return self.cache.register(page, key, hashed)
+        self.cache.register(page, key, hashed)
 
     def unreserve(self, reserved: list[tuple[str, int]], evicted: list[int], lru: list[int] | None) -> None:
         """Undo this step's reserve() calls, for a step that failed before its end (Engine.step redoes it).

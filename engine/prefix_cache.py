@@ -84,16 +84,16 @@ class PrefixCache:
             found.append(entry.page)
         return found
 
-    def register(self, page: int, key: bytes, hashed: tuple) -> bool:
-        """Cache `page` under `key`; False (nothing changes) when the key already has its page: one page per hash."""
+    def register(self, page: int, key: bytes, hashed: tuple) -> None:
+        """Cache `page` under `key`, unless the key already has its page (one page per hash: this one stays private,
+        and nothing changes)."""
         if key in self.by_key:
-            return False
+            return
         if page in self.by_page:    # the pool's invariant: typed, so that `python -O` keeps it
             raise PoolInvariantError(f"page {page} is already cached (hash {short(self.by_page[page].key)})")
         entry = CachedPage(page, key, hashed)
         self.by_key[key] = entry
         self.by_page[page] = entry
-        return True
 
     def key_of(self, page: int) -> bytes | None:
         entry = self.by_page.get(page)

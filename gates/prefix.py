@@ -190,13 +190,30 @@ def hit_problems(e, hits: dict[str, list[tuple[int, str]]]) -> list[str]:
     return out
 
 
+def stats_problems(cache, requests, page_size: int) -> list[str]:
+    """The prefix cache's statistics against the requests: a lookup counts each admitted request's whole prompt pages
+    but the last position's ((prompt - 1) // page_size), a hit each page it found cached (cached_prefix / page), the
+    hit rate is their quotient (0 before any lookup), and the cached pages are the cache's."""
+    admitted = [r for r in requests if r.admit_step is not None]
+    want = dict(prefix_lookup_pages=sum((r.prompt_len - 1) // page_size for r in admitted),
+                prefix_hit_pages=sum(r.cached_prefix // page_size for r in admitted))
+    lookups = want["prefix_lookup_pages"]
+    want["prefix_hit_rate"] = want["prefix_hit_pages"] / lookups if lookups else 0.0
+    want["prefix_cached_pages"] = len(cache.by_page)
+    got = cache.stats()
+    wrong = {k: (got[k], v) for k, v in want.items() if got[k] != v}
+    return [f"prefix cache statistics (got, expected from the {len(admitted)} admitted requests): {wrong}"] if wrong \
+        else []
+
+
 def pair_problems(off, on, watch, turns: list[Turn], score, threshold: float, flip_cap: int) -> tuple[list[str], object]:
     """Cache on against off: tokens under the 0.02 rule, no hit beyond the shared prefix, every eviction watched,
     the pool whole at the end; and the run must have exercised the cache (hits, evictions, a next turn finding its
     previous turn's reply). Returns (problems, the comparison report)."""
     report = compare(f"{on.config.forward}[{on.config.backend}] prefix cache on vs off on the shared-prefix "
                      f"workload", records_of(off), records_of(on), score, threshold, flip_cap, check_steps=False)
-    problems = report.problems() + hit_problems(on, watch.hits)
+    problems = report.problems() + hit_problems(on, watch.hits) + \
+        stats_problems(on.pool.cache, on.requests.values(), on.pool.page_size)
     stats = on.pool.cache.stats()
     if stats["prefix_evictions"] == 0 or watch.checked != stats["prefix_evictions"]:
         problems.append(f"{stats['prefix_evictions']} cached pages evicted, {watch.checked} watched: the pool was "

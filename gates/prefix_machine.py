@@ -14,6 +14,7 @@ After every rule (docs/DESIGN.md, "Prefix cache"):
 - reservations exact: hits = the longest cached prefix of whole pages, at most (prompt - 1) // page_size; the rest
   from free pages, then from evictions;
 - strict FCFS unchanged: arrival order, the head blocks the rest and waits only when rows or pages are short;
+- the statistics: lookups = each admitted prompt's whole pages but its last position's, hits = the pages found;
 - every request completes; afterwards nobody holds a page.
 A step's tokens are a function of the request's tokens so far, as a model's would be, so that equal prefixes
 continue alike. `make_prefix_machine(pool_cls, scheduler_cls, page_size)` builds it for any classes, so that
@@ -32,6 +33,7 @@ from engine.prefix_cache import short
 from engine.request import Request
 from engine.scheduler import Scheduler
 
+from .prefix import stats_problems
 from .stepping import PHASE_OF, SteppingMachine, check, violated
 
 TOTAL = "free + cached + owned = total"
@@ -46,6 +48,7 @@ FCFS = "strict FCFS admission"
 PLAN = "step plan"
 STATE = "request state"
 RETURN = "eviction at the end of the step"
+STATS = "the statistics count the lookups and hits"
 COMPLETES = "every request completes"
 
 BLOCKS = 3          # distinct page-sized blocks prompts are built from
@@ -112,6 +115,34 @@ class PrefixCacheMachine(SteppingMachine):
         need = -(-(len(m.prompt) + m.budget) // self.ps) - len(hits)
         return need <= self.free + len(self.lru) - sum(p in self.lru for p in hits)
 
+    def add_request(self, prompt: list[int], budget: int) -> None:
+        if -(-(len(prompt) + budget) // self.ps) > self.cap:
+            event("never fits: not submitted (the admission gate covers it)")
+            return
+        rid = f"r{len(self.model)}"
+        r = Request(rid, prompt, budget)
+        self.sched.add(r)
+        self.requests[rid] = r
+        self.model[rid] = Model(rid, list(prompt), budget, tokens=list(prompt))
+        self.queue.append(rid)
+        self.live.add(rid)
+
+    @rule(which=st.integers(0, 63), over=st.integers(0, 1))
+    def submit_at_the_edge(self, which, over):
+        """An earlier prompt again, with the budget that makes it fit the pool exactly as it stands (over=0) or miss
+        by one page (over=1), counting its hits: the boundary of reserve on admit where cached pages nobody holds
+        are both a request's hits and the pool's evictable room (a random budget seldom lands on it)."""
+        self.busy = True
+        if self.model and not self.queue:
+            base = list(self.model.values())[which % len(self.model)]
+            hits = self.expected_hits(base)
+            room = self.free + len(self.lru) - sum(p in self.lru for p in hits)
+            budget = (room + len(hits) + over) * self.ps - len(base.prompt)
+            if budget >= 1:
+                event(f"a prompt at the edge of the pool ({'one page over' if over else 'exact'})")
+                self.add_request(list(base.prompt), budget)
+        self.busy = False
+
     @rule(kind=st.sampled_from(["running", "waiting", "any"]), which=st.integers(0, 63))
     def cancel(self, kind, which):
         self.busy = True
@@ -132,7 +163,12 @@ class PrefixCacheMachine(SteppingMachine):
 
     def begin_step(self):
         i = self.step_index
-        plan = self.sched.schedule()
+        try:
+            plan = self.sched.schedule()
+        except (KeyError, IndexError, PoolInvariantError) as e:
+            raise violated(RESERVE, f"step {i}: schedule() raised {e!r} admitting {self.queue[:1]}: an admission "
+                                    f"took pages the pool does not have (the model has {self.free} blank + "
+                                    f"{len(self.lru)} evictable pages)") from e
         evicted = self.pool.take_evicted()
         self.in_step = True
         expected_evicted = []
@@ -323,6 +359,8 @@ class PrefixCacheMachine(SteppingMachine):
             pool.check()
         except PoolInvariantError as e:
             raise violated(TOTAL, f"pool.check(): {e}") from None
+        wrong = stats_problems(cache, self.requests.values(), self.ps)
+        check(not wrong, STATS, lambda: wrong[0])
         held = {p for rid in self.running for p in self.model[rid].table}
         check(len(pool.free) == self.free and len(held) + self.free + len(self.lru) == self.cap, TOTAL,
               lambda: f"{len(pool.free)} free + {len(cache.lru)} cached + {len(held)} held; the model has "
@@ -390,17 +428,7 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
             else:
                 prompt = [t for b in blocks for t in block(b)] + tail(tail_len, variant)
             prompt = prompt or tail(1, variant)
-            if -(-(len(prompt) + budget) // ps) > self.cap:
-                event("never fits: not submitted (the admission gate covers it)")
-                self.busy = False
-                return
-            rid = f"r{len(self.model)}"
-            r = Request(rid, prompt, budget)
-            self.sched.add(r)
-            self.requests[rid] = r
-            self.model[rid] = Model(rid, list(prompt), budget, tokens=list(prompt))
-            self.queue.append(rid)
-            self.live.add(rid)
+            self.add_request(prompt, budget)
             self.busy = False
 
     Machine.__name__ = Machine.__qualname__ = \

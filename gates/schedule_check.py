@@ -134,7 +134,7 @@ def pool_problems(pool) -> list[str]:
 
 def provenance_problems(requests, trace) -> list[str]:
     """Per step, the positions whose K/V `Request.step_of` says it wrote against the step trace's counts (steps the
-    trace no longer holds, with a trace_limit, are left out)."""
+    trace no longer holds, with a trace_limit, are left out); and no step for a request's first unwritten position."""
     prompt, decode, out = Counter(), Counter(), []
     for r in requests:
         if not 0 <= r.cached_prefix <= r.num_cached:
@@ -147,6 +147,12 @@ def provenance_problems(requests, trace) -> list[str]:
                 out.append(f"{PROVENANCE} violated: {r.request_id} position {pos} is cached but no step wrote it")
                 break
             (prompt if pos < r.prompt_len else decode)[step] += 1
+        else:
+            # the first position not written yet has no step (a failure report asks about pages half written)
+            unwritten = r.step_of(r.num_cached)
+            if unwritten is not None:
+                out.append(f"{PROVENANCE} violated: {r.request_id} position {r.num_cached} is not written yet, but "
+                           f"step_of names step {unwritten} for it")
     for rec in trace:
         got = (prompt[rec.index], decode[rec.index])
         if got != (rec.prompt_positions, rec.decode_tokens):

@@ -6,7 +6,8 @@
   previous turn's reply;
 - poison: every page evicted to admit a request is NaN in every layer before the step's forward, and held by its new
   owner alone as a page of its own (EvictionWatch); a step that read a NaN slot would fail the run (poison mode);
-- the state machine over pool, cache and scheduler (gates/prefix_machine.py).
+- the state machine over pool, cache and scheduler (gates/prefix_machine.py);
+- the collision guard: hash collisions forced on purpose give no false hit (gates/prefix_collision.py).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from . import summary
 from .runs import CANDIDATES, skip_unless_runs
 from .prefix import pair_problems, serve_pair
+from .prefix_collision import collision_problems
 from .prefix_machine import make_prefix_machine
 
 
@@ -33,3 +35,8 @@ TestPrefixCachePage4 = PrefixPage4.TestCase
 # the same machine at the torch kernels' page size: slower (longer prompts), so outside the default run
 PrefixPage64 = make_prefix_machine(page_size=64)
 TestPrefixCachePage64 = pytest.mark.slow(PrefixPage64.TestCase)
+
+
+def test_a_forced_hash_collision_is_never_a_hit():
+    problems = collision_problems()
+    assert not problems, "\n".join(problems)

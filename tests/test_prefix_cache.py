@@ -46,7 +46,8 @@ def test_a_hit_compares_what_was_hashed():
     c = PrefixCache()
     chain = Chain()
     c.extend(chain, [1, 2, 3, 4], P, 1)
-    assert c.register(11, chain.keys[0], (ROOT, (9, 9, 9, 9)))     # a record whose ids differ from its key's
+    c.register(11, chain.keys[0], (ROOT, (9, 9, 9, 9)))     # a record whose ids differ from its key's
+    assert c.key_of(11) == chain.keys[0]
     assert c.match(Chain(), [1, 2, 3, 4, 5], P, 1) == [], "a key match with other ids must not be a hit"
 
 

@@ -182,6 +182,22 @@ def test_real_engine_provenance_off_by_one_fails_the_check(loaded, monkeypatch):
         check_engine(eng, "fused[torch] tiny pool")
 
 
+def test_real_engine_step_of_an_unwritten_position_fails_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign: step_of's decode bound `j <= len(token_steps)` (a step for the position the
+    last token will fill) survived every gate."""
+    def step_of(self, pos):
+        for (start, length), step in zip(self.chunks, self.chunk_steps):
+            if start <= pos < start + length:
+                return step
+        j = pos - self.prompt_len + 1
+        return self.token_steps[min(j, len(self.token_steps) - 1)] if 1 <= j <= len(self.token_steps) else None
+    monkeypatch.setattr(Request, "step_of", step_of)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"provenance violated: \S+ position \d+ is not written yet, but "
+                                                r"step_of names step \d+ for it"):
+        check_engine(eng, "fused[torch] tiny pool")
+
+
 def test_real_engine_holder_forgotten_fails_the_check(loaded, monkeypatch):
     """Found by the mutation campaign: PagePool.release not recording each page's last owner survived every gate."""
     def release(self, owner):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
 from .schedule_log import ScheduleLog
 from .scheduler import CancelResult, Chunk, Foresight, ScheduleMark, Scheduler, StepKind, StepPlan
+from .sigint import HeldSigint
 from .tp.layers import rank_shape
 from .workload import RequestSpec
 
@@ -32,27 +32,6 @@ SCORE_OWNER = ("score",)
 # An exception at one of the first four undoes the step, and the next step() redoes it; at one of the next three it
 # stops the step's commit half-way, so the engine fails (EngineDeadError); at the last the step stands.
 STEP_POINTS = ("scheduled", "launched", "launched-ahead", "read-back", "applied", "finished", "traced", "poisoned")
-
-
-class HeldSigint:
-    """Ctrl-C (SIGINT) held over a block of bookkeeping and delivered at its end, so that a KeyboardInterrupt never
-    lands half-way through it. Only the main thread receives signals and may set a handler: elsewhere a no-op."""
-
-    def __enter__(self) -> "HeldSigint":
-        self.old, self.caught = None, False
-        # getsignal None: a handler set outside Python, which could not be put back
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not None:
-            self.old = signal.signal(signal.SIGINT, self.hold)
-        return self
-
-    def hold(self, signum, frame) -> None:
-        self.caught = True
-
-    def __exit__(self, *exc) -> None:
-        if self.old is not None:
-            signal.signal(signal.SIGINT, self.old)
-            if self.caught:     # again, through the handler put back: KeyboardInterrupt by default
-                signal.raise_signal(signal.SIGINT)
 
 
 def free_memory(device: str) -> int | None:
@@ -150,6 +129,7 @@ class Engine:
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []       # the last config.trace_limit steps (all with None)
         self.lock = threading.RLock()           # every bookkeeping change: requests, scheduler, pool, trace
+        self._sigint = HeldSigint()             # Ctrl-C held over each block of bookkeeping (engine/sigint.py)
         self._stepping = threading.RLock()      # one step (or score) at a time: they share the runner
         self.t0 = time.perf_counter()
         self._auto_id = 0
@@ -242,7 +222,7 @@ class Engine:
     def _bookkeeping(self, what: str):
         """A block of the step's bookkeeping, all or nothing: under the lock, with Ctrl-C held to its end. It calls
         no device, so an exception out of it is a bug that may have stopped it half-way: the engine fails."""
-        with self.lock, HeldSigint():
+        with self.lock, self._sigint:
             try:
                 yield
             except BaseException as e:
@@ -297,7 +277,7 @@ class Engine:
         rid = None if request_id is None else inputs.request_id_of(request_id)
         tokens, budget = self.validate(prompt, budget, rid or "request")
         at = None if arrival_time is None else inputs.arrival_of(arrival_time, rid or "request")
-        with self.lock, HeldSigint():   # a request is held and queued, or neither
+        with self.lock, self._sigint:   # a request is held and queued, or neither
             if rid is None:
                 while f"req-{self._auto_id}" in self.requests:
                     self._auto_id += 1
@@ -339,7 +319,7 @@ class Engine:
         which ("unknown", "already-finished", "already-cancelled"), .noop is True."""
         self.alive()
         rid = inputs.request_id_of(request_id)
-        with self.lock, HeldSigint():
+        with self.lock, self._sigint:
             res = self.scheduler.cancel(rid, self.requests)
             if res.cancelled:
                 self.requests[rid].finish_time = self.now()
@@ -351,7 +331,7 @@ class Engine:
         step that retires it) raises RequestNotDoneError; an id the engine does not hold, UnknownRequestError."""
         self.alive()
         rid = inputs.request_id_of(request_id)
-        with self.lock, HeldSigint():
+        with self.lock, self._sigint:
             r = self.requests.get(rid)
             if r is None:
                 raise errors.UnknownRequestError(f"no request {rid!r} (never submitted, or its result was popped)")
@@ -498,7 +478,7 @@ class Engine:
         before each step; once true, return and leave what is queued or running as it is. The run holds
         gc_frozen(): no full garbage collection of what was alive before it lands between its steps."""
         self.alive()
-        with gc_frozen():
+        with gc_frozen(), self._sigint.installed():     # Ctrl-C's handler in once, not swapped twice a step
             return self._run(specs, open_loop, progress, until)
 
     def _run(self, specs, open_loop, progress, until) -> dict:

@@ -24,7 +24,7 @@ LAYERS = {
     "execution": {"engine.runner", "engine.model", "engine.packing", "engine.graphs", "engine.step_graphs",
                   "engine.loader", "engine.dtypes", "engine.tp", "engine.tp.runner", "engine.tp.shard",
                   "engine.tp.worker", "engine.tp.layers"},
-    "facade": {"engine", "engine.engine", "engine.config", "engine.inputs", "engine.workload",
+    "facade": {"engine", "engine.engine", "engine.sigint", "engine.config", "engine.inputs", "engine.workload",
                "engine.poison_report", "engine.heap"},
 }
 # engine.errors is the one module every layer shares (a typed error is raised wherever a rule breaks)

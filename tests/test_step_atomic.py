@@ -16,7 +16,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from engine import Engine, EngineConfig, EngineDeadError
-from engine.engine import STEP_POINTS, HeldSigint
+from engine.engine import STEP_POINTS
+from engine.sigint import HeldSigint
 
 # more requests than rows (admissions while others decode), prompts in one to three chunks, two prompts sharing a
 # full page (a prefix hit), a pool small enough that cached pages are evicted to admit
@@ -250,3 +251,50 @@ def test_a_real_ctrl_c_at_a_random_moment_never_breaks_the_run(emulated, runs):
     finally:
         signal.signal(signal.SIGINT, old)
     assert interrupted > 0, "no SIGINT landed in a step: the timer's window missed the run"
+
+
+def test_a_real_ctrl_c_during_engine_run_never_breaks_it(emulated):
+    """Engine.run() puts its Ctrl-C handler in once for the run (engine/sigint.py), not twice a block: a SIGINT at a
+    random moment of run() raises KeyboardInterrupt out of it (after the block it landed in, or from the forward,
+    undone), and run() called again finishes with the undisturbed run's tokens and steps; the handler is the test's
+    again after each run."""
+    cfg = config(prefix_cache=True, poison=False)
+
+    def engine() -> Engine:
+        e = Engine(cfg, loaded=emulated)
+        for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS)):
+            e.submit(p, b, request_id=f"r{i}")
+        return e
+
+    ref_engine = engine()
+    t0 = time.perf_counter()
+    ref = ref_engine.run()
+    took = time.perf_counter() - t0
+    rng = random.Random(37)
+    window = SigintWindow()
+    old = signal.signal(signal.SIGINT, window)
+    interrupted = 0
+    try:
+        for _ in range(4):
+            e = engine()
+            timer = sigint_after(rng.uniform(0.0, took))
+            for _ in range(20):
+                try:
+                    window.open = True
+                    try:
+                        got = e.run()
+                        break
+                    finally:
+                        window.open = False
+                        assert signal.getsignal(signal.SIGINT) is window, "run() left its handler in"
+                except KeyboardInterrupt:
+                    interrupted += 1        # the next run() serves what is queued and running
+                finally:
+                    timer.join()
+            e.alive()
+            assert {rid: (r.tokens, r.token_steps) for rid, r in got.items()} == \
+                   {rid: (r.tokens, r.token_steps) for rid, r in ref.items()}
+            check_pool(e)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert interrupted > 0, "no SIGINT landed in a run: the timer's window missed it"

@@ -10,9 +10,10 @@ interval over the pairs (gates/ab_stats.py).
 
 The base revision is checked out into a temporary git worktree (or given as a checkout, --base-tree); head is this
 checkout, uncommitted changes included. Each side is timed by gates/ab_worker.py run with that side's tree first on
-the path, so the base needs none of this file's code. Writes to --out: ab.md (also appended to
-$GITHUB_STEP_SUMMARY when set), ab.json (every round's timings), ab.png (the rounds), and each process's log
-(base-1.log, head-1.log, base-2.log, ...).
+the path, so the base needs none of this file's code. The checkout is gates/ab_tree.py's, the processes and their
+rounds gates/ab_rounds.py's; this file decides on the rounds and holds the command line. Writes to --out: ab.md
+(also appended to $GITHUB_STEP_SUMMARY when set), ab.json (every round's timings), ab.png (the rounds), and each
+process's log (base-1.log, head-1.log, base-2.log, ...).
 Exit status: 0 no regression, 1 a regression, 2 the run could not be made (a revision, a worker, the deadline).
 """
 from __future__ import annotations
@@ -20,25 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import select
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import ab_report
 from .ab_stats import CONFIDENCE, REGRESSION, RESAMPLES, SEED, compare, threshold_for
+from .ab_rounds import CLOCKS, Side, measure_pairs
+from .ab_tree import REPO, ABError, base_checkout, describe_tree
 
-REPO = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "ab_worker.py"
 # engine.scheduler.WORK_KINDS' names, written out: the driver imports no torch (engine/ does); the worker checks
 # every kind it is given against its own revision's WORK_KINDS
 KINDS = ("pure-decode", "loaded", "chunk-only")
-CLOCKS = ("wall", "cpu")      # gates/ab_worker.py times every step on both
 M15 = "qwen2.5-1.5b-random"
 # (rounds, steps a side per round and benchmark, warm-up steps) per device kind. Rounds are short and many: a
 # neighbour's load on a shared host comes and goes within a second (on the 2-core CPU host a 7 ms step read 5 to 15 ms
@@ -51,115 +47,6 @@ DEFAULTS = {"cuda": (100, 10, 20), "cpu": (40, 5, 5)}
 # A/A ratio stayed within 0.98-1.031x (docs/ab.md), under its 5% threshold, and each process adds a start of 7 s or
 # more on its 2 cores, so one pair keeps the CPU run short.
 PROCESSES = {"cuda": 3, "cpu": 1}
-
-
-class ABError(Exception):
-    """The A/B run could not be made (exit 2): a revision, a worker, the deadline."""
-
-
-# -- revisions -----------------------------------------------------------------------------------------------------
-def git(*args: str, cwd: Path = REPO) -> str:
-    p = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
-    if p.returncode != 0:
-        raise ABError(f"git {' '.join(args)} (in {cwd}) failed: {p.stderr.strip() or p.stdout.strip()}")
-    return p.stdout.strip()
-
-
-def resolve(rev: str, merge_base: bool, repo: Path = REPO) -> str:
-    """The commit to compare against: `rev`, or its merge base with HEAD (what a pull request changes)."""
-    commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=repo)
-    return git("merge-base", "HEAD", commit, cwd=repo) if merge_base else commit
-
-
-def describe_tree(tree: Path) -> dict:
-    """The checkout's commit and whether it has uncommitted changes (None where it is not a git checkout)."""
-    try:
-        commit = git("rev-parse", "HEAD", cwd=tree)
-        dirty = bool(git("status", "--porcelain", "--untracked-files=no", cwd=tree))
-    except (ABError, OSError):
-        return {"commit": None, "dirty": None}
-    return {"commit": commit, "dirty": dirty}
-
-
-@contextmanager
-def worktree(commit: str, repo: Path = REPO, keep: bool = False):
-    """The commit checked out (detached) into a temporary git worktree, removed afterwards."""
-    where = Path(tempfile.mkdtemp(prefix="stepgate-ab-base-"))
-    git("worktree", "add", "--detach", "--force", str(where), commit, cwd=repo)
-    try:
-        yield where
-    finally:
-        if not keep:
-            subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=repo, capture_output=True)
-            shutil.rmtree(where, ignore_errors=True)
-
-
-# -- one side: a worker process ------------------------------------------------------------------------------------
-@dataclass
-class Side:
-    name: str                  # unique in a run: "base-1", "head-1", "base-2", ...
-    tree: Path
-    args: list[str]            # the worker's options (benchmarks, device, ...)
-    log: Path
-    env_extra: dict = field(default_factory=dict)
-    proc: subprocess.Popen | None = None
-    info: dict | None = None
-
-    def start(self) -> None:
-        env = dict(os.environ, PYTHONPATH=str(self.tree), PYTHONUNBUFFERED="1", **self.env_extra)
-        if "STEPGATE_PLANT_SLOWDOWN_MS" not in self.env_extra:
-            env.pop("STEPGATE_PLANT_SLOWDOWN_MS", None)     # a plant reaches only the side it is meant for
-        self._log = open(self.log, "w")
-        self.proc = subprocess.Popen([sys.executable, str(WORKER), "--tree", str(self.tree), *self.args],
-                                     cwd=self.tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, bufsize=1)
-
-    def receive(self, timeout: float) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, timeout))
-        line = self.proc.stdout.readline() if ready else None
-        if not line:
-            why = "no answer in time" if ready == [] else f"it exited (status {self.proc.poll()})"
-            raise ABError(f"{self.name} worker ({self.tree}): {why}; its log: {self.log}{self.tail()}")
-        msg = json.loads(line)
-        if "error" in msg:
-            raise ABError(f"{self.name} worker ({self.tree}) failed: {msg['error']}; its log: {self.log}{self.tail()}")
-        return msg
-
-    def ready(self, timeout: float) -> dict:
-        self.info = self.receive(timeout)["ready"]
-        return self.info
-
-    def run(self, reps: int, timeout: float) -> dict[str, dict[str, list[float]]]:
-        self.proc.stdin.write(json.dumps({"cmd": "run", "reps": reps}) + "\n")
-        self.proc.stdin.flush()
-        return self.receive(timeout)["times"]
-
-    def tail(self, lines: int = 12) -> str:
-        try:
-            text = self.log.read_text().splitlines()[-lines:]
-        except OSError:
-            return ""
-        return "\n  " + "\n  ".join(text) if text else ""
-
-    def quit(self) -> None:
-        """Ask the worker to end, without waiting: several sides' teardowns (a second each) then overlap."""
-        if self.proc and self.proc.poll() is None and not self.proc.stdin.closed:
-            try:
-                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
-                self.proc.stdin.close()
-            except OSError:
-                pass
-
-    def stop(self) -> None:
-        self.quit()
-        if self.proc and self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if getattr(self, "_log", None):
-            self._log.close()
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
@@ -202,76 +89,6 @@ def config_notes(base: dict, head: dict) -> list[str]:
     return notes
 
 
-def measure(sides: list[Side], specs: list[str], rounds: int, reps: int, deadline: float,
-            startup_timeout: float, progress=print) -> tuple[dict[str, dict[str, list[list[float]]]], list[str]]:
-    """Start every side at once (their loads overlap), then time `rounds` rounds, the sides in the same order every
-    round (ABAB...: each side's steps always follow the other side's. Turning the order each round, ABBA, let one
-    side run twice in a row, its caches warm for the second block: on the CPU host the first side of a round read
-    up to 20% faster, a round's ratio swinging 0.8x-1.2x from one round to the next in an A/A run).
-    Returns {side: {clock: {spec: [round's timings, ...]}}} and notes (a deadline that cut rounds)."""
-    out = {s.name: {c: {spec: [] for spec in specs} for c in CLOCKS} for s in sides}
-    notes = []
-    t_ready = time.monotonic()
-    try:
-        for s in sides:
-            s.start()
-        for s in sides:
-            s.ready(min(startup_timeout, deadline - time.monotonic()))
-        progress(f"ab: {len(sides)} sides ready in {time.monotonic() - t_ready:.1f} s")
-        per_round = None
-        t_first = time.monotonic()
-        for r in range(rounds):
-            t0 = time.monotonic()
-            left = deadline - t0
-            if per_round is not None and left < per_round * 1.5:
-                notes.append(f"deadline: {r} of {rounds} rounds measured")
-                break
-            for s in sides:
-                times = s.run(reps, max(1.0, deadline - time.monotonic()))
-                for c in CLOCKS:
-                    for spec in specs:
-                        out[s.name][c][spec].append(times[c][spec])
-            per_round = time.monotonic() - t0
-            if (r + 1) % max(1, rounds // 10) == 0:
-                progress(f"ab: round {r + 1}/{rounds} ({time.monotonic() - t_first:.1f} s of rounds)")
-    finally:
-        for s in sides:
-            s.quit()
-        for s in sides:
-            s.stop()
-    return out, notes
-
-
-def measure_pairs(sets: list[dict[str, Side]], specs: list[str], rounds: int, reps: int, deadline: float,
-                  startup_timeout: float, successive: bool = False, progress=print
-                  ) -> tuple[dict[str, dict[str, dict[str, list[list[float]]]]], list[int], dict[str, dict], list[str]]:
-    """Time `rounds` rounds a role, spread over several sets of fresh processes (sets[p]: {role: Side}, e.g. base and
-    head): each set times rounds / len(sets) of them. By default every set is alive at once and each round goes
-    through all of them (base-1, head-1, base-2, head-2, ...): one start's wait for all, and a drift of the host
-    lands on every set. successive: one set after another (one set's memory at a time; a start each).
-    Returns {role: {clock: {spec: [round's timings, ...]}}} with the sets' rounds one set after another, the set
-    (numbered from 1) of each round, each role's info from the first set (the worker's ready message), and notes."""
-    per_set = -(-rounds // len(sets))
-    numbered = list(enumerate(sets, start=1))
-    batches = [[ns] for ns in numbered] if successive else [numbered]
-    roles = list(sets[0])
-    out = {r: {c: {spec: [] for spec in specs} for c in CLOCKS} for r in roles}
-    set_of_round, notes = [], []
-    for k, batch in enumerate(batches):
-        # each batch still to run gets an equal share of the time left, so a slow start cannot starve the last set
-        share = time.monotonic() + (deadline - time.monotonic()) / (len(batches) - k)
-        timings, cut = measure([side for _, st in batch for side in st.values()], specs, per_set, reps, share,
-                               startup_timeout, progress)
-        notes += [f"pair {', '.join(str(number) for number, _ in batch)}: {n}" for n in cut]
-        for number, st in batch:
-            done = len(timings[st[roles[0]].name][CLOCKS[0]][specs[0]])
-            set_of_round += [number] * done
-            for role, side in st.items():
-                for c in CLOCKS:
-                    for spec in specs:
-                        out[role][c][spec] += timings[side.name][c][spec]
-    return out, set_of_round, {r: sets[0][r].info for r in roles}, notes
-
 
 def ab(a) -> dict:
     """One A/B run from the parsed command line; returns the record (also written under a.out)."""
@@ -284,7 +101,7 @@ def ab(a) -> dict:
     specs = bench_specs(a)
     head_tree = Path(a.head_tree).resolve()
     base_meta = {"rev": "checkout" if a.base_tree else a.base}
-    with _base_tree(a, base_meta) as base_tree:
+    with base_checkout(a, base_meta) as base_tree:
         base_meta.update(tree=str(base_tree), **({} if base_meta.get("commit") else describe_tree(base_tree)))
         head_meta = dict(rev="HEAD", tree=str(head_tree), **describe_tree(head_tree))
         plant_env = {}
@@ -347,16 +164,6 @@ def decide(base: dict, head: dict, specs: list[str], base_info: dict, head_info:
     record["regression"] = any(b["verdict"] == REGRESSION for b in benches)
     return record
 
-
-@contextmanager
-def _base_tree(a, meta: dict):
-    if a.base_tree:
-        yield Path(a.base_tree).resolve()
-        return
-    commit = resolve(a.base, a.merge_base, Path(a.head_tree))
-    meta.update(commit=commit, dirty=False, merge_base=bool(a.merge_base))
-    with worktree(commit, Path(a.head_tree), keep=a.keep_worktree) as tree:
-        yield tree
 
 
 def write(record: dict, out: Path, plot: bool = True) -> None:

@@ -1,19 +1,21 @@
 """The same-job A/B (gates/ab.py): its statistic on timings of known shape (process pairs that agree and that do
-not), its record and report, the base revision's checkout, and on this CPU, over two process pairs alive at once,
-A/A (this checkout against itself: no alert) and head planted 10% slower (alerted); the baseline refresh into a
-folder of its own. The command line end to end (a base worktree, two runs) is marked slow."""
+not), its record and report, the base revision's checkout (gates/ab_tree.py), and on this CPU, over two process
+pairs alive at once (gates/ab_rounds.py), A/A (this checkout against itself: no alert) and head planted 10% slower
+(alerted); the baseline refresh into a folder of its own. The command line end to end (a base worktree, two runs)
+is marked slow."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gates import ab
+from gates import ab, ab_rounds, ab_tree
 from gates.ab_stats import IMPROVED, OK, REGRESSION, THRESHOLDS, StatsError, compare
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,7 +111,7 @@ def test_rounds_must_pair_and_hold_timings():
 def record_of(head_scale: float) -> dict:
     spec = "fused:pure-decode"
     info = dict(device_name="cpu", threads=1, torch="x", benchmarks={spec: dict(rows=4, workload="uniform-cpu")})
-    timings = {side: {clock: {spec: drifting_rounds(20, 3, scale, 1)} for clock in ab.CLOCKS}
+    timings = {side: {clock: {spec: drifting_rounds(20, 3, scale, 1)} for clock in ab_rounds.CLOCKS}
                for side, scale in (("base", 1.0), ("head", head_scale))}
     run = dict(base=dict(rev="main", commit="a" * 40, tree="/b"), head=dict(rev="HEAD", commit="b" * 40, tree="/h"),
                device="cpu", model="small", clock="cpu", threshold=THRESHOLDS["cpu"], confidence=0.95,
@@ -152,7 +154,7 @@ def test_an_unchanged_head_reports_no_regression(tmp_path, monkeypatch):
 def test_too_few_rounds_is_an_error_not_a_verdict():
     rec = record_of(1.0)
     spec = "fused:pure-decode"
-    short = {c: {spec: [[0.01]] * 2} for c in ab.CLOCKS}
+    short = {c: {spec: [[0.01]] * 2} for c in ab_rounds.CLOCKS}
     with pytest.raises(ab.ABError, match="only 2 round"):
         ab.decide(short, short, [spec], {"benchmarks": {spec: {}}}, {"benchmarks": {spec: {}}},
                   {k: rec[k] for k in ("base", "head", "device", "model", "clock", "threshold", "confidence",
@@ -182,14 +184,14 @@ def test_the_base_revision_is_checked_out_into_a_worktree_and_removed(tmp_path):
     git(repo, "add", "g.txt")
     git(repo, "commit", "-qm", "main moved on")
     git(repo, "checkout", "-q", "pr")
-    assert ab.resolve("main", merge_base=True, repo=repo) == base          # what the pull request changes
-    assert ab.resolve("main", merge_base=False, repo=repo) == git(repo, "rev-parse", "main")
-    with ab.worktree(base, repo) as tree:
+    assert ab_tree.resolve("main", merge_base=True, repo=repo) == base          # what the pull request changes
+    assert ab_tree.resolve("main", merge_base=False, repo=repo) == git(repo, "rev-parse", "main")
+    with ab_tree.worktree(base, repo) as tree:
         assert (tree / "f.txt").read_text() == "base\n" and not (tree / "g.txt").exists()
-        assert ab.describe_tree(tree) == {"commit": base, "dirty": False}
+        assert ab_tree.describe_tree(tree) == {"commit": base, "dirty": False}
     assert not tree.exists() and str(tree) not in git(repo, "worktree", "list")
-    with pytest.raises(ab.ABError, match="git rev-parse --verify --quiet no-such-branch"):
-        ab.resolve("no-such-branch", merge_base=False, repo=repo)
+    with pytest.raises(ab_tree.ABError, match="git rev-parse --verify --quiet no-such-branch"):
+        ab_tree.resolve("no-such-branch", merge_base=False, repo=repo)
 
 
 # -- on this CPU: A/A and planted over two process pairs, one interleaved session ---------------------------------
@@ -203,11 +205,12 @@ def test_aa_is_quiet_and_a_planted_ten_percent_is_alerted_on_cpu(tmp_path, n):
     a = ab.parse(SMALL_STATE + ["--base-tree", str(REPO), "--out", str(tmp_path), "--processes", str(n)])
     specs = ab.bench_specs(a)
     args = ab.worker_args(a, specs)
-    sets = [{role: ab.Side(f"{role}-{p}", REPO, args + extra, tmp_path / f"{role}-{p}.log")
+    sets = [{role: ab_rounds.Side(f"{role}-{p}", REPO, args + extra, tmp_path / f"{role}-{p}.log")
              for role, extra in (("base", []), ("again", []), ("planted", ["--plant-frac", "0.10"]))}
             for p in range(1, n + 1)]
-    timings, pairs, info, notes = ab.measure_pairs(sets, specs, a.rounds, a.reps, deadline=ab.time.monotonic() + 400,
-                                                   startup_timeout=300, progress=lambda *_: None)
+    timings, pairs, info, notes = ab_rounds.measure_pairs(sets, specs, a.rounds, a.reps,
+                                                          deadline=time.monotonic() + 400, startup_timeout=300,
+                                                          progress=lambda *_: None)
     assert not notes, notes
     assert pairs == [p for p in range(1, n + 1) for _ in range(a.rounds // n)], pairs
     run = dict(base={}, head={}, device="cpu", model=a.model, clock=a.clock, threshold=THRESHOLDS["cpu"],
@@ -246,8 +249,8 @@ def test_the_command_exits_0_on_aa_and_1_on_a_planted_slowdown(clone, tmp_path):
     assert quiet.returncode == 0, quiet.stdout[-3000:] + quiet.stderr[-3000:]
     assert "no regression" in quiet.stdout and (tmp_path / "aa" / "ab.json").is_file()
     rec = json.loads((tmp_path / "aa" / "ab.json").read_text())
-    assert rec["base"]["commit"] == rec["head"]["commit"] == ab.git("rev-parse", "HEAD", cwd=clone)
-    assert "stepgate-ab-base" not in ab.git("worktree", "list", cwd=clone)      # the base worktree is gone
+    assert rec["base"]["commit"] == rec["head"]["commit"] == ab_tree.git("rev-parse", "HEAD", cwd=clone)
+    assert "stepgate-ab-base" not in ab_tree.git("worktree", "list", cwd=clone)      # the base worktree is gone
     loud = run_ab(clone, tmp_path / "planted", "--plant-head-frac", "0.10", "--processes", "2", "--successive")
     assert loud.returncode == 1, loud.stdout[-3000:] + loud.stderr[-3000:]
     assert "REGRESSION" in loud.stdout and "planted 10% busy-wait" in loud.stdout
@@ -264,5 +267,5 @@ def test_refresh_baseline_saves_the_step_timings_with_their_commit(tmp_path):
     saved = list(storage.rglob("*.json"))
     assert len(saved) == 1 and saved[0].name.startswith("0001_mymachine_"), saved
     data = json.loads(saved[0].read_text())
-    assert data["commit_info"]["id"] == ab.git("rev-parse", "HEAD")
+    assert data["commit_info"]["id"] == ab_tree.git("rev-parse", "HEAD")
     assert f"new baseline: {saved[0]}" in p.stdout and data["benchmarks"]

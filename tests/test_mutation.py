@@ -2,6 +2,7 @@
 verdicts, the score and the Markdown; the configuration names only modules and gates that exist."""
 from __future__ import annotations
 
+import difflib
 import shlex
 from pathlib import Path
 
@@ -107,6 +108,34 @@ def test_mutant_lines_name_the_original_and_the_mutated_line():
     assert mutation.mutant_lines(source, "core/ReplaceBinaryOperator_Add_Sub", 0, 2) == ("return a + b",
                                                                                          "return a - b")
     assert mutation.mutant_lines("@d\ndef f():\n    pass\n", "core/RemoveDecorator", 0, 1) == ("@d", "(removed)")
+
+
+def test_every_allow_list_entry_names_a_mutant_the_tool_makes_today():
+    """An entry whose line moved away or changed (a refactor) would silently stop matching: each entry must still name
+    a mutant of its module as it is now (place, operator, original and mutated line)."""
+    pytest.importorskip("cosmic_ray", reason="cosmic-ray is the mutation extra (pip install -e '.[mutation]')")
+    from cosmic_ray.mutating import mutate_code
+    from cosmic_ray.plugins import get_operator
+    config = mutation.load_config()
+    stale = []
+    for e in mutation.load_equivalent(REPO / config["equivalent"]):
+        source = (REPO / e["module"]).read_text()
+        before = source.splitlines()
+        made = set()
+        for occurrence in range(500):
+            mutated = mutate_code(source, get_operator(e["operator"])(), occurrence)
+            if mutated is None:
+                break
+            after = mutated.splitlines()
+            # the changed line; a removed decorator takes blank lines with it (the tool rewrites around it)
+            _, start, end, j, _ = next(op for op in difflib.SequenceMatcher(None, before, after, autojunk=False)
+                                       .get_opcodes() if op[0] != "equal")
+            i = next(k for k in range(start, end) if before[k].strip())
+            mutant = "(removed)" if len(after) < len(before) else after[j + i - start].strip()
+            made.add((mutation.enclosing(source, i + 1), before[i].strip(), mutant))
+        if (e["where"], e["line"], e["mutant"]) not in made:
+            stale.append(f"{e['module']} {e['where']!r} {e['operator']}: {e['line']!r} -> {e['mutant']!r}")
+    assert not stale, "allow-list entries that name no mutant of today's code:\n" + "\n".join(stale)
 
 
 def test_the_nightly_workflow_campaigns_every_cpu_module():

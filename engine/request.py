@@ -41,6 +41,7 @@ class Request:
     finish_time: float | None = None
     chunks: list[tuple[int, int]] = field(default_factory=list)   # (start, length) of each prompt chunk, in order
     chunk_steps: list[int] = field(default_factory=list)   # step index of each prompt chunk
+    dropped_step: int | None = None     # the step whose token a cancel during its forward dropped
     pages: list[int] = field(default_factory=list)   # reserved on admit; kept after release, for failure reports
     # its pages' hash chain in the prefix cache (engine/kv_cache.py), from its first lookup until it retires
     chain: "Chain | None" = field(default=None, compare=False, repr=False)
@@ -67,6 +68,7 @@ class Request:
         """One emitted token; the request finishes when its budget is spent. A cancelled request emits nothing
         (a cancel can land while the step that computed the token runs): False."""
         if self.state is CANCELLED:
+            self.dropped_step = step    # its row ran: a decode row wrote the K/V of its last token's position
             return False
         out = self.output
         out.append(token)
@@ -85,15 +87,13 @@ class Request:
             if start <= pos < start + length:
                 return step
         j = pos - self.prompt_len + 1           # decode row j feeds output[j - 1] at position prompt_len + j - 1
+        if j == len(self.token_steps) and j >= 1 and self.dropped_step is not None:
+            return self.dropped_step            # the last decode row ran, its token was dropped (a cancel)
         return self.token_steps[j] if 1 <= j < len(self.token_steps) else None
 
     @property
     def first_token_time(self) -> float | None:
         return self.token_times[0] if self.token_times else None
-
-    @property
-    def queue_wait(self) -> float | None:
-        return None if self.admit_time is None else self.admit_time - self.arrival_time
 
 
 @dataclass

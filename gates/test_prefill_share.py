@@ -29,10 +29,11 @@ from engine.workload import get_workload
 from .runs import CANDIDATES, skip_unless_runs
 from .prefill_share_check import DEBT_CASE, apply, assert_no_problems, check_debt_rule, check_identical, chunk_problems
 from .reference import EngineReference
-from .schedule_check import provenance_problems
+from .schedule_check import provenance_problems, topk_problems
 
 SHARES = (1.0, 0.75, 0.5, 0.25)
 WORKLOAD = "mixed-cpu"
+FORWARD_CANCELS = range(6, 30)     # the first of these steps with a decode row left cancels one during its forward
 
 
 # -- exactness across p ------------------------------------------------------------------------------------------
@@ -64,15 +65,34 @@ def first(engine, pred):
 
 @pytest.mark.parametrize("p", [1.0, 0.5])
 def test_cancellation_leaves_the_others_identical(runs, opts, p):
-    """Cancel requests while waiting, mid-prefill (between chunks) and mid-decode; the others' tokens are identical
+    """Cancel requests while waiting, mid-prefill (between chunks), mid-decode and during a step's forward (its
+    decode row emits nothing, top-k included); the others' tokens are identical
     to an uncancelled run, the cancelled ones keep a prefix, pages come back at the end of the next step."""
     engine, backend = "fused", "torch"
     skip_unless_runs(opts, engine, backend)
     wl = get_workload(WORKLOAD)
     _, ref_engine = runs.candidate(engine, backend, WORKLOAD)
     full = ref_engine.results()
+    cancelled: dict[str, tuple[str, int]] = {}
+    forward_cancelled_at: list[int] = []
+
+    def cancel_during_the_forward(point: str) -> None:
+        """A cancel from another thread lands while a step's forward runs (the engine's step hook, right after the
+        launch): the request is a decode row of that very step, so the step must not emit its token (nor, in record
+        mode, its top-k)."""
+        plan = e.scheduler.plan
+        if point != "launched" or plan is None or plan.index not in FORWARD_CANCELS or forward_cancelled_at:
+            return
+        r = next((r for r in plan.decodes if r.request_id not in cancelled and len(r.output) >= 1), None)
+        if r is not None:
+            res = e.cancel(r.request_id)
+            assert res.cancelled and res.emitted == len(r.output), res
+            cancelled[r.request_id] = ("during the forward", len(r.output))
+            forward_cancelled_at.append(plan.index)
+
     e = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
-                        poison=True, chunk_tokens=wl.chunk_tokens, prefill_share=p).engine()
+                        poison=True, chunk_tokens=wl.chunk_tokens, prefill_share=p).engine(
+                            step_hook=cancel_during_the_forward)
     for s in wl.requests():
         e.submit(s.prompt, s.budget, s.request_id)
     picks = {   # when (step index) -> which request to cancel
@@ -83,7 +103,6 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
         14: ("admitted, no chunk yet", lambda r: r.state is State.PREFILL and r.num_cached == 0),
         20: ("mid-decode", lambda r: r.state is State.DECODE and len(r.output) >= 5),
     }
-    cancelled: dict[str, tuple[str, int]] = {}
     just_cancelled: list[str] = []
     while e.scheduler.has_work:
         e.step()
@@ -100,7 +119,8 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
             cancelled[r.request_id] = (where, len(r.output))
             just_cancelled.append(r.request_id)
     wheres = {w for w, _ in cancelled.values()}
-    assert {"waiting", "mid-prefill", "mid-decode"} <= wheres, f"the workload gave no chance to cancel: {cancelled}"
+    assert {"waiting", "mid-prefill", "mid-decode", "during the forward"} <= wheres, \
+        f"the workload gave no chance to cancel: {cancelled}"
     assert e.pool.num_free == e.pool.capacity and not e.pool.owned, "pages leaked after cancellations"
     e.pool.check()
     # no-ops, with a clear outcome
@@ -124,6 +144,7 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
         else:
             problems += check_identical({rid: f}, {rid: r}, "uncancelled", "with cancellations")
     problems += provenance_problems(e.requests.values(), e.trace)   # cancelled ones too, waiting ones included
+    problems += topk_problems(e)        # record mode: a top-k entry per emitted token, none for a dropped one
     assert_no_problems(problems, f"cancellation at p={p} ({len(cancelled)} cancelled: {cancelled})")
 
 

@@ -217,3 +217,16 @@ def test_real_engine_first_token_time_wrong_fails_the_check(loaded, monkeypatch)
     with pytest.raises(ScheduleViolation, match=r"request record violated: \S+: arrival [\d.e-]+, admitted "
                                                 r"[\d.e-]+, first token [\d.e-]+ \(its first token's time"):
         check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_step_of_names_the_step_whose_token_a_cancel_dropped():
+    """A decode row that ran in a step during which its request was cancelled wrote the K/V of its last token's
+    position; its token was dropped, so only Request.dropped_step can name that step (found by the cancellation gate
+    once it cancelled during a forward: provenance said nothing wrote the position)."""
+    r = Request("r", [1, 2, 3], 5)
+    r.chunks, r.chunk_steps = [(0, 3)], [0]
+    for step in (0, 1):
+        assert r.emit(7, step, 0.0)
+    r.state = State.CANCELLED
+    assert not r.emit(7, 2, 0.0) and r.output == [7, 7]
+    assert [r.step_of(p) for p in range(6)] == [0, 0, 0, 1, 2, None]

@@ -1,7 +1,7 @@
-"""The engine: submit requests, step, run to completion, read results and the per-step trace."""
+"""The engine: submit requests, step, run to completion, read results and the per-step trace. What it serves is
+decided at construction in engine/served.py; its checks of a step launched ahead are in engine/foresight.py."""
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from contextlib import contextmanager
@@ -10,19 +10,19 @@ from typing import Callable
 
 import torch
 
-from . import errors, inputs
-from .config import KV_CACHE_BYTES, EngineConfig, graphs_problem
+from . import errors, foresight, inputs
+from .config import EngineConfig
 from .dtypes import torch_dtype
 from .heap import gc_frozen
 from .loader import load_model
 from .poison_report import poison_error
-from .pool import PagePool, pages_for
+from .pool import PagePool
 from .request import Request, RequestResult
 from .runner import ModelRunner, build_runner
 from .schedule_log import ScheduleLog
 from .scheduler import CancelResult, Chunk, Foresight, ScheduleMark, Scheduler, StepKind, StepPlan
+from .served import check_max_model_len, check_record_topk, pool_pages, use_cuda_graphs, use_overlap
 from .sigint import HeldSigint
-from .tp.layers import rank_shape
 from .workload import RequestSpec
 
 # The pool owner of Engine.score's pages: a tuple, so that no request id (always a string) can be the same owner.
@@ -32,19 +32,6 @@ SCORE_OWNER = ("score",)
 # An exception at one of the first four undoes the step, and the next step() redoes it; at one of the next three it
 # stops the step's commit half-way, so the engine fails (EngineDeadError); at the last the step stands.
 STEP_POINTS = ("scheduled", "launched", "launched-ahead", "read-back", "applied", "finished", "traced", "poisoned")
-
-
-def free_memory(device: str) -> int | None:
-    """Bytes the KV pool may take on `device` now: free GPU memory, or the memory the OS says is available without
-    swapping (None where neither can be read)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 @dataclass
@@ -89,19 +76,11 @@ class Engine:
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
         self.shape = self.model.shape
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
-        num_pages = self.pool_pages(config, dtype)     # checks tp against the model's heads first
-        # at tp > 1 each rank takes the top k of its own vocabulary shard before they are merged
-        most = self.shape.vocab_size // config.tp
-        if config.record_topk > most:
-            raise errors.ConfigError(f"record_topk={config.record_topk}: more than the {most} tokens of the model's "
-                                     f"vocabulary" + (f" shard at tp={config.tp}" if config.tp > 1 else ""))
+        # checks tp against the model's heads first
+        num_pages = pool_pages(config, self.shape, self.max_model_len, dtype)
+        check_record_topk(config, self.shape)
         self.pool = pool_cls(num_pages, config.page_size, prefix_cache=config.prefix_cache)
-        if config.max_model_len is not None and self.pool.pages_needed(self.max_model_len) > self.pool.capacity:
-            raise errors.ConfigError(
-                f"max_model_len={config.max_model_len}: one request of {self.max_model_len} positions needs "
-                f"{self.pool.pages_needed(self.max_model_len)} pages of {config.page_size} slots, but the pool holds "
-                f"{self.pool.capacity} (num_pages={num_pages}, one of them the null page): give more pages or a "
-                f"smaller max_model_len")
+        check_max_model_len(config, self.pool, self.max_model_len, num_pages)
         self.scheduler = scheduler_cls.from_config(self.pool, config, schedule_log)
         max_kv = min(self.max_model_len, self.pool.capacity * config.page_size)
         width = self.pool.pages_needed(self.max_model_len)
@@ -115,7 +94,7 @@ class Engine:
                                          num_pages, max_kv, width,
                                          source=(model or "small") if loaded is None else None)
         try:
-            self.overlap = self.use_overlap(config)
+            self.overlap = use_overlap(config, self.runner)
         except errors.ConfigError:
             self.runner.close()         # workers already started (tp > 1) stop with the refusal
             raise
@@ -141,53 +120,9 @@ class Engine:
         self._poisoned_ahead = False        # the open step's freed pages were poisoned for the step launched ahead
         self._dead: errors.EngineDeadError | None = None   # the first failure that left the state untrusted
 
-    def pool_pages(self, config: EngineConfig, dtype) -> int:
-        """The pool's pages, null page included: num_pages, or as many as kv_cache_bytes holds, but no more than
-        max_batch rows of the longest request can use."""
-        # tp > 1: each rank holds its own key/value heads of every page, so the budget is per rank (per GPU)
-        per_page = ModelRunner.bytes_per_page(rank_shape(self.shape, config.tp), config.page_size, dtype)
-        if config.num_pages is not None:
-            pages, field = config.num_pages, f"num_pages={config.num_pages}"
-        else:
-            kind = torch.device(config.device).type
-            budget = config.kv_cache_bytes or KV_CACHE_BYTES.get(kind, KV_CACHE_BYTES["cpu"])
-            if budget // per_page < 2:
-                raise errors.ConfigError(f"kv_cache_bytes={config.kv_cache_bytes}: a page of {config.page_size} "
-                                         f"slots takes {per_page} bytes on this model, and the pool needs at least 2 "
-                                         f"pages (one is the null page): {2 * per_page} bytes")
-            pages = min(budget // per_page, config.max_batch * pages_for(self.max_model_len, config.page_size) + 1)
-            field = f"kv_cache_bytes={config.kv_cache_bytes}"
-        # before anything is allocated: a pool of 10**8 pages would first build a free list of gigabytes, then fail
-        # untyped in torch (or swap the machine to a halt)
-        free = free_memory(config.device)
-        if free is not None and pages * per_page > free:
-            raise errors.PoolTooLargeError(
-                f"{field}: {pages} pages of {config.page_size} slots take {pages * per_page / 2**30:.3g} GiB of KV "
-                f"cache on this model ({per_page} bytes a page), more than the {free / 2**30:.3g} GiB free on "
-                f"{config.device}: give fewer pages (or a smaller kv_cache_bytes)")
-        return pages
-
-    @staticmethod
-    def use_cuda_graphs(config: EngineConfig) -> bool:
-        """cuda_graphs None: on where they can run (CUDA, a backend whose decode is graph-safe, tp 1); True: required
-        (on a CPU: the captured steps' path run uncaptured, for a backend whose kernels allow it)."""
-        reason = graphs_problem(config)
-        if config.cuda_graphs and reason:
-            raise errors.ConfigError(f"cuda_graphs=True but {reason}")
-        return reason is None and config.cuda_graphs is not False
-
-    def use_overlap(self, config: EngineConfig) -> bool:
-        """overlap None: on where the runner can launch a step ahead (its graphs exist) and they are captured; True:
-        required. Poison mode keeps it: the pages a step frees are poisoned before the step launched after it."""
-        reason = None
-        if not self.runner.can_launch_ahead:
-            reason = ("launching a step ahead needs the captured pure decode steps (cuda_graphs) on one rank: "
-                      "at tp > 1 every rank would have to launch it")
-        if config.overlap and reason:
-            raise errors.ConfigError(f"overlap=True but {reason}")
-        if config.overlap is None:
-            return reason is None and self.runner.graphs.capture_graphs
-        return bool(config.overlap)
+    # asked of Engine, not of engine/served.py: the gates ask whether an engine captures its steps here, and tests
+    # swap the answer (tests/conftest.py forces the captured steps' path on a CPU)
+    use_cuda_graphs = staticmethod(use_cuda_graphs)
 
     # -- lifetime --------------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -452,23 +387,13 @@ class Engine:
             self._sync()
         return out, ran_ahead
 
-    def pages_freed_by(self, plan: StepPlan) -> list[int]:
-        """The pages that the end of `plan`'s step will free, before its tokens are known: its bookkeeping run on a
-        copy of the scheduler (which retires what finishes by its budget, caches full pages and frees the rest);
-        which pages it frees does not depend on the tokens. A cancel during the step frees more; the step launched
-        ahead is then dropped (Engine.matches), and those pages are poisoned at the step's end as usual."""
-        scheduler, copied = copy.deepcopy((self.scheduler, plan))
-        copied.apply([0] * len(copied.sampled), 0.0)
-        return scheduler.finish_step()
+    # tests swap these two on Engine (tests/test_overlap.py): a launch ahead taken for any plan, a foresight that
+    # misses the freed pages
+    matches = staticmethod(foresight.matches)
 
-    @staticmethod
-    def matches(step: Foresight, plan: StepPlan) -> bool:
-        """The step launched ahead computed this plan: the same prompt chunks, and the same decode rows at the same
-        positions in the same order, nobody admitted."""
-        return (not plan.admitted and len(step.chunks) == len(plan.chunks) and len(step.rows) == len(plan.decodes)
-                and all(a.request is c.request and a.start == c.start and a.length == c.length
-                        for a, c in zip(step.chunks, plan.chunks))
-                and all(a.request is r and a.num_cached == r.num_cached for a, r in zip(step.rows, plan.decodes)))
+    def pages_freed_by(self, plan: StepPlan) -> list[int]:
+        """The pages that the end of `plan`'s step will free (engine/foresight.py)."""
+        return foresight.pages_freed_by(self.scheduler, plan)
 
     # -- running ---------------------------------------------------------------------------------------------
     def run(self, specs: list[RequestSpec] | None = None, open_loop: bool = False, progress=None,

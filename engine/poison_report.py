@@ -1,5 +1,5 @@
 """The report of a poisoned read (poison mode): a step's logits came out non-finite, so a kernel read a freed or
-never-written KV slot. It names the reader, the slot it read (found by re-running the step: ModelRunner.poisoned_reads),
+never-written KV slot. It names the reader, the slot it read (found by re-running the step: engine/poisoned_reads.py),
 that slot's page and whose it is or was, then every request in the step with its pages: the cause, not only the
 victim. No tensors here beyond what the runner's search returns."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def poison_error(engine: "Engine", plan, sampled, nonfinite) -> errors.PoisonedLogitsError:
-    """Names the reader, the slot it read (found by re-running the step: ModelRunner.poisoned_reads), that
+    """Names the reader, the slot it read (found by re-running the step: engine/poisoned_reads.py), that
     slot's page and whose it is or was, then every request in the step with its pages."""
     bad = [r.request_id for r, nf in zip(sampled, nonfinite) if nf]
     row = list(nonfinite).index(True)

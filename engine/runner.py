@@ -1,5 +1,5 @@
 """The model runner: the only place that touches the KV cache. It turns a step plan into packed tensors, runs one
-forward (`fused`) or two (`chunked`), and samples greedily with ONE host readback per step.
+forward (`fused`) or two (`chunked`), and samples greedily with ONE host readback per step (engine/readback.py).
 
 Pure decode steps can replay CUDA graphs (`DecodeGraphs`), and loaded and chunk-only steps too (`StepGraphs`): an
 eager step of a 28-layer model is launch-bound on a large GPU, a captured one is not."""
@@ -9,7 +9,6 @@ import gc
 import sys
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -20,60 +19,16 @@ from kernels.base import AttentionBackend
 
 from .census import StepPath, kernel_paths, step_kind
 from .model import ForwardContext, Qwen2
+from .poisoned_reads import poisoned_reads
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
 from .packing import logit_row_count, pack
+from .readback import Sampled, StepOutput
 from .scheduler import Chunk, Foresight, StepPlan
 from .step_graphs import StepGraphs
 
 if TYPE_CHECKING:
     from .config import EngineConfig
-
-
-@dataclass
-class StepOutput:
-    """Host lists, one entry per sampled row: completing prompt chunks first, then decode tokens (plan order)."""
-    tokens: list[int]
-    nonfinite: list[bool] = field(default_factory=list)      # poison mode only
-    topk_ids: list[list[int]] = field(default_factory=list)  # record mode only
-    topk_vals: list[list[float]] = field(default_factory=list)
-
-    def result(self) -> "StepOutput":
-        """Already on the host (as `Sampled.result()`, for steps that were read back at once)."""
-        return self
-
-
-class Sampled:
-    """A step's sampled rows, still on the device: greedy tokens (and in poison mode which rows were not finite, in
-    record mode the top-k). Their copies to pinned host memory are queued right behind the step, before anything
-    launched after it, and `result()` waits for those copies alone: a step launched ahead (ModelRunner.launch_ahead)
-    does not delay this one's readback. Off CUDA the copies are plain reads."""
-
-    def __init__(self, tokens: torch.Tensor, nonfinite: torch.Tensor | None = None, topk=None):
-        self.tokens = tokens                 # on the device: a step launched ahead reads its input tokens here
-        parts = [tokens] + ([nonfinite] if nonfinite is not None else []) + (list(topk[::-1]) if topk else [])
-        self.has = (nonfinite is not None, topk is not None)
-        self.done = None
-        if tokens.device.type == "cuda":
-            # pinned (the host allocator caches the blocks) so that the copy is asynchronous; the event marks it done
-            self.parts = [torch.empty(p.shape, dtype=p.dtype, pin_memory=True).copy_(p, non_blocking=True)
-                          for p in parts]
-            self.done = torch.cuda.Event()
-            self.done.record()
-        else:
-            self.parts = parts
-
-    def result(self) -> StepOutput:
-        """One host wait: for this step's copies (and so for this step's kernels), not for steps queued after it."""
-        if self.done is not None:
-            self.done.synchronize()
-        parts = iter(self.parts)
-        out = StepOutput(next(parts).tolist())
-        if self.has[0]:
-            out.nonfinite = [bool(x) for x in next(parts).tolist()]
-        if self.has[1]:
-            out.topk_ids, out.topk_vals = next(parts).tolist(), next(parts).tolist()
-        return out
 
 
 class Runner(Protocol):
@@ -173,72 +128,11 @@ class ModelRunner:
             v[idx] = float("nan")
 
     # -- which poisoned slot a row read ---------------------------------------------------------------------
-    @torch.inference_mode()
     def poisoned_reads(self, plan: StepPlan, pages_of: dict[str, list[int]], forward_mode: str, row: int,
                        max_reads: int = 1) -> tuple[list[int], bool] | None:
-        """After a step whose sampled `row` got non-finite logits: (slots, more): flat cache slots (page * page_size
-        + offset) that row's logits depend on, one per page, at most `max_reads`; `more`: it reads NaN in other
-        pages too. Kernel-agnostic: every slot holding NaN (poisoned, or written NaN by an earlier forward) is made
-        finite, then group by group put back while the same step is run again (idempotent: it rewrites the same
-        slots); the row turns non-finite again only when a group it reads is NaN. Bisects pages, then slots in the
-        page found: about log2(pages) + log2(page_size) forwards a slot. Leaves the cache as found, but for the
-        step's own slots. None: the row stays non-finite with every such slot finite."""
-        ps = self.page_size
-        flat = [t.view(t.shape[0] * ps, -1) for kv in self.kv_caches for t in kv]
-        poisoned = torch.isnan(flat[0]).all(-1)     # never written since poisoned: NaN in every layer
-        tainted = torch.zeros_like(poisoned)
-        for t in flat:
-            tainted |= torch.isnan(t).any(-1)
-        tainted &= ~poisoned
-        written = self.build(plan.chunks, plan.decodes, pages_of)[2].slot_mapping
-        poisoned[written] = False                   # the step rewrites these before any read
-        tainted[written] = False
-        cand = (poisoned | tainted).nonzero().flatten()
-        if cand.numel() == 0:
-            return None
-        cand_tainted = tainted[cand]
-        saved = [t[cand[cand_tainted]].clone() for t in flat]
-
-        def put(slots: torch.Tensor, nan: bool) -> None:
-            """Put `slots` (a subset of cand) back as found (nan) or make them finite."""
-            sel = torch.isin(cand, slots)
-            p, tn = cand[sel & ~cand_tainted], sel[cand_tainted]
-            q = cand[cand_tainted][tn]
-            for t, keep in zip(flat, saved):
-                t[p] = float("nan") if nan else 0.0
-                t[q] = keep[tn] if nan else torch.nan_to_num(keep[tn], nan=0.0)
-
-        def reads(slots: torch.Tensor) -> bool:
-            """Non-finite with only `slots` NaN?"""
-            put(slots, True)
-            bad = self.run(plan, pages_of, forward_mode).nonfinite[row]
-            put(slots, False)
-            return bad
-
-        def bisect(slots: torch.Tensor, unit) -> torch.Tensor:
-            """The group (slots with one `unit` value) that the row reads, among groups that hold one."""
-            groups = torch.unique(unit(slots))
-            while len(groups) > 1:
-                half = groups[:len(groups) // 2]
-                inside = slots[torch.isin(unit(slots), half)]
-                groups = half if reads(inside) else groups[len(groups) // 2:]
-            return slots[unit(slots) == groups[0]]
-
-        put(cand, False)
-        try:
-            if reads(cand[:0]):
-                return None
-            found = []
-            # slots read while poisoned first: a NaN written by an earlier forward is that forward's read's effect
-            for left in (cand[~cand_tainted], cand[cand_tainted]):
-                while len(found) < max_reads and left.numel() and reads(left):
-                    page = bisect(left, lambda s: s // ps)
-                    found.append(int(bisect(page, lambda s: s)[0]))
-                    left = left[left // ps != found[-1] // ps]
-            rest = cand[~torch.isin(cand // ps, torch.tensor(found, device=cand.device) // ps)]
-            return found, bool(rest.numel()) and reads(rest)
-        finally:
-            put(cand, True)
+        """After a step whose sampled `row` got non-finite logits: the slots it read NaN from, found by re-running
+        the step (engine/poisoned_reads.py says how)."""
+        return poisoned_reads(self, plan, pages_of, forward_mode, row, max_reads)
 
     # -- per-step tensors ------------------------------------------------------------------------------------
     def _attn_batch(self, q_lens, kv_lens, tables) -> AttnBatch:

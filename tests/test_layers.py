@@ -2,11 +2,12 @@
 source (runtime imports; a block under `if TYPE_CHECKING:` is a type, not an import):
 
 - bookkeeping: requests, the pool, the prefix cache, the KV-cache manager (the scheduler's one seam to the pages),
-  the scheduler and its prefill-share ledger, the schedule log,
-  the step-path census: no torch, no numpy, nothing from the other layers;
-- execution: the runner, model, packing, captured steps, tensor parallel (engine/tp/), the loader: nothing from the
-  facade;
-- facade: Engine, its configuration, errors, inputs, workloads, the poisoned-read report, the heap guard.
+  the scheduler and its prefill-share ledger, the schedule log, the step-path census, the checks of a step launched
+  ahead (foresight): no torch, no numpy, nothing from the other layers;
+- execution: the runner, its readback and its poisoned-read search, model, packing, captured steps, tensor parallel
+  (engine/tp/), the loader: nothing from the facade;
+- facade: Engine, its configuration and what it serves, errors, inputs, workloads, the poisoned-read report, the heap
+  guard.
 
 And no circle anywhere in engine/ or gates/, and no `__getattr__` forwarding in engine/."""
 from __future__ import annotations
@@ -20,12 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "bookkeeping": {"engine.request", "engine.pool", "engine.prefix_cache", "engine.kv_cache", "engine.scheduler",
-                    "engine.prefill_share", "engine.schedule_log", "engine.census", "engine.errors"},
-    "execution": {"engine.runner", "engine.model", "engine.packing", "engine.graphs", "engine.step_graphs",
-                  "engine.loader", "engine.dtypes", "engine.tp", "engine.tp.runner", "engine.tp.shard",
-                  "engine.tp.worker", "engine.tp.layers"},
-    "facade": {"engine", "engine.engine", "engine.sigint", "engine.config", "engine.inputs", "engine.workload",
-               "engine.poison_report", "engine.heap"},
+                    "engine.prefill_share", "engine.schedule_log", "engine.census", "engine.foresight",
+                    "engine.errors"},
+    "execution": {"engine.runner", "engine.readback", "engine.poisoned_reads", "engine.model", "engine.packing",
+                  "engine.graphs", "engine.step_graphs", "engine.loader", "engine.dtypes", "engine.tp",
+                  "engine.tp.runner", "engine.tp.shard", "engine.tp.worker", "engine.tp.layers"},
+    "facade": {"engine", "engine.engine", "engine.served", "engine.sigint", "engine.config", "engine.inputs",
+               "engine.workload", "engine.poison_report", "engine.heap"},
 }
 # engine.errors is the one module every layer shares (a typed error is raised wherever a rule breaks)
 SHARED = {"engine.errors"}

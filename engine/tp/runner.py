@@ -25,7 +25,7 @@ from kernels import envs
 
 from . import layers as tp_layers
 from ..errors import RankDisagreementError, WorkerError
-from ..runner import StepOutput
+from ..readback import StepOutput
 from ..scheduler import Chunk, StepPlan
 from .shard import STARTUP_TIMEOUT_S, Group, PlanSender, ShardRunner, kv_page_problems, rank_devices
 from .worker import WorkerSpec, worker_main

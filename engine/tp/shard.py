@@ -15,7 +15,8 @@ import torch.distributed as dist
 from . import layers as tp_layers
 from ..pool import NULL_PAGE
 from ..request import Request, State
-from ..runner import ModelRunner, StepOutput
+from ..readback import StepOutput
+from ..runner import ModelRunner
 from ..scheduler import Chunk, StepPlan
 
 STARTUP_TIMEOUT_S = 900  # loading, compiling and capturing take minutes on a GPU

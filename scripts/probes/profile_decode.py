@@ -27,7 +27,8 @@ from engine.scheduler import StepKind
 from engine.graphs import DecodeGraphs
 from engine.loader import load_model
 from engine.request import State
-from engine.runner import ModelRunner, Sampled
+from engine.readback import Sampled
+from engine.runner import ModelRunner
 from engine.scheduler import Scheduler
 from engine.workload import MIXED, MIXED_CPU
 

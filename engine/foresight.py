@@ -1,0 +1,30 @@
+"""The engine's checks of the step it launched ahead (EngineConfig.overlap), foreseen by Scheduler.next_step: whether
+the real schedule is that step (matches), and which pages the step in flight frees at its end (pages_freed_by), so
+that poison mode poisons them before the step launched after it reads any. Bookkeeping alone, no torch: both read
+only the scheduler and its plans."""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import Foresight, Scheduler, StepPlan
+
+
+def matches(step: Foresight, plan: StepPlan) -> bool:
+    """The step launched ahead computed this plan: the same prompt chunks, and the same decode rows at the same
+    positions in the same order, nobody admitted."""
+    return (not plan.admitted and len(step.chunks) == len(plan.chunks) and len(step.rows) == len(plan.decodes)
+            and all(a.request is c.request and a.start == c.start and a.length == c.length
+                    for a, c in zip(step.chunks, plan.chunks))
+            and all(a.request is r and a.num_cached == r.num_cached for a, r in zip(step.rows, plan.decodes)))
+
+
+def pages_freed_by(scheduler: Scheduler, plan: StepPlan) -> list[int]:
+    """The pages that the end of `plan`'s step will free, before its tokens are known: its bookkeeping run on a
+    copy of the scheduler (which retires what finishes by its budget, caches full pages and frees the rest);
+    which pages it frees does not depend on the tokens. A cancel during the step frees more; the step launched
+    ahead is then dropped (matches), and those pages are poisoned at the step's end as usual."""
+    scheduler, copied = copy.deepcopy((scheduler, plan))
+    copied.apply([0] * len(copied.sampled), 0.0)
+    return scheduler.finish_step()

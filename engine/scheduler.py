@@ -214,22 +214,20 @@ class Scheduler:
         self.running.append(r)
 
     # -- the step's work -------------------------------------------------------------------------------------
-    def is_short(self, r: Request, at: int | None = None) -> bool:
-        """A prompt with at most short_prompt_positions positions left: it never waits, and goes first. `at`: the
-        positions cached (None: the request's num_cached), as for the other chunk helpers."""
-        left = r.prompt_left if at is None else max(0, r.prompt_len - at)
-        return left <= self.short_prompt_positions
+    # The chunk helpers take the positions a prompt has cached (`at`): its num_cached for this step, or what this step
+    # leaves cached when the step after it is foreseen (next_step).
+    def is_short(self, r: Request, at: int) -> bool:
+        """A prompt with at most short_prompt_positions positions left: it never waits, and goes first."""
+        return r.prompt_len - at <= self.short_prompt_positions
 
-    def chunk_length(self, r: Request, at: int | None = None) -> int:
-        """Positions in the request's next chunk: from num_cached to the next multiple of chunk_tokens (or the
-        prompt's end)."""
-        start = r.num_cached if at is None else at
-        return min((start // self.chunk_tokens + 1) * self.chunk_tokens, r.prompt_len) - start
+    def chunk_length(self, r: Request, at: int) -> int:
+        """Positions in the request's next chunk: from `at` to the next multiple of chunk_tokens (or the prompt's
+        end)."""
+        return min((at // self.chunk_tokens + 1) * self.chunk_tokens, r.prompt_len) - at
 
-    def next_chunk(self, r: Request, at: int | None = None) -> Chunk:
+    def next_chunk(self, r: Request, at: int) -> Chunk:
         """The request's next chunk."""
-        start = r.num_cached if at is None else at
-        return Chunk(r, start, self.chunk_length(r, start), long=not self.is_short(r, start))
+        return Chunk(r, at, self.chunk_length(r, at), long=not self.is_short(r, at))
 
     def pick_chunks(self, withhold_long: bool = False,
                     prefilling: list[tuple[Request, int]] | None = None) -> tuple[list[Chunk], list[Request]]:

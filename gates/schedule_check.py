@@ -22,6 +22,7 @@ from collections import Counter
 from engine.errors import PoolInvariantError
 from engine.request import State
 from engine.schedule_log import ScheduleLog
+from engine.scheduler import StepKind
 
 from .failure import GateFailure
 
@@ -43,6 +44,7 @@ STATE = "request state"
 KEPT = "schedule log kept"
 PROVENANCE = "provenance"
 RECORD = "request record"
+KIND = "step kind"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -162,6 +164,20 @@ def provenance_problems(requests, trace) -> list[str]:
     return out
 
 
+def kind_problems(trace) -> list[str]:
+    """Each step's kind (what the benches and the census sort steps by) against what it carried: prompt chunks and
+    decode tokens (loaded), chunks only, decode tokens only, or nothing (idle)."""
+    out = []
+    for rec in trace:
+        p, d = rec.prompt_positions > 0, rec.decode_tokens > 0
+        want = (StepKind.LOADED if p and d else StepKind.CHUNK_ONLY if p else StepKind.PURE_DECODE if d else
+                StepKind.IDLE)
+        if rec.kind != want:
+            out.append(f"{KIND} violated: step {rec.index} is {rec.kind.value} with {rec.prompt_positions} prompt "
+                       f"positions and {rec.decode_tokens} decode tokens: a {want.value} step")
+    return out[:SHOWN]
+
+
 def holder_problems(pool, log: ScheduleLog) -> list[str]:
     """The page holders failure reports name (PagePool.holder, and the step a page was freed at) against the schedule
     log's last release of each page."""
@@ -213,7 +229,8 @@ def engine_problems(engine) -> list[str]:
                 if r.state is State.FINISHED and r.token_steps}
     return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +
             eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
-            provenance_problems(engine.requests.values(), engine.trace) + holder_problems(engine.pool, sched.log) +
+            provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
+            holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine))
 
 

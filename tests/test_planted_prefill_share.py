@@ -36,7 +36,7 @@ class CutsShortWhenOwed(Scheduler):
     def pick_chunks(self, withhold_long=False):
         chunks, withheld = super().pick_chunks(withhold_long)
         if withheld:
-            piece = self.next_chunk(withheld[0])
+            piece = self.next_chunk(withheld[0], withheld[0].num_cached)
             chunks.append(Chunk(piece.request, piece.start, max(1, piece.length // 2), long=piece.long))
         return chunks, []
 
@@ -77,7 +77,7 @@ class CountsNoDecoders(Scheduler):
         plan = StepPlan(self.step_index, admitted=self.admit())
         plan.decodes = [r for r in self.running if r.state is State.DECODE]
         plan.chunks, withheld = self.pick_chunks(withhold_long=self.ledger.owes)
-        plan.long_chunks = sum(not self.is_short(c.request) for c in plan.chunks)
+        plan.long_chunks = sum(not self.is_short(c.request, c.start) for c in plan.chunks)
         plan.withheld = len(withheld)
         self.withheld_steps += bool(withheld)
         for c in plan.chunks:

@@ -12,7 +12,7 @@ from engine.loader import load_model
 from engine.pool import PagePool
 from engine.request import Request, State
 from engine.schedule_log import ScheduleLog
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, StepKind, StepPlan
 from engine.workload import Workload
 from gates.schedule_check import ScheduleViolation, check_engine, engine_problems
 from tests import plants
@@ -230,3 +230,16 @@ def test_step_of_names_the_step_whose_token_a_cancel_dropped():
     r.state = State.CANCELLED
     assert not r.emit(7, 2, 0.0) and r.output == [7, 7]
     assert [r.step_of(p) for p in range(6)] == [0, 0, 0, 1, 2, None]
+
+
+def test_real_engine_step_kind_wrong_fails_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign: StepPlan.kind calling a pure decode step loaded survived the schedule suite."""
+    def kind(self):
+        if self.chunks or self.decodes:          # the planted bug: any work is "loaded"
+            return StepKind.LOADED
+        return StepKind.IDLE
+    monkeypatch.setattr(StepPlan, "kind", property(kind))
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"step kind violated: step \d+ is loaded with 0 prompt positions and "
+                                                r"\d+ decode tokens: a pure-decode step"):
+        check_engine(eng, "fused[torch] tiny pool")

@@ -15,6 +15,7 @@ a plain-Python model of what must be true. After every rule it checks (see docs/
   of the step that retires it (the free count never rises between schedule() and finish_step(), release() never
   grows the free list, and finish_step() returns exactly the retired requests' pages, which the runner poisons);
 - never fits: a request larger than the whole pool is refused at submit with NeverFitsError, never left to hang;
+- the step foreseen is the step scheduled (gates/foresight_check.py): Scheduler.next_step, exact and complete;
 - every request completes when steps keep running, and then no page has leaked.
 
 A step is advanced exactly as engine/engine.py's Engine.step does: each prompt chunk adds its length to num_cached
@@ -36,6 +37,7 @@ from engine.pool import NULL_PAGE, PagePool
 from engine.request import Request
 from engine.scheduler import Scheduler
 
+from .foresight_check import ForesightWatch
 from .schedule_check import (CANCEL, CAPACITY, COMPLETES, EVICTION, FCFS, NEVER_FITS, OWNERS, PLAN, PROVENANCE,
                              RESERVE, ROWS, STATE, TOTAL, ceil_pages)
 from .stepping import PHASE_OF, SteppingMachine, check, violated
@@ -135,6 +137,7 @@ class AdmissionMachine(SteppingMachine):
         else:
             expected = ("cancelled", m.emitted)
         res = self.sched.cancel(rid, self.requests)
+        self.foresight.disturb()
         check((res.outcome, res.emitted) == expected, CANCEL,
               lambda: f"cancel({rid}) gave {res.outcome!r} with {res.emitted} emitted, expected {expected}")
         event(f"cancel: {expected[0]} ({m.phase if m else 'unknown'}"
@@ -149,8 +152,10 @@ class AdmissionMachine(SteppingMachine):
     def begin_step(self):
         i = self.step_index
         free_before = self.pool.num_free
+        waiting_before, rows_before = len(self.sched.waiting), len(self.sched.running)
         plan = self.sched.schedule()
         self.in_step = True
+        self.foresight.check(plan, waiting_before, rows_before, self.sched.ledger.prefill_share)
         # admission: arrival order, rows, reservation, capacity
         for r in plan.admitted:
             rid = r.request_id
@@ -205,6 +210,7 @@ class AdmissionMachine(SteppingMachine):
               lambda: f"step {i}: chunks {got_chunks}, decodes {got_decodes}; expected chunks {chunks} "
                       f"(whole chunks at multiples of chunk_tokens={C}, prompts with at most {short} positions "
                       f"left first, FCFS within each), decodes {decodes}")
+        self.foresight.foresee(self.sched, plan)      # before the plan's bookkeeping, as Engine.step does
         plan.apply([7] * len(plan.sampled), 0.0)   # book it exactly as Engine.step does
         for rid, _, n in chunks:
             m = self.model[rid]
@@ -331,6 +337,7 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
             self.arrivals = 0
             self.in_step = False
             self.free_at_schedule = 0
+            self.foresight = ForesightWatch(max_batch)
             self.step_index = 0
             self.busy = False
 
@@ -349,6 +356,7 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
             need = ceil_pages(total, ps)
             waiting_before = [r.request_id for r in self.sched.waiting]
             request = Request(rid, [1] * prompt_len, budget)
+            self.foresight.disturb()
             try:
                 submit_or_refuse(self.pool, self.sched, request)
             except NeverFitsError as e:

@@ -77,19 +77,24 @@ class Runs:
             self._loaded = load_model(self.opts.model_arg, torch_dtype(self.opts.dtype), self.opts.device)
         return self._loaded
 
+    def engine_reference(self, engine: str, backend: str, workload: str, **overrides) -> EngineReference:
+        """The configuration candidate() serves a workload with (poison mode, the workload's chunk budget, this
+        run's options), for a gate that drives an engine of its own through the same configuration."""
+        wl = get_workload(workload)
+        kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides,
+                  **self.opts.overrides(backend))
+        kw.update(overrides)
+        return EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
+
     def candidate(self, engine: str, backend: str, workload: str, repeat: int = 0, **overrides):
         """GenRecords of one engine configuration on a workload, in poison mode (the gate default). `repeat`
         asks for another, independent run of the same configuration."""
         key = (engine, backend, workload, repeat, tuple(sorted(overrides.items())))
         label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:
-            wl = get_workload(workload)
-            kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides,
-                      **self.opts.overrides(backend))
-            kw.update(overrides)
-            ref = EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
+            ref = self.engine_reference(engine, backend, workload, **overrides)
             try:
-                records = ref.generate(wl.requests())
+                records = ref.generate(get_workload(workload).requests())
             except PoisonedLogitsError as e:     # the engine names the step, slot, page and owner; not its backend
                 c = ref.config
                 e.add_note(f"in {label}: backend {c.backend}, forward {c.forward}, page_size {c.page_size}, "

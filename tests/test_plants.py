@@ -146,3 +146,11 @@ def test_a_bug_in_a_step_launched_ahead_fails_the_cpu_smoke_gate(tmp_path):
     log = next(tmp_path.glob("*.log")).read_text()
     assert r.caught and r.gate.startswith("gates/test_smoke.py::test_smoke_steps_launched_ahead["), log[-3000:]
     assert r.named and "launched ahead" in log, log[-3000:]
+
+
+def test_the_redo_gate_catches_an_undo_that_drops_a_row():
+    """gates/test_redo.py interrupts steps that admit while others run: an undo that gives back one row too many
+    loses a request (found by the mutation campaign: `del self.running[~len(admitted):]` passed every other gate)."""
+    p = pytest_run("gates/test_redo.py", "-p", "tests.plants", "--plant", "undo-drops-a-row", "-x")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert re.search(plants.PLANTS["undo-drops-a-row"].cause, p.stdout), p.stdout[-3000:]

@@ -164,6 +164,16 @@ def provenance_problems(requests, trace) -> list[str]:
     return out
 
 
+def arrival_problems(requests) -> list[str]:
+    """Arrival indices count the accepted submits: the engine's requests, in submit order, arrived in that order
+    (strictly increasing: results popped leave gaps; strict FCFS orders by them, failure reports print them)."""
+    got = [r.arrival_index for r in requests]
+    if any(a >= b for a, b in zip(got, got[1:])):
+        return [f"{FCFS} violated: the accepted requests' arrival indices, in submit order, are {got[:SHOWN * 2]}"
+                f"{' ...' if len(got) > SHOWN * 2 else ''}; they must count the submits"]
+    return []
+
+
 def kind_problems(trace) -> list[str]:
     """Each step's kind (what the benches and the census sort steps by) against what it carried: prompt chunks and
     decode tokens (loaded), chunks only, decode tokens only, or nothing (idle)."""
@@ -230,6 +240,7 @@ def engine_problems(engine) -> list[str]:
     return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +
             eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
             provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
+            arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine))
 

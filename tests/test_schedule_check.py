@@ -243,3 +243,15 @@ def test_real_engine_step_kind_wrong_fails_the_check(loaded, monkeypatch):
     with pytest.raises(ScheduleViolation, match=r"step kind violated: step \d+ is loaded with 0 prompt positions and "
                                                 r"\d+ decode tokens: a pure-decode step"):
         check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_real_engine_arrival_indices_not_counted_fail_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign: Scheduler.add numbering every request 0 (`next_arrival += 0`) survived."""
+    def add(self, request):
+        request.arrival_index = self.next_arrival        # the planted bug: the count never moves
+        self.waiting.append(request)
+    monkeypatch.setattr(Scheduler, "add", add)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"strict FCFS admission violated: the accepted requests' arrival "
+                                                r"indices, in submit order, are \[0, 0, 0"):
+        check_engine(eng, "fused[torch] tiny pool")

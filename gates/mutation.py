@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import shutil
+import shlex
 import subprocess
 import sys
 import time
@@ -194,7 +195,7 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
     t0 = time.time()
-    base = subprocess.run(command.split(), cwd=tree, env=env, capture_output=True, text=True,
+    base = subprocess.run(shlex.split(command), cwd=tree, env=env, capture_output=True, text=True,
                           timeout=suite["timeout"])
     baseline_s = time.time() - t0
     if base.returncode:

@@ -28,8 +28,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 # Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file
 # not named here keeps its place among them; tests keep their order within a file.
-GATE_ORDER = ["test_smoke.py", "test_kernels.py", "test_admission.py", "test_tokens.py", "test_page_safety.py",
-              "test_prefix_cache.py", "test_tp.py", "test_graphs.py", "test_prefill_share.py", "test_step_timings.py"]
+# test_redo.py right after test_tokens.py: it reuses the mixed workload's undisturbed run.
+GATE_ORDER = ["test_smoke.py", "test_kernels.py", "test_admission.py", "test_tokens.py", "test_redo.py",
+              "test_page_safety.py", "test_prefix_cache.py", "test_tp.py", "test_graphs.py", "test_prefill_share.py",
+              "test_step_timings.py"]
 
 
 def gate_order(items) -> list:

@@ -254,10 +254,9 @@ def test_a_real_ctrl_c_at_a_random_moment_never_breaks_the_run(emulated, runs):
 
 
 def test_a_real_ctrl_c_during_engine_run_never_breaks_it(emulated):
-    """Engine.run() puts its Ctrl-C handler in once for the run (engine/sigint.py), not twice a block: a SIGINT at a
-    random moment of run() raises KeyboardInterrupt out of it (after the block it landed in, or from the forward,
-    undone), and run() called again finishes with the undisturbed run's tokens and steps; the handler is the test's
-    again after each run."""
+    """A SIGINT at a random moment of Engine.run() raises KeyboardInterrupt out of it (after the block it landed in,
+    or from the forward, undone), and run() called again finishes with the undisturbed run's tokens and steps; the
+    handler is the test's again after each run."""
     cfg = config(prefix_cache=True, poison=False)
 
     def engine() -> Engine:

@@ -8,7 +8,8 @@ receives signals and may set a handler: in any other thread a block is a no-op.
 A handler swap costs about 10 us (two a block, two blocks a step). Putting the handler in once per Engine.run() was
 tried in session 12 and taken back: with it, the full tests/ run swallowed a Ctrl-C raised during a step
 (tests/test_step_atomic.py's injected SIGINT at a step's scheduling, after other test files had run; alone it
-passed). The once-per-run handler is the likely cause, not a confirmed one.
+passed). It failed the same way after this per-block swap came back, so that handler was not the cause; it stays
+out until a run with it passes.
 """
 from __future__ import annotations
 

@@ -45,8 +45,10 @@ DEFAULTS = {"cuda": (100, 10, 20), "cpu": (40, 5, 5)}
 # for 100 rounds, another 0.995x), and only fresh processes sample it. Each pair costs a start (cuda: model load and
 # graph capture, about 40 s for a pair on the H200, overlapping when pairs start together). On the CPU host a pair's
 # A/A ratio stayed within 0.98-1.031x (docs/ab.md), under its 5% threshold, and each process adds a start of 7 s or
-# more on its 2 cores, so one pair keeps the CPU run short.
-PROCESSES = {"cuda": 3, "cpu": 1}
+# more on its 2 cores, so one pair keeps the CPU run short. cuda 5: three pairs' A/A estimates spread 0.962-1.008x
+# over seven runs (docs/ab.md), about as far as a 5% plant's 1.043-1.062x; five pairs shrink that spread by a
+# quarter at about 10 s more start (the pairs start together).
+PROCESSES = {"cuda": 5, "cpu": 1}
 
 
 # -- the run -------------------------------------------------------------------------------------------------------

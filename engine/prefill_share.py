@@ -79,14 +79,13 @@ class DebtLedger:
             self.debt = max(0.0, self.debt - t)
             return
         t_d = self.decode_estimate or 0.0
-        if plan.long_chunks:
-            if p < 1.0:
-                extra = max(0.0, t - t_d)
-                longs = [c.request.request_id for c in plan.chunks if c.long]
-                for rid in longs:
-                    self.chunk_extra[rid] = extra / len(longs)
-                owed = max(0.0, extra * (1.0 - p) / p - ahead)
-                self.debt = min(self.debt + owed, self.debt_cap(t))
+        if plan.long_chunks:                 # (p < 1 here: settle() does not account at p = 1)
+            extra = max(0.0, t - t_d)
+            longs = [c.request.request_id for c in plan.chunks if c.long]
+            for rid in longs:
+                self.chunk_extra[rid] = extra / len(longs)
+            owed = max(0.0, extra * (1.0 - p) / p - ahead)
+            self.debt = min(self.debt + owed, self.debt_cap(t))
         else:                                # decode tokens and short chunks only
             self.debt = max(0.0, self.debt - min(t, t_d))
 

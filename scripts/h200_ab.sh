@@ -21,7 +21,7 @@
 # about 3 x 45 s a run, so set RUNS=2 with it.
 #   carry: .device (fa_built/: flash-attn built by an earlier call, as scripts/h200_call.sh; else flash_attn/: the
 #          sdist and build_flash_attn.py, built here in about 2 minutes; base/: the base tree for BASE_TREE)
-#   knobs: BUDGET_S (560: the whole call), RUNS (3 of each kind), PROCS (3 process pairs a run), PLANT (0.05),
+#   knobs: BUDGET_S (560: the whole call), RUNS (3 of each kind), PROCS (5 process pairs a run: gates.ab's cuda default), PLANT (0.05),
 #          RUN_S (150: one A/B run's deadline), KINDS (aa,planted; with BASE_TREE ab,aa), BASE_TREE (unset),
 #          SUCCESSIVE (0), REFRESH (0), REFRESH_K (the refresh's pytest -k), COMMIT (the commit to name in the
 #          baseline where this copy has no .git), FULL (0)
@@ -35,7 +35,7 @@ DEADLINE=$(( START + ${BUDGET_S:-560} ))
 M15=qwen2.5-1.5b-random
 RUNS=${RUNS:-3}
 RUN_S=${RUN_S:-150}
-PROCS=${PROCS:-3}
+PROCS=${PROCS:-5}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 part() {   # part NAME MAX_SECONDS CMD...: SIGINT first at the limit; its status line goes to status.txt as it ends
   local name=$1 max=$2; shift 2

@@ -30,6 +30,9 @@ import torch
 CHUNK = 256             # keys an item attends: one 256-slot page (flash's page size); a multiple of BLOCK_N
 BLOCK_N = 64            # keys a program loads at a time; divides the page size
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a group are padded to it
+# attend_items' launch: Triton's defaults (4 warps, 3 stages) unless set; scripts/probes/triton_sweep.py measures
+# the alternatives on a GPU
+LAUNCH: dict = {}
 
 
 def max_items(rows: int, width_slots: int, pool_slots: int, chunk: int) -> int:
@@ -67,17 +70,20 @@ def _kernels():
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 chunk: int | None = None, items=None) -> torch.Tensor:
+                 chunk: int | None = None, items=None, block_n: int | None = None,
+                 launch: dict | None = None) -> torch.Tensor:
     """q [rows, heads, d]; caches [pages, page_size, kv_heads, d]; block_table int32 [rows, width]; cached int32
     [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
-    position `cached`). `items`: work_items(...) made once per step (else made here). -> [rows, heads, d]."""
+    position `cached`). `items`: work_items(...) made once per step (else made here). `block_n`, `launch`
+    (num_warps, num_stages): attend_items' tiling, BLOCK_N and LAUNCH unless given. -> [rows, heads, d]."""
     attend_items, combine_items = _kernels()
     chunk = chunk or CHUNK
+    block_n = block_n or BLOCK_N
     rows, heads, d = q.shape
     pages, page_size, kv_heads, _ = k_cache.shape
-    if page_size % BLOCK_N or heads % kv_heads or d & (d - 1):
-        raise ValueError(f"triton decode: page size {page_size} (a multiple of {BLOCK_N}), heads {heads} over "
-                         f"{kv_heads} key/value heads, head dim {d} (a power of two)")
+    if page_size % block_n or chunk % block_n or heads % kv_heads or d & (d - 1):
+        raise ValueError(f"triton decode: page size {page_size} and item {chunk} (multiples of {block_n}), heads "
+                         f"{heads} over {kv_heads} key/value heads, head dim {d} (a power of two)")
     group = heads // kv_heads
     if items is None:
         items = work_items(cached, max_items(rows, block_table.shape[1] * page_size, pages * page_size, chunk),
@@ -94,7 +100,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
-        BLOCK_N=BLOCK_N, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda)
+        BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda,
+        **(LAUNCH if launch is None else launch))
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
                                  lse.stride(0), out.stride(0), out.stride(1), D=d,

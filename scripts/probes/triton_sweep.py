@@ -1,0 +1,111 @@
+"""The Triton decode's tiling on a GPU: per-layer time of kernels/triton_decode.paged_decode inside a CUDA graph, by
+item size (CHUNK), key block (BLOCK_N), warps and pipeline stages.
+
+Why: in the 32-row pure decode step on the H200 the Triton decode took 0.60 ms of the step's 2.14 ms of device time
+(attend_items 0.43, combine_items 0.17: docs/RESULTS.md), for about 27 MB of K and V a layer, a third of the copy
+bandwidth. Its tiling was chosen once; this measures the alternatives over the same histories as the flash probe
+(the mixed draw's 32 rows, the 1.5B shape's 12 query / 2 key-value heads of 128, 256-slot pages), 28 layer calls a
+replay with the served fused append, and checks every variant's output against the current tiling's.
+
+    python -m scripts.probes.triton_sweep --out results/triton_sweep.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.stats import graph_time
+from engine.workload import MIXED
+from kernels import triton_decode as td
+from scripts.probes.flash_splits import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, probe_args
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.triton_sweep", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--chunks", default="128,256,512")
+    ap.add_argument("--blocks", default="32,64,128")
+    ap.add_argument("--warps", default="2,4,8")
+    ap.add_argument("--stages", default="2,3,4")
+    probe_args(ap)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("triton_sweep: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev, dt, (P, Hq, Hk, D) = torch.device("cuda"), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
+    hist = [len(s.prompt) + 1 for s in MIXED.scaled(a.rows).requests()][:a.rows]
+    need = [-(-h // P) for h in hist]
+    num_pages = 1 + sum(need)
+    tables, nxt = [], 1
+    for n in need:
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    g = torch.Generator(device=dev).manual_seed(0)
+    caches = [(torch.randn(num_pages, P, Hk, D, generator=g, device=dev, dtype=dt),
+               torch.randn(num_pages, P, Hk, D, generator=g, device=dev, dtype=dt)) for _ in range(a.layers)]
+    qkv = torch.randn(a.rows, Hq + 2 * Hk, D, generator=g, device=dev, dtype=dt)   # the model's fused [q|k|v]
+    q, new_kv = qkv[:, :Hq], (qkv[:, Hq:Hq + Hk], qkv[:, Hq + Hk:])
+    cached = torch.tensor([h - 1 for h in hist], dtype=torch.int32, device=dev)     # the new key appended
+    W = max(need)
+    bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32, device=dev)
+
+    def variant(chunk, block_n, launch):
+        grid = td.max_items(a.rows, W * P, num_pages * P, chunk)
+        items = td.work_items(cached, grid, chunk)
+
+        def step():
+            out = None
+            for k, v in caches:
+                out = td.paged_decode(q, k, v, bt, cached, D ** -0.5, new_kv, chunk=chunk, items=items,
+                                      block_n=block_n, launch=launch)
+            return out
+        return step
+
+    us, ref = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH), a.reps, a.layers)
+    rows = [dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=None, num_stages=None, current=True,
+                 us_per_layer=us, max_abs_diff=0.0)]
+    for chunk, block_n, warps, stages in itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps),
+                                                           ints(a.stages)):
+        if chunk % block_n or P % block_n:
+            continue
+        launch = dict(num_warps=warps, num_stages=stages)
+        try:
+            us, out = graph_time(variant(chunk, block_n, launch), a.reps, a.layers)
+            err = (out - ref).abs().max().item()
+        except Exception as e:          # a tiling the compiler refuses (shared memory, registers): say so
+            rows.append(dict(chunk=chunk, block_n=block_n, num_warps=warps, num_stages=stages,
+                             error=f"{type(e).__name__}: {str(e)[:120]}"))
+            continue
+        rows.append(dict(chunk=chunk, block_n=block_n, num_warps=warps, num_stages=stages, us_per_layer=us,
+                         max_abs_diff=err))
+    kv_bytes = sum(hist) * Hk * D * 2 * 2
+    print(f"triton decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max "
+          f"{max(hist)}, {kv_bytes / 1e6:.1f} MB of K+V per layer; the current tiling first")
+    print(f"{'chunk':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'us/layer':>9} {'max|diff|':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['chunk']:>6} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6}  {r['error']}")
+            continue
+        print(f"{r['chunk']:>6} {r['block_n']:>7} {str(r['num_warps']):>5} {str(r['num_stages']):>6} "
+              f"{r['us_per_layer']:>9.1f} {r['max_abs_diff']:>10.2e}")
+    ok = [r for r in rows if "error" not in r and r["max_abs_diff"] < 2e-2]
+    best = min(ok, key=lambda r: r["us_per_layer"])
+    print(f"fastest: {best} against the current {rows[0]['us_per_layer']:.1f} us/layer")
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(dict(histories=hist, rows=rows, best=best), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

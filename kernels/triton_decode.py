@@ -30,8 +30,9 @@ import torch
 CHUNK = 256             # keys an item attends: one 256-slot page (flash's page size); a multiple of BLOCK_N
 BLOCK_N = 64            # keys a program loads at a time; divides the page size
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a group are padded to it
-# attend_items' launch: Triton's defaults (4 warps, 3 stages) unless set; scripts/probes/triton_sweep.py measures
-# the alternatives on a GPU
+# attend_items' launch: Triton's defaults (4 warps, 3 stages) unless set. scripts/probes/triton_sweep.py measured 54
+# tilings on the H200 (docs/RESULTS.md, k14): these are within 6% of the fastest (21.3 against 20.0 us a layer), so
+# the attention's third-of-bandwidth is not its tiling
 LAUNCH: dict = {}
 
 

@@ -108,6 +108,7 @@ class Engine:
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []       # the last config.trace_limit steps (all with None)
         self.lock = threading.RLock()           # every bookkeeping change: requests, scheduler, pool, trace
+        self._sigint = HeldSigint()             # Ctrl-C held over each block of bookkeeping (engine/sigint.py)
         self._stepping = threading.RLock()      # one step (or score) at a time: they share the runner
         self.t0 = time.perf_counter()
         self._auto_id = 0
@@ -156,7 +157,7 @@ class Engine:
     def _bookkeeping(self, what: str):
         """A block of the step's bookkeeping, all or nothing: under the lock, with Ctrl-C held to its end. It calls
         no device, so an exception out of it is a bug that may have stopped it half-way: the engine fails."""
-        with self.lock, HeldSigint():
+        with self.lock, self._sigint:
             try:
                 yield
             except BaseException as e:
@@ -211,7 +212,7 @@ class Engine:
         rid = None if request_id is None else inputs.request_id_of(request_id)
         tokens, budget = self.validate(prompt, budget, rid or "request")
         at = None if arrival_time is None else inputs.arrival_of(arrival_time, rid or "request")
-        with self.lock, HeldSigint():   # a request is held and queued, or neither
+        with self.lock, self._sigint:   # a request is held and queued, or neither
             if rid is None:
                 while f"req-{self._auto_id}" in self.requests:
                     self._auto_id += 1
@@ -253,7 +254,7 @@ class Engine:
         which ("unknown", "already-finished", "already-cancelled"), .noop is True."""
         self.alive()
         rid = inputs.request_id_of(request_id)
-        with self.lock, HeldSigint():
+        with self.lock, self._sigint:
             res = self.scheduler.cancel(rid, self.requests)
             if res.cancelled:
                 self.requests[rid].finish_time = self.now()
@@ -265,7 +266,7 @@ class Engine:
         step that retires it) raises RequestNotDoneError; an id the engine does not hold, UnknownRequestError."""
         self.alive()
         rid = inputs.request_id_of(request_id)
-        with self.lock, HeldSigint():
+        with self.lock, self._sigint:
             r = self.requests.get(rid)
             if r is None:
                 raise errors.UnknownRequestError(f"no request {rid!r} (never submitted, or its result was popped)")
@@ -402,7 +403,7 @@ class Engine:
         before each step; once true, return and leave what is queued or running as it is. The run holds
         gc_frozen(): no full garbage collection of what was alive before it lands between its steps."""
         self.alive()
-        with gc_frozen():
+        with gc_frozen(), self._sigint.installed():     # Ctrl-C's handler in once, not swapped twice a step
             return self._run(specs, open_loop, progress, until)
 
     def _run(self, specs, open_loop, progress, until) -> dict:

@@ -44,7 +44,7 @@ def pack(chunks, decodes, pages_of: dict[str, list[int]], page_size: int, tokens
     return o, nrows
 
 
-def logit_row_count(chunks, decodes, all_logits: bool = False) -> int:
+def logit_row_count(chunks, decodes, all_logits: bool) -> int:
     if all_logits:
         return sum(c.length for c in chunks) + len(decodes)
     return sum(c.completes_prompt for c in chunks) + len(decodes)

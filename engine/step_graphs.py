@@ -122,7 +122,7 @@ class StepGraphs(CapturedSteps):
         d = len(decodes)
         t = sum(c.length for c in chunks) + d
         seqs = d + sum(-(-c.length // Q_TILE) for c in chunks)
-        rows = logit_row_count(chunks, decodes)
+        rows = logit_row_count(chunks, decodes, all_logits=False)
         for b in self.sizes[bisect_left(self.sizes, t):]:
             if self.seqs_for(b) >= seqs + -(-(b - t) // self.pad_tile) and self.rows_for(b) >= rows:
                 return b
@@ -138,7 +138,7 @@ class StepGraphs(CapturedSteps):
         self.wait_copied()
         # decode rows first (the decode call reads packed rows [0, R)), chunk positions after them; the sampled rows
         # keep the eager step's order: chunk completions, then decode rows
-        d, nc = len(decodes), logit_row_count(chunks, [])
+        d, nc = len(decodes), logit_row_count(chunks, [], all_logits=False)
         _, nrows = pack([], decodes, pages_of, ps, tok, pos, slot, lr[nc:])
         t, _ = pack(chunks, [], pages_of, ps, tok[d:], pos[d:], slot[d:], lr)
         lr[:nc] += d

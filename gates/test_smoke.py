@@ -13,6 +13,7 @@ from . import summary, triage
 from .compare import compare
 from .runs import CANDIDATES, skip_unless_runs, workload_for
 from .reference import LazyReference
+from .teacher_forced import teacher_forced
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
@@ -52,3 +53,17 @@ def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
                      opts.threshold, opts.flip_cap, check_steps=False)
     summary.record(report)
     assert report.ok, triage.failure_message(report, eng, golden, score)
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_smoke_teacher_forced(runs, opts, engine, backend):
+    """Engine.score() (teacher forcing) over the smoke golden's prompts and tokens, by the engine that served them:
+    every emitted position ranks the golden's token first, or flips within a near tie (gates/teacher_forced.py)."""
+    skip_unless_runs(opts, engine, backend)
+    workload = workload_for(opts, SMOKE_CPU.name)
+    golden = runs.golden("hf", workload)
+    _, eng = runs.candidate(engine, backend, workload)
+    report = teacher_forced(f"smoke, teacher-forced: {engine}[{backend}].score() vs hf on {workload}", eng, golden,
+                            opts.threshold, opts.flip_cap)
+    summary.record(report)
+    assert report.ok, triage.failure_message(report)

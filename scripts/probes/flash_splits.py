@@ -37,6 +37,30 @@ def probe_args(ap) -> None:
     ap.add_argument("--out", default=None)
 
 
+def paged_caches(rows: int, layers: int, seed: int = 0):
+    """The probes' decode state on CUDA: `rows` histories of the mixed draw (prompt + 1 decoded), their pages handed
+    out in order after the null page 0, `layers` random fp16 K/V caches of that many pages. -> (histories, block
+    tables as lists, caches, the generator for anything else random)."""
+    dev = torch.device("cuda")
+    hist = [len(s.prompt) + 1 for s in MIXED.scaled(rows).requests()][:rows]
+    tables, nxt = [], 1
+    for h in hist:
+        n = -(-h // PAGE)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    g = torch.Generator(device=dev).manual_seed(seed)
+    caches = [tuple(torch.randn(nxt, PAGE, KV_HEADS, HEAD_DIM, generator=g, device=dev, dtype=torch.float16)
+                    for _ in range(2)) for _ in range(layers)]
+    return hist, tables, caches, g
+
+
+def write_out(path: str | None, **data) -> None:
+    """--out: the probe's figures as JSON (nothing without it)."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(data, indent=2))
+
+
 def have_flash(prog: str) -> bool:
     """flash-attn imports here; if not, say why on stderr."""
     fa, reason = _import_flash()
@@ -59,16 +83,8 @@ def main(argv=None) -> int:
         return 2
     from flash_attn import flash_attn_with_kvcache
     dev, dt, (P, Hq, Hk, D) = torch.device("cuda"), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
-    hist = [len(s.prompt) + 1 for s in MIXED.scaled(a.rows).requests()][:a.rows]
-    need = [-(-h // P) for h in hist]
-    num_pages = 1 + sum(need)
-    tables, nxt = [], 1
-    for n in need:
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-    g = torch.Generator(device=dev).manual_seed(0)
-    caches = [(torch.randn(num_pages, P, Hk, D, generator=g, device=dev, dtype=dt),
-               torch.randn(num_pages, P, Hk, D, generator=g, device=dev, dtype=dt)) for _ in range(a.layers)]
+    hist, tables, caches, g = paged_caches(a.rows, a.layers)
+    need = [len(t) for t in tables]
     # q as the model hands it over: a strided view of the rotated [q | k] heads
     qk = torch.randn(a.rows, Hq + Hk, D, generator=g, device=dev, dtype=dt)
     q = qk[:, :Hq].unsqueeze(1)
@@ -101,9 +117,7 @@ def main(argv=None) -> int:
     wide = [r for r in rows if r["width"] == max(x["width"] for x in rows)]
     best = min(wide, key=lambda r: r["us_per_layer"])
     print(f"fastest at width {best['width']}: num_splits={best['num_splits']} ({best['us_per_layer']:.1f} us/layer)")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(dict(histories=hist, rows=rows, best=best), indent=2))
+    write_out(a.out, histories=hist, rows=rows, best=best)
     return 0
 
 

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
 from bench.stats import graph_time
-from engine.workload import MIXED
 from kernels import triton_decode as td
-from scripts.probes.flash_splits import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, probe_args
+from scripts.probes.flash_splits import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, paged_caches, probe_args, write_out
 
 
 def ints(text: str) -> list[int]:
@@ -43,16 +40,9 @@ def main(argv=None) -> int:
         print("triton_sweep: needs a CUDA device", file=sys.stderr)
         return 2
     dev, dt, (P, Hq, Hk, D) = torch.device("cuda"), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
-    hist = [len(s.prompt) + 1 for s in MIXED.scaled(a.rows).requests()][:a.rows]
-    need = [-(-h // P) for h in hist]
-    num_pages = 1 + sum(need)
-    tables, nxt = [], 1
-    for n in need:
-        tables.append(list(range(nxt, nxt + n)))
-        nxt += n
-    g = torch.Generator(device=dev).manual_seed(0)
-    caches = [(torch.randn(num_pages, P, Hk, D, generator=g, device=dev, dtype=dt),
-               torch.randn(num_pages, P, Hk, D, generator=g, device=dev, dtype=dt)) for _ in range(a.layers)]
+    hist, tables, caches, g = paged_caches(a.rows, a.layers)
+    need = [len(t) for t in tables]
+    num_pages = caches[0][0].shape[0]
     qkv = torch.randn(a.rows, Hq + 2 * Hk, D, generator=g, device=dev, dtype=dt)   # the model's fused [q|k|v]
     q, new_kv = qkv[:, :Hq], (qkv[:, Hq:Hq + Hk], qkv[:, Hq + Hk:])
     cached = torch.tensor([h - 1 for h in hist], dtype=torch.int32, device=dev)     # the new key appended
@@ -101,9 +91,7 @@ def main(argv=None) -> int:
     ok = [r for r in rows if "error" not in r and r["max_abs_diff"] < 2e-2]
     best = min(ok, key=lambda r: r["us_per_layer"])
     print(f"fastest: {best} against the current {rows[0]['us_per_layer']:.1f} us/layer")
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps(dict(histories=hist, rows=rows, best=best), indent=2))
+    write_out(a.out, histories=hist, rows=rows, best=best)
     return 0
 
 

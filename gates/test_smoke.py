@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 
 from engine.config import graphs_problem, lineage_config
-from engine.workload import SMOKE_CPU
+from engine.workload import SMOKE_CPU, get_workload
 
 from . import summary, triage
 from .compare import compare
 from .runs import CANDIDATES, skip_unless_runs, workload_for
 from .reference import LazyReference
 from .teacher_forced import teacher_forced
+from .foresight_guard import guard_problems
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
@@ -30,6 +31,17 @@ def test_smoke(runs, opts, engine, backend):
     assert report.ok, triage.failure_message(report, eng, golden, score)
 
 
+def skip_unless_ahead(runs, opts, engine, backend) -> str:
+    """Skip a configuration whose kernels do not run the captured steps' path here (no step can be launched ahead);
+    else the smoke workload's name."""
+    skip_unless_runs(opts, engine, backend)
+    problem = graphs_problem(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True,
+                                            tp=opts.tp))
+    if problem or opts.tp > 1:
+        pytest.skip(f"no steps launched ahead for {engine}[{backend}] here: {problem or 'tp > 1'}")
+    return workload_for(opts, SMOKE_CPU.name)
+
+
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
 def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
     """The smoke gate over the steps launched ahead (EngineConfig.overlap): each step foreseen and launched before
@@ -37,12 +49,7 @@ def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
     already launch ahead (test_smoke runs them); here every configuration whose kernels run the captured steps'
     path does so too: on a CPU that path runs uncaptured (cuda_graphs=True), so a bug in a step launched ahead fails
     the CPU gates in seconds. Poison mode stays on: the pages a step frees are poisoned before the launch after it."""
-    skip_unless_runs(opts, engine, backend)
-    problem = graphs_problem(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True,
-                                            tp=opts.tp))
-    if problem or opts.tp > 1:
-        pytest.skip(f"no steps launched ahead for {engine}[{backend}] here: {problem or 'tp > 1'}")
-    workload = workload_for(opts, SMOKE_CPU.name)
+    workload = skip_unless_ahead(runs, opts, engine, backend)
     golden = runs.golden("hf", workload)
     cand, eng = runs.candidate(engine, backend, workload, cuda_graphs=True, overlap=True)
     assert eng.steps_ahead > 0 and eng.ahead_discarded == 0, (
@@ -67,3 +74,17 @@ def test_smoke_teacher_forced(runs, opts, engine, backend):
                             opts.threshold, opts.flip_cap)
     summary.record(report)
     assert report.ok, triage.failure_message(report)
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_smoke_wrong_foresight_is_never_used(runs, opts, engine, backend):
+    """Steps launched ahead from a foresight made wrong on purpose every other step (gates/foresight_guard.py: a row
+    gone, the rows reversed, a chunk a position shorter) are dropped, never used: the run serves what the right
+    foresight's run serves (test_smoke_steps_launched_ahead's), token by token and step by step; and so on three
+    twin prompts that decode at equal positions (reversed rows there differ in nothing but which request they are)."""
+    workload = skip_unless_ahead(runs, opts, engine, backend)
+    ref = runs.engine_reference(engine, backend, workload, cuda_graphs=True, overlap=True)
+    _, right = runs.candidate(engine, backend, workload, cuda_graphs=True, overlap=True)
+    problems, ways = guard_problems(ref, right, get_workload(workload).requests(), f"{engine}[{backend}]")
+    assert not problems, (f"{engine}[{backend}], steps launched ahead from wrong foresights ({ways}):\n  "
+                          + "\n  ".join(problems))

@@ -17,6 +17,8 @@ import platform
 import re
 import shutil
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -124,6 +126,16 @@ def cr(*args, cwd: Path, env: dict, timeout: float | None = None) -> subprocess.
                           capture_output=True, text=True)
 
 
+def session_config(module: str, timeout: float, command: str, worker_urls: list[str]) -> str:
+    """cosmic-ray's config for one module: the local distributor (one mutant at a time, in the copy itself), or the
+    http distributor over `worker_urls`."""
+    text = (f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {timeout}\nexcluded-modules = []\n'
+            f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\n")
+    if not worker_urls:
+        return text + 'name = "local"\n'
+    return text + f'name = "http"\n\n[cosmic-ray.distributor.http]\nworker-urls = {json.dumps(worker_urls)}\n'
+
+
 def filter_session(db_path: Path, tree: Path, module: str, entries: list[dict], all_operators: bool) -> None:
     """Mark skipped what is not run: operators outside the selective set, and the allow-list's equivalent mutants."""
     from cosmic_ray.work_db import WorkDB, use_db
@@ -166,21 +178,75 @@ def pending(db_path: Path) -> int:
                          ).fetchone()[0]
 
 
+# cosmic-ray's http distributor posts each mutant to a worker with aiohttp's default client timeout (300 s in all):
+# a mutant whose suite ran longer would come back as an aiohttp error, not a verdict. So with workers the per-mutant
+# timeout is held under it.
+HTTP_TIMEOUT_S = 280.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_workers(tree: Path, count: int, env: dict, work: Path) -> list[tuple[subprocess.Popen, str]]:
+    """`count` cosmic-ray http workers, each in its own copy of `tree` (a worker mutates the files of its working
+    directory), each with its share of the cores (torch's threads would otherwise oversubscribe them). Returns the
+    processes and their URLs once each answers."""
+    threads = str(max(1, (os.cpu_count() or 1) // count))
+    workers = []
+    for i in range(count):
+        copy = tree.with_name(f"{tree.name}.{i}")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(tree, copy)
+        port = free_port()
+        log = open(work / f"{tree.stem}.worker{i}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "cosmic_ray.cli", "http-worker", "--port", str(port)],
+                                cwd=copy, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**env, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": threads})
+        workers.append((proc, f"http://127.0.0.1:{port}"))
+    for proc, url in workers:
+        port = int(url.rsplit(":", 1)[1])
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"a cosmic-ray worker exited at start (log under {work})")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise RuntimeError(f"a cosmic-ray worker did not answer on {url}")
+    return workers
+
+
+def stop_workers(workers: list[tuple[subprocess.Popen, str]], tree: Path) -> None:
+    """Each worker and the suite it may still be running (its own process group), then its copy of the tree."""
+    for proc, _ in workers:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    for i in range(len(workers)):
+        shutil.rmtree(tree.with_name(f"{tree.name}.{i}"), ignore_errors=True)
+
+
 def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool = False,
-               retest: bool = False) -> dict:
+               retest: bool = False, workers: int = 1) -> dict:
     """One module's campaign: copy, cosmic-ray init, filter, a baseline run of the suite, cosmic-ray exec until done
-    or the deadline (`resume`: an earlier session's pending mutants, its time added). Returns the run's metadata
-    (also written beside the session)."""
+    or the deadline (`resume`: an earlier session's pending mutants, its time added). `workers` > 1: that many
+    mutants at a time, through cosmic-ray's http distributor (each worker in its own copy of the tree; on one GPU
+    they share it). Returns the run's metadata (also written beside the session)."""
     suite = cfg["suites"][cfg["modules"][module]]
+    timeout = float(suite["timeout"]) if workers == 1 else min(float(suite["timeout"]), HTTP_TIMEOUT_S)
     meta_path = work / f"{slug(module)}.meta.json"
     tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
     if resume and not retest and meta_path.is_file() and db.is_file() and pending(db) == 0:
         return json.loads(meta_path.read_text())      # nothing left to run
     copy_tree(tree)
     command = suite["command"].replace("python ", f"{sys.executable} ", 1)
-    cfg_path.write_text(
-        f'[cosmic-ray]\nmodule-path = "{module}"\ntimeout = {float(suite["timeout"])}\nexcluded-modules = []\n'
-        f"test-command = {json.dumps(command)}\n\n[cosmic-ray.distributor]\nname = \"local\"\n")
     env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "CI": "1"}
     earlier = json.loads(meta_path.read_text())["seconds"] if resume and db.is_file() and meta_path.is_file() else 0
     started, at_commit = time.time(), commit()        # the tree the mutants run on is the one copied now
@@ -188,6 +254,7 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     if resume and retest and db.is_file():
         retest_survivors(db)
         filter_session(db, tree, module, entries, all_operators=True)    # survivors since allow-listed: not rerun
+    cfg_path.write_text(session_config(module, timeout, command, []))
     if not (resume and db.is_file()):
         db.unlink(missing_ok=True)
         r = cr("init", str(cfg_path), str(db), cwd=tree, env=env)
@@ -195,18 +262,22 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
     t0 = time.time()
-    base = subprocess.run(shlex.split(command), cwd=tree, env=env, capture_output=True, text=True,
-                          timeout=suite["timeout"])
+    base = subprocess.run(shlex.split(command), cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
     baseline_s = time.time() - t0
     if base.returncode:
         raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
+    pool = start_workers(tree, workers, env, work) if workers > 1 else []
     try:
+        cfg_path.write_text(session_config(module, timeout, command, [url for _, url in pool]))
         cr("exec", str(cfg_path), str(db), cwd=tree, env=env, timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
         pass                    # the mutants not run stay pending and are reported as not run
+    finally:
+        stop_workers(pool, tree)
     restore_deferred(db)
     finished = pending(db) == 0
-    meta = dict(module=module, suite=cfg["modules"][module], command=suite["command"], timeout_s=suite["timeout"],
+    meta = dict(module=module, suite=cfg["modules"][module], command=suite["command"], timeout_s=timeout,
+                workers=workers,
                 device=suite["device"], baseline_s=round(baseline_s, 1),
                 seconds=round(earlier + time.time() - started, 1),
                 finished=finished, commit=at_commit, machine=machine(), date=time.strftime("%Y-%m-%d"))
@@ -323,6 +394,8 @@ def main(argv=None) -> int:
     run.add_argument("--resume", action="store_true", help="go on with the sessions under --work (their pending "
                      "mutants); without it each module starts a new session")
     run.add_argument("--retest", action="store_true", help="with --resume: run the survivors again (a gap closed)")
+    run.add_argument("--workers", type=int, default=1, help="mutants run at a time (cosmic-ray's http distributor, "
+                     f"a copy of the tree each; the per-mutant timeout is then at most {HTTP_TIMEOUT_S:.0f} s)")
     rep = sub.add_parser("report", help="write the report from the sessions under --work")
     for p in (run, rep):
         p.add_argument("--work", type=Path, default=WORK, help="sessions and metadata (default results/mutation)")
@@ -343,7 +416,7 @@ def main(argv=None) -> int:
             if time.time() >= deadline:
                 print(f"{m}: not run (the {args.max_minutes} min cap was reached)", file=sys.stderr)
                 continue
-            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest)
+            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest, args.workers)
             print(f"{m}: {meta['seconds']:.0f} s{'' if meta['finished'] else ' (cap reached)'}", file=sys.stderr)
     reports = report(args.work, load_equivalent(REPO / cfg["equivalent"]), modules)
     text = markdown(reports)

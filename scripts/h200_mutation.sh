@@ -1,21 +1,38 @@
 #!/usr/bin/env bash
-# The GPU mutation campaign (docs/mutation.md): kernels/ and the runner, each mutant against the gates on the H200
-# (gates/mutation.toml, suites "kernels" and "runner"). A device call lasts at most 10 minutes, so the campaign runs
-# over several calls: each goes on with the sessions the last one left (carried in .device/mutation) and hands them
-# back in $OUT/mutation.tgz; unpack that into .device/mutation before the next call.
-#   carry: .device/wheels (cosmic-ray and its dependencies: `pip download "cosmic-ray>=8.4,<9" -d .device/wheels` on
-#          a machine with an index; the H200 reaches none), .device/fa_built (flash-attn, as for h200_session.sh),
+# The GPU mutation campaign (docs/mutation.md): kernels/ and the runner, each mutant against its gates on the H200
+# (gates/mutation.toml, suites "flash", "torch_backend" and "runner"), WORKERS mutants at a time on the one GPU
+# (cosmic-ray's http distributor, a copy of the tree each). A device call lasts at most 10 minutes, so a campaign may
+# run over several calls: each goes on with the sessions the last one left (carried in .device/mutation) and hands
+# them back in $OUT/mutation.tgz; unpack that into .device/mutation before the next call.
+#   carry: .device/wheels (cosmic-ray and its dependencies as cp312 wheels: `pip download cosmic-ray==8.7.0
+#          --only-binary=:all: --python-version 3.12 ...` here; yattag, sdist only, built with `pip wheel yattag`),
+#          .device/fa_built (flash-attn built by an earlier call) or .device/flash_attn (the sdist and its build
+#          script, built here first: about 2 minutes; the build comes back as $OUT/fa_built.tgz),
 #          .device/mutation (the sessions so far; absent on the first call)
-#   MODULES: the modules of this call (default: every module of the kernels and runner suites); MINUTES (8): the cap
+#   MODULES: the modules of this call (default: every module of the three suites); MINUTES (8): the campaign's cap;
+#   WORKERS (12): mutants at a time; RETEST=1: run the survivors again (after a gap was closed)
 set -eu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .device/mutation
-export PYTHONUNBUFFERED=1 STEPGATE_FLASH_ATTN_PATH=$PWD/.device/fa_built/src:$PWD/.device/fa_built/ext
-pip install -q --no-index --find-links .device/wheels "cosmic-ray>=8.4,<9"
+export PYTHONUNBUFFERED=1
+pip install -q --no-index --find-links .device/wheels "cosmic-ray==8.7.0" > "$OUT/pip.log" 2>&1
+if ls .device/fa_built/ext/*.so > /dev/null 2>&1; then
+  export STEPGATE_FLASH_ATTN_PATH=$PWD/.device/fa_built/src:$PWD/.device/fa_built/ext
+else
+  t=$(date +%s)
+  python3 .device/flash_attn/build_flash_attn.py .device/flash_attn/flash_attn-2.8.3.post2.tar.gz --arch 90 \
+    --workdir /tmp/fa > "$OUT/flash_build.log" 2>&1
+  echo "flash-attn build rc=$? in $(( $(date +%s) - t ))s" >> "$OUT/flash_build.log"
+  tar czhf "$OUT/fa_built.tgz" -C /tmp/fa ext src/flash_attn
+  export STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext
+fi
 args=()
 for m in ${MODULES:-}; do args+=(--module "$m"); done
-[ ${#args[@]} -gt 0 ] || args=(--suite kernels --suite runner)
+[ ${#args[@]} -gt 0 ] || args=(--suite flash --suite torch_backend --suite runner)
 resume=()
 ls .device/mutation/*.sqlite > /dev/null 2>&1 && resume=(--resume)
-python -m gates.mutation run "${args[@]}" "${resume[@]}" --max-minutes "${MINUTES:-8}" --work .device/mutation \
-  --markdown "$OUT/mutation-report.md" --out "$OUT/mutation-report.json"
-tar czf "$OUT/mutation.tgz" -C .device/mutation --exclude '*.tree' .
+[ "${RETEST:-0}" = 1 ] && resume+=(--retest)
+python -m gates.mutation run "${args[@]}" "${resume[@]}" --workers "${WORKERS:-12}" --max-minutes "${MINUTES:-8}" \
+  --work .device/mutation --markdown "$OUT/mutation-report.md" --out "$OUT/mutation-report.json" \
+  > "$OUT/campaign.log" 2>&1 || echo "campaign rc=$?" >> "$OUT/campaign.log"
+tar czf "$OUT/mutation.tgz" -C .device/mutation --exclude '*.tree' --exclude '*.tree.*' .
+tail -5 "$OUT/campaign.log"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,39 @@ def test_retest_runs_the_survivors_alone_then_restores_the_rest(tmp_path):
     assert mutation.pending(db) == 2            # s1 and s2 alone: what cosmic-ray exec would run now
     mutation.restore_deferred(db)
     assert mutation.pending(db) == 5            # the never-run ones pending again (and the survivors, not rerun here)
+
+
+def toy_repo(tmp_path: Path) -> Path:
+    """A git checkout of one small module and a check that kills some of its mutants and not others (`a < b` ->
+    `a <= b` survives: no call compares equal values)."""
+    import subprocess
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "toy.py").write_text("def f(a, b):\n    if a < b:\n        return a + b\n    return b - a\n")
+    (repo / "allow.toml").write_text("")
+    for cmd in (["git", "init", "-q"], ["git", "add", "."],
+                ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "toy"]):
+        subprocess.run(cmd, cwd=repo, check=True)
+    return repo
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_campaign_with_workers_gives_the_verdicts_of_one_at_a_time(tmp_path, monkeypatch, workers):
+    """--workers runs mutants through cosmic-ray's http distributor, each worker in its own copy of the tree: the
+    verdicts are those of the local run (the toy module's mutants: the check kills all but the boundary one)."""
+    pytest.importorskip("cosmic_ray")
+    repo = toy_repo(tmp_path)
+    monkeypatch.setattr(mutation, "REPO", repo)
+    check = "python -c 'import toy; assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3'"
+    cfg = {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"},
+           "suites": {"toy": {"device": "cpu", "timeout": 60, "command": check}}}
+    work = tmp_path / "work"
+    work.mkdir()
+    meta = mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, workers=workers)
+    assert meta["finished"] and meta["workers"] == workers
+    verdicts = {(m["line"], m["operator"], m["occurrence"]): m["outcome"]
+                for m in mutation.read_session(work / "toy.sqlite", "toy.py", [])}
+    survived = [k for k, v in verdicts.items() if v == "survived"]
+    assert [k[:2] for k in survived] == [(2, "core/ReplaceComparisonOperator_Lt_LtE")], verdicts
+    assert sum(v == "killed" for v in verdicts.values()) >= 3, verdicts
+    assert not list(work.glob("toy.tree*")), "the copies of the tree are removed after the run"

@@ -184,6 +184,9 @@ def pending(db_path: Path) -> int:
 HTTP_TIMEOUT_S = 280.0
 
 
+BASELINES: dict[str, float] = {}     # suite command -> seconds of its unmutated run (passed) in this process
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -261,11 +264,14 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
         if r.returncode:
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
-    t0 = time.time()
-    base = subprocess.run(shlex.split(command), cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
-    baseline_s = time.time() - t0
-    if base.returncode:
-        raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
+    if command not in BASELINES:        # modules of one suite share its unmutated run within a campaign
+        t0 = time.time()
+        base = subprocess.run(shlex.split(command), cwd=tree, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if base.returncode:
+            raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
+        BASELINES[command] = time.time() - t0
+    baseline_s = BASELINES[command]
     pool = start_workers(tree, workers, env, work) if workers > 1 else []
     try:
         cfg_path.write_text(session_config(module, timeout, command, [url for _, url in pool]))

@@ -14,7 +14,7 @@
 set -eu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .device/mutation
 export PYTHONUNBUFFERED=1
-pip install -q --no-index --find-links .device/wheels "cosmic-ray==8.7.0" > "$OUT/pip.log" 2>&1
+python -m pip install -q --no-index --find-links .device/wheels "cosmic-ray==8.7.0" > "$OUT/pip.log" 2>&1
 if ls .device/fa_built/ext/*.so > /dev/null 2>&1; then
   export STEPGATE_FLASH_ATTN_PATH=$PWD/.device/fa_built/src:$PWD/.device/fa_built/ext
 else
@@ -25,6 +25,10 @@ else
   tar czhf "$OUT/fa_built.tgz" -C /tmp/fa ext src/flash_attn
   export STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext
 fi
+# the smoke gate's CUDA golden is made on the machine (none is committed: scripts/h200_session.sh does the same); the
+# GPU suites run the trained small model, as the GPU gate suite does
+python -m gates.golden regen --model small-trained --workload smoke-cpu --reference hf --device cuda --dtype float16 \
+  > "$OUT/golden.log" 2>&1
 args=()
 for m in ${MODULES:-}; do args+=(--module "$m"); done
 [ ${#args[@]} -gt 0 ] || args=(--suite flash --suite torch_backend --suite runner)

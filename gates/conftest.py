@@ -73,7 +73,8 @@ def pytest_collection_modifyitems(config, items):
     gate on the chunked engine (CPU_SLOW): the share is scheduler bookkeeping, the same for every forward, and the
     fused engine's run covers it within the CPU gate budget."""
     o = gate_options(config)
-    items[:] = gate_order(items)
+    if not config.getoption("order_as_given"):
+        items[:] = gate_order(items)
     # deselected, not skipped: a candidate the options leave out was asked to be left out, not hidden
     unselected = {item for item in items if is_gate_file(item.nodeid) and not o.selects(*candidate_of(item, o))}
     if o.is_cuda:

@@ -89,6 +89,9 @@ def pytest_addoption(parser):
                 help="under -n without --dist: one engine configuration's gates run on one worker (default), or one "
                 "configuration's gates of one file (finer units; a run a configuration's files share may then be "
                 "made on several workers)")
+    g.addoption("--order-as-given", action="store_true",
+                help="run the gates in the command line's order, not the suite's (smoke first): a mutation suite "
+                "names first the gates most likely to fail for its module (gates/mutation.toml)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
 

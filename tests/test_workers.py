@@ -474,3 +474,18 @@ def test_a_workers_many_work_units_are_cut_to_the_largest_and_the_rest_summed():
     run.workers["gw0"] = summary.Span(units={f"u{i}": float(i) for i in range(1, 9)})
     run.workers["gw1"] = summary.Span(units={"flash-flash": 40.0})
     assert run.unit_rows(shown=3) == [("gw0", "u8 8.0, u7 7.0, u6 6.0, 5 more 15.0"), ("gw1", "flash-flash 40.0")]
+
+
+def test_order_as_given_keeps_the_command_lines_order():
+    """--order-as-given (a mutation suite's first gates are those likeliest to fail for its module): the files and
+    node ids run in the order named; without it the gates' own order puts the smoke gate first."""
+    import subprocess
+    import sys
+    args = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+            "gates/test_redo.py", "gates/test_smoke.py::test_smoke"]
+
+    def files(extra):
+        out = subprocess.run(args + extra, cwd=REPO, capture_output=True, text=True, timeout=300).stdout
+        return list(dict.fromkeys(line.split("::")[0] for line in out.splitlines() if "::" in line))
+    assert files([]) == ["gates/test_smoke.py", "gates/test_redo.py"]
+    assert files(["--order-as-given"]) == ["gates/test_redo.py", "gates/test_smoke.py"]

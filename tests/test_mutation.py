@@ -206,3 +206,19 @@ def test_a_campaign_with_workers_gives_the_verdicts_of_one_at_a_time(tmp_path, m
     assert [k[:2] for k in survived] == [(2, "core/ReplaceComparisonOperator_Lt_LtE")], verdicts
     assert sum(v == "killed" for v in verdicts.values()) >= 3, verdicts
     assert not list(work.glob("toy.tree*")), "the copies of the tree are removed after the run"
+
+
+def test_cosmic_rays_http_client_waits_as_long_as_the_suite_may_run():
+    """aiohttp's default client timeout (300 s in all) would turn a mutant whose suite runs longer on a loaded
+    machine into an error: the CLI cosmic-ray runs under lifts it for every session aiohttp makes."""
+    pytest.importorskip("aiohttp")
+    import subprocess
+    import sys
+    probe = mutation.CLI.split("from cosmic_ray")[0] + (
+        "import asyncio, aiohttp\n"
+        "async def t():\n"
+        "    async with aiohttp.ClientSession() as s: print(s.timeout.total, s.timeout.sock_connect)\n"
+        "asyncio.run(t())")
+    out = subprocess.run([sys.executable, "-c", probe.replace("; ", "\n")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["None", "30"], out.stderr

@@ -43,10 +43,8 @@ def normalise_share(p) -> float:
     try:
         p = float(p)
     except (TypeError, ValueError):
-        return 1.0
-    if not math.isfinite(p) or p < MIN_SHARE or p > 1.0:
-        return 1.0
-    return p
+        p = math.nan                    # (EngineConfig refuses a non-number first: a direct caller's mistake)
+    return p if math.isfinite(p) and MIN_SHARE <= p <= 1.0 else 1.0
 
 
 class DebtLedger:

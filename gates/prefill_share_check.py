@@ -176,6 +176,11 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
 # p: mostly in range (small ones too, where the debt saturates), sometimes out of range (falls back to 1)
 SHARE_VALUES = st.one_of(st.sampled_from([0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 0.0, 2.0, float("nan")]),
                          st.floats(0.01, 1.0), st.floats(0.01, 0.2))
+# The cap binds only below p = 1/9 (owed (1 - p)/p e above 8 (t_d + e)), where DEBT_CASE's draws seldom land: the
+# debt gate also runs these, one where the 1 s floor binds (8 t = 0.48 s against 4.95 s owed) and one where 8 t does
+# (4.08 s against 49.5 s). A mutation campaign's survivor, DEBT_CAP_SECONDS = 2.0, passed the draws alone.
+CAP_EXAMPLES = [dict(p=0.01, t_decode=0.01, extra_ratio=5.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128),
+                dict(p=0.01, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128)]
 DEBT_CASE = dict(p=SHARE_VALUES, t_decode=st.floats(0.002, 0.05),
                  extra_ratio=st.one_of(st.floats(0.5, 50.0), st.sampled_from([0.0, 1.0, 200.0])),
                  budgets=st.lists(st.one_of(st.integers(1, 60), st.integers(500, 6000)), min_size=0, max_size=5),

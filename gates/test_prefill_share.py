@@ -19,7 +19,7 @@ bugs.
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from engine.pool import PagePool
 from engine.request import Request, State
@@ -27,7 +27,8 @@ from engine.scheduler import Scheduler
 from engine.workload import get_workload
 
 from .runs import CANDIDATES, skip_unless_runs
-from .prefill_share_check import DEBT_CASE, apply, assert_no_problems, check_debt_rule, check_identical, chunk_problems
+from .prefill_share_check import (CAP_EXAMPLES, DEBT_CASE, apply, assert_no_problems, check_debt_rule,
+                                  check_identical, chunk_problems)
 from .reference import EngineReference
 from .schedule_check import provenance_problems, topk_problems
 
@@ -150,6 +151,8 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
 
 # -- the debt rule, as a property (no model) ---------------------------------------------------------------------
 @given(**DEBT_CASE)
+@example(**CAP_EXAMPLES[0])
+@example(**CAP_EXAMPLES[1])
 def test_debt_rule(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
     check_debt_rule(Scheduler, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
 

@@ -21,7 +21,7 @@ from engine.request import State
 from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS, DebtLedger
 from engine.scheduler import Chunk, StepPlan, Scheduler
 from engine.workload import MIXED_CPU
-from gates.prefill_share_check import DEBT_CASE, check_debt_rule, check_identical, chunk_problems, serve
+from gates.prefill_share_check import CAP_EXAMPLES, DEBT_CASE, check_debt_rule, check_identical, chunk_problems, serve
 
 SUBSET = MIXED_CPU.scaled(16)      # shorts that decode while 1024-position prompts fill
 FIND = settings(max_examples=300, derandomize=True, database=None, deadline=None, report_multiple_bugs=False,
@@ -155,3 +155,32 @@ def test_debt_that_counts_no_decoders_is_caught():
 def test_last_long_piece_paid_after_is_caught():
     with pytest.raises(AssertionError, match=r"plus the last long chunk's own debt ahead"):
         run_property(PaysLastPieceAfter)
+
+
+class LateFloorLedger(DebtLedger):
+    @staticmethod
+    def debt_cap(t):
+        return max(2.0, 8 * t)
+
+
+class LateStepsLedger(DebtLedger):
+    @staticmethod
+    def debt_cap(t):
+        return max(1.0, 9 * t)
+
+
+@pytest.mark.parametrize("ledger", [LateFloorLedger, LateStepsLedger], ids=["floor-2s", "9-steps"])
+def test_a_cap_that_saturates_late_is_caught_by_the_gates_cap_examples(ledger):
+    """The debt gate's explicit examples (CAP_EXAMPLES) catch a cap that saturates later than max(1 s, 8 t), which
+    the random draws let through (a mutation campaign's survivor): one of the two examples fails, naming the cap."""
+    planted = type("SaturatesLate", (Scheduler,), {"ledger_cls": ledger})
+    caught = []
+    for case in CAP_EXAMPLES:
+        try:
+            check_debt_rule(planted, **case)
+        except AssertionError as e:
+            caught.append(str(e))
+    assert caught, "neither cap example caught a cap that saturates late"
+    assert all("saturated at max(1.0, 8 t)" in msg for msg in caught), caught
+    for case in CAP_EXAMPLES:
+        check_debt_rule(Scheduler, **case)      # the engine's own ledger passes both

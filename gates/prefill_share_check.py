@@ -20,6 +20,10 @@ from .reference import EngineReference
 # owes at most max(1 s, 8 t). Written here, not imported from the engine, so that a changed constant there fails the
 # debt rule's check instead of moving the check with it (a mutation campaign's survivor: DEBT_CAP_SECONDS = 0.0).
 DEBT_CAP_SECONDS, DEBT_CAP_STEPS = 1.0, 8
+# t_d, the running estimate of a pure decode step, as documented (engine/prefill_share.py): an EWMA giving the newest
+# pure decode step weight 1/4. Written here for the same reason (a survivor: a weight of 1.25 passed, since the debt
+# rule's scenarios decode at one constant duration).
+DECODE_WEIGHT = 0.25
 
 
 def chunk_problems(results: dict[str, RequestResult], chunk_tokens: int, label: str) -> list[str]:
@@ -82,6 +86,27 @@ def assert_no_problems(problems: list[str], what: str) -> None:
 def apply(plan) -> None:
     """A plan's work, exactly as Engine.step applies it (tokens are 0)."""
     plan.apply([0] * len(plan.sampled), 0.0)
+
+
+def check_decode_estimate(scheduler_cls, durations: list[float], p: float = 0.5) -> None:
+    """Decoders alone, each step taking the next of `durations` seconds: after every pure decode step the ledger's
+    estimate t_d is the documented EWMA of the pure decode steps so far (the first one taken whole)."""
+    pool = PagePool(64, 64)
+    sched = scheduler_cls(pool, max_batch=8, chunk_tokens=64, prefill_share=p)
+    for i in range(3):
+        sched.add(Request(f"d{i}", [1] * (5 + 40 * i), len(durations) + 1))
+    want = None
+    for d in durations:
+        plan = sched.schedule()
+        apply(plan)
+        sched.finish_step(duration=d)
+        if plan.decodes and not plan.chunks:
+            want = d if want is None else (1 - DECODE_WEIGHT) * want + DECODE_WEIGHT * d
+        got = sched.ledger.decode_estimate
+        if (got is None) != (want is None) or (want is not None and not math.isclose(got, want, rel_tol=1e-9)):
+            raise GateFailure(f"step {plan.index} ({d:.4g} s, {'pure decode' if want is not None else 'prompt'}): the "
+                              f"pure decode estimate t_d is {got!r}; the documented EWMA (weight {DECODE_WEIGHT} on "
+                              f"the newest pure decode step) gives {want!r}")
 
 
 def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float, budgets: list[int],

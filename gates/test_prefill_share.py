@@ -28,7 +28,7 @@ from engine.workload import get_workload
 
 from .runs import CANDIDATES, skip_unless_runs
 from .prefill_share_check import (CAP_EXAMPLES, DEBT_CASE, apply, assert_no_problems, check_debt_rule,
-                                  check_identical, chunk_problems)
+                                  check_decode_estimate, check_identical, chunk_problems)
 from .reference import EngineReference
 from .schedule_check import provenance_problems, topk_problems
 
@@ -155,6 +155,12 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
 @example(**CAP_EXAMPLES[1])
 def test_debt_rule(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
     check_debt_rule(Scheduler, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
+
+
+@given(durations=st.lists(st.floats(0.001, 0.2), min_size=2, max_size=30))
+def test_decode_estimate(durations):
+    """t_d, which the debt is paid in, follows the pure decode steps as documented (an EWMA, 1/4 on the newest)."""
+    check_decode_estimate(Scheduler, durations)
 
 
 def test_debt_rule_measures_something():

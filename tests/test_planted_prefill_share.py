@@ -21,7 +21,8 @@ from engine.request import State
 from engine.prefill_share import DEBT_CAP_SECONDS, DEBT_CAP_STEPS, DebtLedger
 from engine.scheduler import Chunk, StepPlan, Scheduler
 from engine.workload import MIXED_CPU
-from gates.prefill_share_check import CAP_EXAMPLES, DEBT_CASE, check_debt_rule, check_identical, chunk_problems, serve
+from gates.prefill_share_check import (CAP_EXAMPLES, DEBT_CASE, check_debt_rule, check_decode_estimate,
+                                     check_identical, chunk_problems, serve)
 
 SUBSET = MIXED_CPU.scaled(16)      # shorts that decode while 1024-position prompts fill
 FIND = settings(max_examples=300, derandomize=True, database=None, deadline=None, report_multiple_bugs=False,
@@ -184,3 +185,21 @@ def test_a_cap_that_saturates_late_is_caught_by_the_gates_cap_examples(ledger):
     assert all("saturated at max(1.0, 8 t)" in msg for msg in caught), caught
     for case in CAP_EXAMPLES:
         check_debt_rule(Scheduler, **case)      # the engine's own ledger passes both
+
+
+class LastStepLedger(DebtLedger):
+    """t_d is the last pure decode step alone (no running estimate): one slow step swings the debt's payoff."""
+    def account(self, plan, duration, ahead=0.0):
+        before = self.decode_estimate
+        super().account(plan, duration, ahead)
+        if plan.decodes and not plan.chunks:
+            self.decode_estimate = duration if before is not None else self.decode_estimate
+
+
+def test_an_estimate_that_is_not_the_documented_ewma_is_caught():
+    planted = type("LastStep", (Scheduler,), {"ledger_cls": LastStepLedger})
+    durations = [0.05, 0.01, 0.2, 0.03, 0.03, 0.1]
+    check_decode_estimate(Scheduler, durations)
+    with pytest.raises(AssertionError, match=r"the pure decode estimate t_d is .*; the documented EWMA \(weight "
+                                             r"0.25 on the newest pure decode step\) gives"):
+        check_decode_estimate(planted, durations)

@@ -62,10 +62,7 @@ def gpus_needed(item, o: GateOptions) -> int:
 
 
 # gates that run by default on CUDA but only with -m slow on a CPU (see pytest_collection_modifyitems)
-CPU_SLOW = ("test_prefill_share.py::test_tokens_and_chunks_identical_across_prefill_share[chunked-torch]",
-            # 100-110 s on 2 cores (the captured steps' path emulated, about 1 s a step): past the 5-minute budget;
-            # test_smoke_steps_launched_ahead[fused-torch] still runs steps launched ahead in the default CPU run
-            "test_smoke.py::test_smoke_wrong_foresight_is_never_used[fused-torch]")
+CPU_SLOW = ("test_prefill_share.py::test_tokens_and_chunks_identical_across_prefill_share[chunked-torch]",)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -74,7 +71,7 @@ def pytest_collection_modifyitems(config, items):
     engine gates), so there it counts as slow: `pytest gates/ -m slow` runs it. The kernel gates still cover flex
     on CPU in the default run, and on CUDA the flex engine gates run by default. So does the prefill-share identity
     gate on the chunked engine (CPU_SLOW): the share is scheduler bookkeeping, the same for every forward, and the
-    fused engine's run covers it within the CPU gate budget; and the wrong-foresight smoke gate (CPU_SLOW)."""
+    fused engine's run covers it within the CPU gate budget."""
     o = gate_options(config)
     if not config.getoption("order_as_given"):
         items[:] = gate_order(items)

@@ -40,6 +40,11 @@ class TorchBackend(AttentionBackend):
         # the longest query and history), so a captured step may pass bounds (engine/step_graphs.py)
         dev = batch.block_tables.device
         max_q, max_kv = batch.max_q, batch.max_kv
+        if dev.type != "cuda":
+            # nothing is captured off CUDA, so reading the lengths costs no sync: the step's own longest history
+            # bounds the gather (the bound stays a cap). The captured steps' path, emulated on a CPU, passes the
+            # table's whole width for each piece: 30 times the step's attention, most of the CPU gates' time
+            max_kv = max(1, min(max_kv, int(batch.kv_lens_t.max())))
         slots = gather_slots(batch.block_tables, batch.kv_lens_t, max_kv, batch.page_size)
         cu = batch.cu_q_t.long()
         q_lens = cu[1:] - cu[:-1]

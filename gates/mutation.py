@@ -11,6 +11,7 @@ has the recipe and the reasons for the choices here."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -248,6 +249,12 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     timeout = float(suite["timeout"])
     meta_path = work / f"{slug(module)}.meta.json"
     tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
+    sha = module_sha(module)
+    if resume and meta_path.is_file() and json.loads(meta_path.read_text()).get("module_sha", sha) != sha:
+        # cosmic-ray's session names its mutants by operator and occurrence: on an edited module they would land on
+        # other lines, so an edited module starts a fresh session
+        print(f"{module} changed since its session was made: a fresh session", file=sys.stderr)
+        resume = retest = False
     if resume and not retest and meta_path.is_file() and db.is_file() and pending(db) == 0:
         return json.loads(meta_path.read_text())      # nothing left to run
     copy_tree(tree)
@@ -288,10 +295,15 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
                 workers=workers,
                 device=suite["device"], baseline_s=round(baseline_s, 1),
                 seconds=round(earlier + time.time() - started, 1),
-                finished=finished, commit=at_commit, machine=machine(), date=time.strftime("%Y-%m-%d"))
+                finished=finished, commit=at_commit, module_sha=sha, machine=machine(),
+                date=time.strftime("%Y-%m-%d"))
     meta_path.write_text(json.dumps(meta, indent=1))
     shutil.rmtree(tree, ignore_errors=True)
     return meta
+
+
+def module_sha(module: str) -> str:
+    return hashlib.sha256((REPO / module).read_bytes()).hexdigest()[:16]
 
 
 def commit() -> str:

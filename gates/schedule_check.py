@@ -24,6 +24,7 @@ from engine.request import State
 from engine.schedule_log import ScheduleLog
 from engine.scheduler import StepKind
 
+from .dispatch import dispatch_problems
 from .failure import GateFailure
 
 # Invariant names: every failure message starts with one of these, followed by " violated: " (gates/test_admission.py
@@ -229,7 +230,8 @@ def topk_problems(engine) -> list[str]:
 
 
 def engine_problems(engine) -> list[str]:
-    """Every scheduling invariant broken by a finished engine run, in the order checked."""
+    """Every scheduling invariant broken by a finished engine run, in the order checked; then any kernel dispatched
+    other than the configuration names (gates/dispatch.py)."""
     sched = engine.scheduler
     if not sched.log.keep:
         # an engine keeps no log unless asked (bounded memory): checking an empty one would pass anything
@@ -242,7 +244,7 @@ def engine_problems(engine) -> list[str]:
             provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
-            record_problems(engine.results().values()) + topk_problems(engine))
+            record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine))
 
 
 def check_engine(engine, label: str) -> None:

@@ -212,6 +212,57 @@ def test_kernel_large_page_count(backend, kind, device, request):
                  kv_lens=kv_lens, q_lens=q_lens, num_pages=num_pages, high_pages=True, seed=7)
 
 
+def test_kernel_many_rows(backend, device, request):
+    """More decode rows than any other case has, and more than a head dim: 200 requests of short histories (1 to
+    70 keys), as a wide batch at serving time has them (up to 512 rows on the 1.5B shape). A grid or a launch
+    bounded by anything but the rows (the Triton decode's work items, a per-row split) drops the rows past it."""
+    dtype = _default_dtype(request)
+    H, kvh, d = CPU_FLEX_SHAPE if not _is_cuda(request.config) else (12, 2, 128)
+    sizes = kernels.backend_class(backend).page_sizes
+    P = min(sizes) if sizes else 64
+    skip_unless_runs(backend, device, P, dtype)
+    check_kernel(backend, "decode", device=device, dtype=dtype, num_heads=H, kv_heads=kvh, head_dim=d, page_size=P,
+                 kv_lens=[1 + (7 * i) % 70 for i in range(200)], seed=13)
+
+
+def test_kernel_choices_are_taken_or_refused(backend, device):
+    """Every kernel choice of EngineConfig (decode_kernel, decode_splits, decode_append) a backend has is taken as
+    given, and every one it lacks is refused with a ValueError naming it before anything runs; a call over pages
+    of a size the kernels do not take is refused naming the size. What a configuration names is what runs."""
+    cls = kernels.backend_class(backend)
+    P = min(cls.page_sizes) if cls.page_sizes else 64
+    skip_unless_runs(backend, device, P)
+
+    def make(**options):
+        return kernels.get_backend(backend, device, P, **options)
+    with pytest.raises(ValueError, match="no-such-kernel"):
+        make(decode_kernel="no-such-kernel")
+    for kernel in cls.decode_kernels:
+        assert make(decode_kernel=kernel).decode_kernel == kernel
+        if cls.takes_splits(kernel):
+            for n in (0, 1, 128):           # 0: flash-attn's own heuristic; 128: its limit
+                assert make(decode_kernel=kernel, decode_splits=n).decode_splits == n
+            for n in (-1, 129):
+                with pytest.raises(ValueError, match=f"got {n}"):
+                    make(decode_kernel=kernel, decode_splits=n)
+        else:
+            with pytest.raises(ValueError, match="decode_splits=2"):
+                make(decode_kernel=kernel, decode_splits=2)
+        if cls.appends_decode_kv:
+            assert make(decode_kernel=kernel, decode_append=False).appends_decode_kv is False
+            assert make(decode_kernel=kernel, decode_append=True).appends_decode_kv is True
+        else:
+            with pytest.raises(ValueError, match="decode_append=True"):
+                make(decode_kernel=kernel, decode_append=True)
+    if cls.page_sizes:
+        other = next(n for n in (64, 128, 512) if n not in cls.page_sizes)
+        dtype = _dtypes_of(cls)[0]
+        case = make_case(device=device, dtype=dtype, num_heads=4, kv_heads=2, head_dim=cls.head_dims[0] if
+                         cls.head_dims else 64, page_size=other, kv_lens=[1, 65], seed=5)
+        with pytest.raises(kernels.Unavailable, match=f"got {other}"):
+            run_kernel(make(), "decode", case, 0.125)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_kernel_cache_over_2g_elements(backend, kind, device, request):

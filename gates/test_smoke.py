@@ -1,6 +1,7 @@
 """The smoke gate, run first: a few requests whose prompts end at page boundaries (64; 256 where flash decodes) and
 prompt chunk boundaries, with short budgets, through every engine configuration against the `hf` golden under the
-0.02 rule, in poison mode. It takes seconds, so a bug that changes numbers fails the run before the long gates start.
+0.02 rule, in poison mode, and what each serves against its served record (gates/served.py). It takes seconds, so a
+bug that changes numbers fails the run before the long gates start.
 Its goldens are per device like every other's: a missing one fails with the command that makes it."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from engine.config import graphs_problem, lineage_config
 from engine.workload import SMOKE_CPU, get_workload
 
-from . import summary, triage
+from . import served, summary, triage
 from .compare import compare
 from .runs import CANDIDATES, skip_unless_runs, workload_for
 from .reference import LazyReference
@@ -29,6 +30,9 @@ def test_smoke(runs, opts, engine, backend):
                      opts.flip_cap, check_steps=False)
     summary.record(report)
     assert report.ok, triage.failure_message(report, eng, golden, score)
+    # what is served, not only what it computes: captured steps, the fused append, the kernels (gates/served.py)
+    moved = served.problems(opts, f"{engine}-{backend}", backend, eng)
+    assert not moved, f"{engine}[{backend}] serves other than its record:\n  " + "\n  ".join(moved)
 
 
 def skip_unless_ahead(runs, opts, engine, backend) -> str:

@@ -140,6 +140,13 @@ class AttentionBackend:
         self.decode_splits = opts["decode_splits"]
         self.appends_decode_kv = opts["decode_append"]
         self.dynamic = opts["dynamic"]
+        # (op, kernel, append) of every call's branch, recorded as it dispatches (inside a captured step: at capture);
+        # the gates compare them with the kernel paths the census names from the configuration (gates/dispatch.py)
+        self.dispatched: set[tuple[str, str, bool]] = set()
+
+    def took(self, op: str, kernel: str, append: bool = False) -> None:
+        """Record that a call dispatched to `kernel` (see `dispatched`)."""
+        self.dispatched.add((op, kernel, append))
 
     @classmethod
     def options(cls, decode_kernel: str | None = None, decode_splits: int | None = None,

@@ -147,6 +147,7 @@ class FlashBackend(AttentionBackend):
             from .torch_backend import TorchBackend
             self._fallback = TorchBackend()
             self.graph_safe_prefill = False
+            self.prefill_kernel = self._fallback.prefill_kernel     # the census names what runs
 
     @classmethod
     def why_unavailable(cls, device: torch.device, page_size: int | None = None,
@@ -196,6 +197,7 @@ class FlashBackend(AttentionBackend):
         tag, bt, seqlens, before = batch.prepared["decode"]
         if self.triton_chunk is not None:
             return self._decode_triton(q, k_cache, v_cache, batch, scale, new_kv)
+        self.took("decode", "flash", new_kv is not None)
         splits = self.decode_splits
         if splits is None:
             splits = decode_splits_for(bt.shape[1] * k_cache.shape[1], q.shape[-1], q.shape[0], k_cache.shape[2])
@@ -213,6 +215,7 @@ class FlashBackend(AttentionBackend):
         """kernels/triton_decode.py's decode; its work items are made by the step's first layer and kept in the
         batch for the others (inside a captured step they are made in the graph, from the device lengths)."""
         from . import triton_decode as td
+        self.took("decode", "triton", new_kv is not None)
         _, bt, seqlens, before = batch.prepared["decode"]
         cached = before if new_kv is not None else seqlens
         key = ("triton-items", new_kv is not None)
@@ -226,7 +229,9 @@ class FlashBackend(AttentionBackend):
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
         if self._fallback is not None:
+            self.took("prefill", self._fallback.prefill_kernel)
             return self._fallback.prefill(q, k_cache, v_cache, batch, scale)
+        self.took("prefill", "varlen")
         self._check(q, k_cache)
         tag, bt, cu_q, cu_k = batch.prepared["prefill"]
         return self._varlen(q, k_cache, v_cache, cu_q, cu_k, batch.max_q, batch.max_kv, softmax_scale=scale,

@@ -263,10 +263,12 @@ class FlexBackend(AttentionBackend):
         return out.clone()
 
     def _prefill(self, q, k_cache, v_cache, batch, scale):
+        self.took("prefill", "packed")
         return self._packed(q, k_cache, v_cache, batch.prepared["prefill"], scale)
 
     def _decode(self, q, k_cache, v_cache, batch, scale):
         prepared = batch.prepared["decode"]
+        self.took("decode", prepared[0])
         if prepared[0] == "packed":
             return self._packed(q, k_cache, v_cache, prepared, scale)
         return self._rows(q, k_cache, v_cache, prepared, scale)

@@ -76,7 +76,9 @@ class TorchBackend(AttentionBackend):
         return o.transpose(1, 2)[seq_of_row, idx_in_seq]
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
+        self.took("prefill", "gather")
         return self.attend(q, k_cache, v_cache, batch, scale, "prefill")
 
     def decode(self, q, k_cache, v_cache, batch, scale):
+        self.took("decode", "gather")
         return self.attend(q, k_cache, v_cache, batch, scale, "decode")

@@ -193,6 +193,26 @@ def registry_gap(mp: pytest.MonkeyPatch) -> None:
                classmethod(lambda cls: [p for p in declared(cls) if p.name != "torch.decode.gather"]))
 
 
+def decode_via_prefill(mp: pytest.MonkeyPatch) -> None:
+    """The torch backend's decode calls routed through its prefill call (same gather kernel, same values): the
+    configuration names a decode kernel that no call dispatches to."""
+    from kernels.torch_backend import TorchBackend
+
+    def decode(self, q, k_cache, v_cache, batch, scale):
+        batch.prepared["prefill"] = batch.prepared["decode"]
+        return self.prefill(q, k_cache, v_cache, batch, scale)
+    mp.setattr(TorchBackend, "decode", decode)
+
+
+def prefix_default_off(mp: pytest.MonkeyPatch) -> None:
+    """The prefix cache switched off where a configuration's defaults are decided: the smoke prompts share no page,
+    so every token is the same; only what is served differs."""
+    from dataclasses import replace
+    from engine.config import EngineConfig
+    resolved = EngineConfig.resolved
+    mp.setattr(EngineConfig, "resolved", lambda self, *a, **kw: replace(resolved(self, *a, **kw), prefix_cache=False))
+
+
 def stale_read(mp: pytest.MonkeyPatch) -> None:
     """Decode row i reads its history through row i-1's block-table row: another request's pages."""
     decode_tables(mp, lambda tables: tables[:1] + tables[:-1] if len(tables) >= 2 else tables)
@@ -339,6 +359,12 @@ PLANTS = {
                           r"torch\.decode\.gather: taken in \d+ steps by the gates' engines, never checked by the "
                           r"kernel gate", registry_gap, args=("-k", "torch"),
                           paths=("gates/test_smoke.py::test_smoke", "gates/test_kernels.py")),
+    "decode-via-prefill": Plant("the torch backend's decode calls routed through its prefill call (same kernel, same "
+                                "values)", r"dispatch: torch\.decode\.gather is configured .* but no call dispatched "
+                                r"to it", decode_via_prefill),
+    "prefix-default-off": Plant("the prefix cache switched off where the configuration's defaults are decided",
+                                r"serves other than its record:\s+(E\s+)?configuration: recorded "
+                                r"\S+/prefix/\S+, serves \S+/noprefix/", prefix_default_off),
     "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
                         poison_cause(r"(?!\1 )\S+") + "|" + token_cause("a decode row", "only when batched with"),
                         stale_read, number_changing=True),

@@ -154,3 +154,13 @@ def test_the_redo_gate_catches_an_undo_that_drops_a_row():
     p = pytest_run("gates/test_redo.py", "-p", "tests.plants", "--plant", "undo-drops-a-row", "-x")
     assert p.returncode == 1, p.stdout + p.stderr
     assert re.search(plants.PLANTS["undo-drops-a-row"].cause, p.stdout), p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("plant", ["decode-via-prefill", "prefix-default-off"])
+def test_the_smoke_gate_fails_a_run_that_serves_other_than_configured(plant):
+    """Two bugs whose tokens are the golden's: the smoke gate's dispatch check (a decode served by another call than
+    the configured one) and its served record (a default switched off) must fail them, naming what moved."""
+    p = pytest_run("gates/test_smoke.py::test_smoke[fused-torch]", "-p", "tests.plants", "--plant", plant)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]
+    assert "not a near tie" not in p.stdout      # the tokens agreed: only the new checks saw it

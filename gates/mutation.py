@@ -250,9 +250,7 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     meta_path = work / f"{slug(module)}.meta.json"
     tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
     sha = module_sha(module)
-    if resume and meta_path.is_file() and json.loads(meta_path.read_text()).get("module_sha", sha) != sha:
-        # cosmic-ray's session names its mutants by operator and occurrence: on an edited module they would land on
-        # other lines, so an edited module starts a fresh session
+    if resume and edited_since(meta_path, sha):
         print(f"{module} changed since its session was made: a fresh session", file=sys.stderr)
         resume = retest = False
     if resume and not retest and meta_path.is_file() and db.is_file() and pending(db) == 0:
@@ -300,6 +298,13 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     meta_path.write_text(json.dumps(meta, indent=1))
     shutil.rmtree(tree, ignore_errors=True)
     return meta
+
+
+def edited_since(meta_path: Path, sha: str) -> bool:
+    """Whether the module changed since the session beside `meta_path` was made: cosmic-ray names a session's
+    mutants by operator and occurrence, so on an edited module they would land on other lines (a session made before
+    the hash was kept is taken as current)."""
+    return meta_path.is_file() and json.loads(meta_path.read_text()).get("module_sha", sha) != sha
 
 
 def module_sha(module: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU mutation campaign (docs/mutation.md): kernels/ and the runner, each mutant against its gates on the H200
-# (gates/mutation.toml, suites "flash", "torch_backend" and "runner"), WORKERS mutants at a time on the one GPU
+# (gates/mutation.toml, suites "flash" and "runner"), WORKERS mutants at a time on the one GPU
 # (cosmic-ray's http distributor, a copy of the tree each). A device call lasts at most 10 minutes, so a campaign may
 # run over several calls: each goes on with the sessions the last one left (carried in .device/mutation) and hands
 # them back in $OUT/mutation.tgz; unpack that into .device/mutation before the next call.
@@ -9,7 +9,7 @@
 #          .device/fa_built (flash-attn built by an earlier call) or .device/flash_attn (the sdist and its build
 #          script, built here first: about 2 minutes; the build comes back as $OUT/fa_built.tgz),
 #          .device/mutation (the sessions so far; absent on the first call)
-#   MODULES: the modules of this call (default: every module of the three suites); MINUTES (8): the campaign's cap;
+#   MODULES: the modules of this call (default: every module of the two suites); MINUTES (8): the campaign's cap;
 #   WORKERS (12): mutants at a time; RETEST=1: run the survivors again (after a gap was closed)
 set -eu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .device/mutation
@@ -43,7 +43,7 @@ else
 fi
 args=()
 for m in ${MODULES:-}; do args+=(--module "$m"); done
-[ ${#args[@]} -gt 0 ] || args=(--suite flash --suite torch_backend --suite runner)
+[ ${#args[@]} -gt 0 ] || args=(--suite flash --suite runner)
 resume=()
 ls .device/mutation/*.sqlite > /dev/null 2>&1 && resume=(--resume)
 [ "${RETEST:-0}" = 1 ] && resume+=(--retest)

@@ -222,3 +222,14 @@ def test_cosmic_rays_http_client_waits_as_long_as_the_suite_may_run():
     out = subprocess.run([sys.executable, "-c", probe.replace("; ", "\n")], capture_output=True, text=True,
                          timeout=60)
     assert out.stdout.split() == ["None", "30"], out.stderr
+
+
+def test_a_session_of_an_edited_module_is_not_resumed(tmp_path):
+    meta = tmp_path / "m.meta.json"
+    assert not mutation.edited_since(meta, "abc")                   # no session yet: nothing to resume anyway
+    meta.write_text('{"seconds": 3}')
+    assert not mutation.edited_since(meta, "abc")                   # made before hashes were kept
+    meta.write_text('{"seconds": 3, "module_sha": "abc"}')
+    assert not mutation.edited_since(meta, "abc")
+    assert mutation.edited_since(meta, "abd")
+    assert len(mutation.module_sha("engine/pool.py")) == 16

@@ -111,7 +111,7 @@ def test_matches_a_dense_reference_and_reads_no_slot_it_does_not_own(name, chunk
 
 
 @kernel_test
-@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (4, 4, 64), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(12, 2, 128), (4, 4, 64), (8, 1, 64), (32, 1, 64)])
 def test_every_gqa_group_and_head_dim(heads, kv_heads, d):
     lengths = [3, 300, 700]
     q, k, v, table, keys, values = paged_case(lengths, heads, kv_heads, d, seed=1)

@@ -38,6 +38,7 @@ def backend(splits=None) -> FlashBackend:
     b = object.__new__(FlashBackend)
     b.decode_splits = splits
     b._fallback = None
+    b.dispatched = set()
     return b
 
 
@@ -101,6 +102,8 @@ def test_decode_with_new_kv_appends_at_the_last_position():
     assert calls[1]["k"].shape == (3, 1, 2, 64) and torch.equal(calls[1]["k"][:, 0], k)
     assert torch.equal(calls[1]["v"][:, 0], v)
     assert calls[0]["num_splits"] == calls[1]["num_splits"]
+    # each call recorded the kernel it dispatched to, with and without the append (gates/dispatch.py reads these)
+    assert b.dispatched == {("decode", "flash", False), ("decode", "flash", True)}
 
 
 @pytest.mark.parametrize("value, appends", [(None, True), (True, True), (False, False)])

@@ -35,9 +35,11 @@ def drive(pool_cls=PagePool, scheduler_cls=Scheduler, pages: int = PAGES):
         plan = sched.schedule()
         plan.apply([7] * len(plan.sampled), 0.0)
         sched.finish_step()
-    # no step trace and no results: the provenance and record checks have nothing to compare here
+    # no step trace, no results, no kernels: the provenance, record and dispatch checks have nothing to compare here
+    no_kernels = SimpleNamespace(name="none", dispatched=set(), prefill_kernel="-", decode_kernel="-")
     return SimpleNamespace(scheduler=sched, pool=pool, requests=requests, trace=[], results=dict,
-                           config=SimpleNamespace(record_topk=0))
+                           config=SimpleNamespace(record_topk=0),
+                           runner=SimpleNamespace(path_census=lambda: [], backend=no_kernels))
 
 
 def first_problem(run) -> str:

@@ -180,6 +180,7 @@ def flash_with_triton_decode(monkeypatch):
         fb.FlashBackend(decode_kernel="triton")     # the kernel choice is read before flash-attn is looked for
     backend = object.__new__(fb.FlashBackend)
     backend.triton_chunk, backend.decode_splits, backend.decode_kernel = 256, None, "triton"
+    backend.dispatched = set()
     return backend
 
 
@@ -208,6 +209,7 @@ def test_the_flash_backend_decodes_through_it_when_asked(monkeypatch, append):
     items = batch.prepared[("triton-items", append)]
     again = backend.decode(q.to(DEVICE), kd, vd, batch, 0.1, new_kv=nk)         # the step's next layer
     assert batch.prepared[("triton-items", append)] is items, "a later layer made the items again"
+    assert backend.dispatched == {("decode", "triton", append)}     # what gates/dispatch.py compares with the census
     for o in (out, again):
         torch.testing.assert_close(o.float().cpu(), want, atol=2e-3, rtol=2e-3)
     if append:      # the new keys are in the cache now: a decode without the append reads them there

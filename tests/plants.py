@@ -204,6 +204,13 @@ def decode_via_prefill(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(TorchBackend, "decode", decode)
 
 
+def no_static_steps(mp: pytest.MonkeyPatch) -> None:
+    """The torch backend no longer declares its kernels right over the captured steps' static buffers: on a CPU the
+    smoke gates over steps launched ahead would skip."""
+    from kernels.torch_backend import TorchBackend
+    mp.setattr(TorchBackend, "static_steps", False)
+
+
 def prefix_default_off(mp: pytest.MonkeyPatch) -> None:
     """The prefix cache switched off where a configuration's defaults are decided: the smoke prompts share no page,
     so every token is the same; only what is served differs."""
@@ -362,6 +369,9 @@ PLANTS = {
     "decode-via-prefill": Plant("the torch backend's decode calls routed through its prefill call (same kernel, same "
                                 "values)", r"dispatch: torch\.decode\.gather is configured .* but no call dispatched "
                                 r"to it", decode_via_prefill),
+    "no-static-steps": Plant("the torch backend's static_steps lost (no step launched ahead on a CPU)",
+                             r"no longer runs the captured steps' path on a CPU", no_static_steps,
+                             paths=("gates/test_smoke.py",)),
     "prefix-default-off": Plant("the prefix cache switched off where the configuration's defaults are decided",
                                 r"serves other than its record:\s+(E\s+)?configuration: recorded "
                                 r"\S+/prefix/\S+, serves \S+/noprefix/", prefix_default_off),

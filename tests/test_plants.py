@@ -164,3 +164,12 @@ def test_the_smoke_gate_fails_a_run_that_serves_other_than_configured(plant):
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]
     assert "not a near tie" not in p.stdout      # the tokens agreed: only the new checks saw it
+
+
+def test_the_smoke_gate_fails_when_the_cpu_loses_its_steps_launched_ahead():
+    """Without the torch backend's static_steps the gates over steps launched ahead could only skip on a CPU: they
+    fail instead, naming why."""
+    p = pytest_run("gates/test_smoke.py::test_smoke_steps_launched_ahead[fused-torch]", "-p", "tests.plants",
+                   "--plant", "no-static-steps")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert re.search(plants.PLANTS["no-static-steps"].cause, p.stdout), p.stdout[-3000:]

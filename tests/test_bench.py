@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bench import chunk_sweep, serving
+from bench.cli import kernel_options
 from bench.serving import ServingOptions, serve
 from engine import Engine, RequestSpec, lineage_config
 from engine.loader import load_model
@@ -255,3 +256,13 @@ def test_the_step_time_plot_without_a_step_kind(tmp_path):
     (tmp_path / "steps.csv").write_text("kind,duration_ms\n" + "".join(f"{k},{d}\n" for k, d in rows))
     assert draw_serving(tmp_path) == ["step_time_by_kind.png"]
     assert (tmp_path / "step_time_by_kind.png").stat().st_size > 0
+
+
+def test_serving_passes_the_kernel_choices_to_the_engine():
+    """--decode-kernel, --decode-append and --skinny-gemm reach the engine's config (they were parsed and dropped:
+    ServingOptions had no field for them, so an A/B of two kernels ran one kernel twice)."""
+    from engine.config import lineage_config
+    o = serving.parse_args(["--decode-kernel", "flash", "--decode-append", "off", "--skinny-gemm", "off"]).options
+    extra = kernel_options(o)
+    assert extra == dict(decode_kernel="flash", decode_append=False, skinny_gemm=False)
+    assert lineage_config("flash", device="cpu", **extra).decode_kernel == "flash"

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import os
 import random
-import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,28 +15,21 @@ triton = pytest.importorskip("triton", reason="the Triton decode kernel needs tr
 
 from kernels import triton_decode as td  # noqa: E402
 
+from tests.interpreter import interpreting, kernel_test_mark, run_kernel_tests_interpreted  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE = 256
-# Off CUDA the kernels run in Triton's interpreter, which must be on before triton is first imported (its library
-# functions are made then); this process imported it earlier (torch's compiler does), so the kernel tests run in a
-# child process with TRITON_INTERPRET=1 (test_in_the_interpreter) and are skipped here.
-INTERPRETING = type(triton.language.standard.zeros).__name__ == "InterpretedFunction"
+# Off CUDA the kernels run in Triton's interpreter, in a child process (tests/interpreter.py)
+INTERPRETING = interpreting(triton)
 RUNS_HERE = DEVICE == "cuda" or INTERPRETING
-kernel_test = pytest.mark.skipif(not RUNS_HERE, reason="run by test_in_the_interpreter in a child process")
+kernel_test = kernel_test_mark(triton)
 
 
 @pytest.mark.skipif(RUNS_HERE, reason="the kernel tests run in this process")
 def test_in_the_interpreter():
-    """This module's kernel tests, in a child process whose triton interprets (on CPU, numpy for the GPU)."""
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    # there: every test but this one and the sm_90 compile (which needs the kernels compiled, not interpreted)
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-x",
-                        "-k", "not test_in_the_interpreter and not sm90"], cwd=repo, env=env, capture_output=True,
-                       text=True, timeout=900)
-    last = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
-    assert r.returncode == 0 and re.match(r"\d+ passed, \d+ deselected in ", last), \
-        "a kernel test failed or was skipped in the interpreter:\n" + r.stdout[-4000:] + r.stderr[-2000:]
+    """This module's kernel tests, in a child process whose triton interprets (on CPU, numpy for the GPU); not the
+    sm_90 compile, which needs the kernels compiled."""
+    run_kernel_tests_interpreted(__file__)
 
 
 def paged_case(lengths, heads=12, kv_heads=2, d=128, seed=0, pages_extra=3):

@@ -41,17 +41,13 @@ def cli(prog: str, doc: str) -> argparse.ArgumentParser:
     ap.add_argument("--decode-append", choices=("auto", "on", "off"), default="auto",
                     help="the decode kernel writes a pure decode step's keys and values itself "
                          "(EngineConfig.decode_append): auto = where the backend can; off = index_put writes, to compare")
-    ap.add_argument("--skinny-gemm", choices=("auto", "on", "off"), default="auto",
-                    help="a decode step's projections by the Triton skinny GEMM (EngineConfig.skinny_gemm): auto = "
-                         "on CUDA; off = cuBLAS, to compare")
     return ap
 
 
 def kernel_options(a) -> dict:
     """The EngineConfig fields the shared kernel arguments give."""
     return dict(decode_kernel=getattr(a, "decode_kernel", None),
-                decode_append=GRAPHS[getattr(a, "decode_append", "auto")],
-                skinny_gemm=GRAPHS[getattr(a, "skinny_gemm", "auto")])
+                decode_append=GRAPHS[getattr(a, "decode_append", "auto")])
 
 
 def served_engine(device: str) -> str:

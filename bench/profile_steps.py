@@ -80,8 +80,6 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--graphs", default="on", choices=("on", "off"))
     ap.add_argument("--top", type=int, default=8)
-    ap.add_argument("--skinny-gemm", default="auto", choices=("auto", "on", "off"),
-                    help="EngineConfig.skinny_gemm: auto = on CUDA; off = cuBLAS for every projection, to compare")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from gates.step_states import FixedState, ModelCase, States, captured
@@ -91,10 +89,9 @@ def main(argv=None) -> int:
     if a.chunk:
         workload = dataclasses.replace(workload, chunk_tokens=a.chunk)
     st = FixedState(ModelCase(a.model, workload), base["backend"], base["page_size"], a.device,
-                    a.dtype, states.loaded(a.model), rows=a.rows,
-                    skinny_gemm={"auto": None, "on": True, "off": False}[a.skinny_gemm])
+                    a.dtype, states.loaded(a.model), rows=a.rows)
     report = dict(model=a.model, engine=a.engine, rows=a.rows, chunk=workload.chunk_tokens, graphs=a.graphs,
-                  key=st.engine.served.key(), kinds={})
+                  kinds={})
     for kind in a.kinds.split(","):
         step = st.step_fn(kind, base["forward"], graphs=a.graphs == "on")
         for _ in range(3):

@@ -63,7 +63,6 @@ class ServingOptions:
     # the kernel choices (bench/cli.py's kernel_options); without these fields the flags were parsed and dropped
     decode_kernel: str | None = None
     decode_append: str = "auto"                 # auto / on / off
-    skinny_gemm: str = "auto"                   # auto / on / off
     closed: bool = False                        # no part named: all of them
     open: bool = False
     peer: bool = False

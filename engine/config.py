@@ -104,9 +104,6 @@ class EngineConfig:
     decode_splits: int | None = None
     decode_append: bool | None = None
     flex_dynamic: bool | None = None
-    # the projections (q/k/v, o, gate/up, down) of a forward of at most 64 positions (a decode step) by the Triton
-    # skinny GEMM (kernels/skinny_gemm.py) instead of cuBLAS; None: on CUDA. Off CUDA there is no Triton to run it
-    skinny_gemm: bool | None = None
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -125,7 +122,7 @@ class EngineConfig:
         for name in ("poison", "sync_trace", "progress", "prefix_cache", "capture_graphs"):
             flag(name, getattr(self, name))
         for name in ("compile_warmup", "cuda_graphs", "compile_elementwise", "overlap", "decode_append",
-                     "flex_dynamic", "skinny_gemm"):
+                     "flex_dynamic"):
             flag(name, getattr(self, name), none=True)
         integer("decode_splits", self.decode_splits, 0, none="per call, from the table's width and the rows")
         if self.decode_kernel is not None and not isinstance(self.decode_kernel, str):
@@ -142,9 +139,6 @@ class EngineConfig:
         problem = device_problem(self.device)
         if problem:
             raise ConfigError(f"device={self.device!r}: {problem}")
-        if self.skinny_gemm and device_type(self.device) != "cuda":
-            raise ConfigError(f"skinny_gemm=True on device={self.device!r}: the Triton GEMM runs on CUDA only "
-                              f"(None: on where it can)")
         # outside [0.01, 1] (or NaN) it falls back to 1 (docs/DESIGN.md, "Prefill share"); a non-number is a mistake
         number("prefill_share", self.prefill_share)
         number("tp_timeout", self.tp_timeout)
@@ -175,12 +169,7 @@ class EngineConfig:
                        compile_elementwise=on_cuda if self.compile_elementwise is None else self.compile_elementwise,
                        compile_warmup=on_cuda if self.compile_warmup is None else self.compile_warmup,
                        decode_kernel=opts["decode_kernel"], decode_splits=opts["decode_splits"],
-                       decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"],
-                       skinny_gemm=self.resolved_skinny())
-
-    def resolved_skinny(self) -> bool:
-        """skinny_gemm decided: as given, else on CUDA."""
-        return device_type(self.device) == "cuda" if self.skinny_gemm is None else self.skinny_gemm
+                       decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"])
 
     def describe(self) -> dict:
         """Every field, as given (None where undecided): `resolved().describe()` says what runs."""
@@ -188,8 +177,7 @@ class EngineConfig:
 
     def key(self) -> str:
         """A resolved configuration's choices that pick what runs, in one short line for a benchmark row:
-        forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows(/skinny:
-        the Triton GEMM for few-row forwards)."""
+        forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows."""
         c = self
         kernel = f"{c.decode_kernel}{'+append' if c.decode_append else ''}"
         if c.decode_splits is not None:
@@ -197,8 +185,7 @@ class EngineConfig:
         return "/".join([c.forward, c.backend, f"p{c.page_size}", kernel,
                          "graphs" if c.cuda_graphs else "eager", "overlap" if c.overlap else "serial",
                          "prefix" if c.prefix_cache else "noprefix", f"chunk{c.chunk_tokens}", f"rows{c.max_batch}",
-                         f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else [])
-                        + (["skinny"] if c.skinny_gemm else []))
+                         f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else []))
 
 
 # Fields that say how a run is observed or sized, not what it computes: two configurations that differ only in

@@ -52,26 +52,6 @@ class ForwardContext:
     # the rows that are decode rows in this replay). They are the first packed positions; the prefill kernel covers
     # them too, over one key, and the decode kernel's output replaces its output there
     lead: tuple[AttnBatch, torch.Tensor] | None = None
-    # the projections of a forward of at most kernels.skinny_gemm.MAX_ROWS positions by the Triton skinny GEMM
-    # (EngineConfig.skinny_gemm): per forward, not per model, since engines of other configurations share weights
-    skinny: bool = False
-
-
-def linear(x, weight, bias=None, skinny: bool = False):
-    """F.linear, or with `skinny` the Triton GEMM for a few rows (kernels/skinny_gemm.py) where it takes the shape."""
-    if skinny:
-        from kernels import skinny_gemm
-        if skinny_gemm.supports(x, weight):
-            return skinny_gemm.linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def project(module: nn.Module, x, skinny: bool):
-    """module(x); with `skinny` a plain nn.Linear goes through `linear` (a tensor-parallel row-parallel projection
-    keeps its own forward: its all-reduce)."""
-    if skinny and type(module) is nn.Linear:
-        return linear(x, module.weight, module.bias, skinny)
-    return module(x)
 
 
 # -- elementwise pieces ----------------------------------------------------------------------------------------
@@ -226,8 +206,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: ForwardContext):
         T = x.shape[0]
         s = self.s
-        qkv = linear(x, self.qkv_weight, self.qkv_bias, ctx.skinny).view(T, s.num_heads + 2 * s.num_kv_heads,
-                                                                        s.head_dim)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         qk = OPS["rope"](qkv[:, :s.num_heads + s.num_kv_heads], cos, sin)   # queries and keys rotated at once
         q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
         v = qkv[:, s.num_heads + s.num_kv_heads:]
@@ -250,7 +229,7 @@ class Attention(nn.Module):
             rows = lead.num_seqs
             od = ctx.backend.decode(q[:rows], k_cache, v_cache, lead, self.scale)
             o[:rows] = torch.where(is_decode[:, None, None], od, o[:rows])
-        return project(self.o_proj, o.reshape(T, -1), ctx.skinny)
+        return self.o_proj(o.reshape(T, -1))
 
 
 class MLP(nn.Module):
@@ -268,8 +247,8 @@ class MLP(nn.Module):
         self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
 
-    def forward(self, x, skinny: bool = False):
-        return project(self.down_proj, OPS["silu_mul"](linear(x, self.gate_up_weight, None, skinny)), skinny)
+    def forward(self, x):
+        return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)))
 
 
 class DecoderLayer(nn.Module):
@@ -290,7 +269,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, k_cache, v_cache, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, ctx.skinny), residual
+        return self.mlp(h), residual
 
 
 class Qwen2(nn.Module):

@@ -62,11 +62,10 @@ class ModelRunner:
 
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
                  poison: bool = False, record_topk: int = 0, pad_page: bool = False,
-                 backend_options: dict | None = None, skinny_gemm: bool = False):
+                 backend_options: dict | None = None):
         """pad_page: one more page than the pool's (index num_pages), never owned by a request, that the padding
         rows of a captured decode step write and read (CUDA graphs). backend_options: its kernel choices
-        (EngineConfig.backend_options()). skinny_gemm: a few-row forward's projections by the Triton GEMM
-        (EngineConfig.skinny_gemm)."""
+        (EngineConfig.backend_options())."""
         self.model = model
         self.shape = model.shape
         self.device = torch.device(device)
@@ -75,7 +74,6 @@ class ModelRunner:
         self.num_pages = num_pages
         self.poison = poison
         self.record_topk = record_topk
-        self.skinny_gemm = skinny_gemm
         self.backend: AttentionBackend = get_backend(backend, self.device, page_size, **(backend_options or {}))
         # refused here, before any launch, rather than computed wrong (a head dim a kernel is not built for)
         reason = self.backend.why_unsupported(model.shape.head_dim, dtype, model.shape.num_heads,
@@ -166,7 +164,7 @@ class ModelRunner:
                                       [pages_of[r.request_id] for r in decodes])
             self.backend.prepare(decode, "decode")
         t = torch.from_numpy(flat).to(self.device)
-        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend, skinny=self.skinny_gemm)
+        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend)
         return t[:n], t[n:2 * n], ctx, t[3 * n:]
 
     @torch.inference_mode()
@@ -313,8 +311,7 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
     runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
                         poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
-                        backend_options=config.backend_options(), skinny_gemm=config.resolved_skinny(),
-                        **runner_kw)
+                        backend_options=config.backend_options(), **runner_kw)
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile

@@ -130,8 +130,7 @@ class FixedState:
     through a two-chunk prompt. Step plans over them can be run again and again without changing anything."""
 
     def __init__(self, case: ModelCase, backend: str, page_size: int, device: str, dtype: str, loaded=None,
-                 rows: int = ROWS, **config):
-        """`config`: EngineConfig fields beside the lineage's (a kernel choice to compare: skinny_gemm=False)."""
+                 rows: int = ROWS):
         self.case, self.device, self.dtype, self.rows = case, device, dtype, rows
         self.backend, self.page_size = backend, page_size
         self.sync = synchronizer(device)
@@ -147,7 +146,7 @@ class FixedState:
         need += pages_for(2 * case.chunk + 1, page_size)
         # max_batch rows + 1: the timed chunk's request holds a row too, so a captured loaded step holds all 33
         cfg = lineage_config("fused", backend=backend, page_size=page_size, device=device, dtype=dtype,
-                             max_batch=rows + 1, chunk_tokens=build_chunk, num_pages=need + 2, **config)
+                             max_batch=rows + 1, chunk_tokens=build_chunk, num_pages=need + 2)
         self.engine = Engine(cfg, case.model, loaded=loaded)
         self._decodes: list[Request] | None = None
         self._chunk: Chunk | None = None

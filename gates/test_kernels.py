@@ -37,7 +37,6 @@ import torch
 import kernels
 
 from . import coverage
-from .failure import GateFailure
 from .kernel_check import (CPU_FLEX_SHAPE, DECODE_LENS, LONG_SHAPES, PAGE_SIZES, PREFILL_LENS, SHAPES, SHORT,
                            check_kernel, compare_decode_kernels, make_case, run_kernel)
 from .options import gate_options
@@ -330,44 +329,3 @@ def test_decode_kernels_agree(backend, device, request):
     compare_decode_kernels([backend], case)
 
 
-
-
-# -- the skinny GEMM (kernels/skinny_gemm.py): a decode step's projections on CUDA (EngineConfig.skinny_gemm) --------
-SKINNY_ROWS = (1, 7, 32, 33, 64)    # one row, odd counts inside and past a 32-row block, the most it takes
-
-
-def _skinny_params(config):
-    """The model under test's four projections and the 1.5B shape's (the performance shape), at SKINNY_ROWS."""
-    from engine.loader import RANDOM_1P5B, model_config
-    from .gemm_check import projection_shapes
-    shapes = {}
-    for name in (gate_options(config).model_arg, RANDOM_1P5B):
-        try:
-            c = model_config(name)
-        except (OSError, ValueError, KeyError):   # a model the loader cannot read fails its engine gates
-            continue
-        for proj, (n, k, bias) in projection_shapes(c).items():
-            shapes.setdefault((n, k, bias), proj)
-    return [pytest.param(m, n, k, bias, id=f"{name}-{n}x{k}-m{m}") for (n, k, bias), name in shapes.items()
-            for m in SKINNY_ROWS]
-
-
-def test_skinny_gemm(request, device):
-    """The skinny GEMM against fp32 F.linear at every row count it takes, on the served dtype, NaN past every
-    operand's rows: on CUDA, where EngineConfig.skinny_gemm serves it (off CUDA it is not served; tests/
-    test_skinny_gemm.py runs it in Triton's interpreter)."""
-    if not _is_cuda(request.config):
-        pytest.skip("the skinny GEMM is served on CUDA only (EngineConfig.skinny_gemm)")
-    from kernels import skinny_gemm
-    from .gemm_check import check_linear
-    failures = []
-    params = _skinny_params(request.config)
-    assert params, "no projection shape to check: neither the model under test's config nor the 1.5B's was read"
-    for p in params:
-        m, n, k, bias = p.values
-        try:
-            check_linear(skinny_gemm.linear, m, n, k, bias, device=device, dtype=_default_dtype(request),
-                         name=p.id)
-        except GateFailure as e:
-            failures.append(str(e))
-    assert not failures, "\n".join(failures)

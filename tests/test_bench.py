@@ -259,10 +259,10 @@ def test_the_step_time_plot_without_a_step_kind(tmp_path):
 
 
 def test_serving_passes_the_kernel_choices_to_the_engine():
-    """--decode-kernel, --decode-append and --skinny-gemm reach the engine's config (they were parsed and dropped:
-    ServingOptions had no field for them, so an A/B of two kernels ran one kernel twice)."""
+    """--decode-kernel and --decode-append reach the engine's config (since 68a58ba they were parsed and dropped:
+    ServingOptions had no field for them, so an A/B of two kernels would have run one kernel twice)."""
     from engine.config import lineage_config
-    o = serving.parse_args(["--decode-kernel", "flash", "--decode-append", "off", "--skinny-gemm", "off"]).options
+    o = serving.parse_args(["--decode-kernel", "flash", "--decode-append", "off"]).options
     extra = kernel_options(o)
-    assert extra == dict(decode_kernel="flash", decode_append=False, skinny_gemm=False)
+    assert extra == dict(decode_kernel="flash", decode_append=False)
     assert lineage_config("flash", device="cpu", **extra).decode_kernel == "flash"

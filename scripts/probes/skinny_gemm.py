@@ -1,7 +1,16 @@
-"""The skinny GEMM (kernels/skinny_gemm.py) against cuBLAS (F.linear) on a GPU: the 1.5B shape's four projections at
-decode-step row counts, each as 28 calls over 28 layers' own weights inside a CUDA graph (the weights do not stay in
-L2 from one call to the next, as in a step), microseconds a call and the weight bytes' rate; the kernel's own tiling
-first, then a sweep of tilings. Usage: python -m scripts.probes.skinny_gemm [--rows 1,8,32,64] [--out FILE.json]"""
+"""A skinny GEMM in Triton against cuBLAS (F.linear) on a GPU: the 1.5B shape's four projections at decode-step row
+counts, each as 28 calls over 28 layers' own weights inside a CUDA graph (the weights do not stay in L2 from one call
+to the next, as in a step), microseconds a call and the weight bytes' rate; the kernel's own tiling first, then a
+sweep of tilings. Usage: python -m scripts.probes.skinny_gemm [--rows 1,8,32,64] [--out FILE.json]
+
+Why: at 32 rows the session 13 profile had q/k/v and o at 5.7 and 5.4 us a layer for 6.3 and 4.7 MB of weights
+(about a quarter of the copy rate), and down split-K with a reduce kernel after it. The kernel here computes
+BLOCK_N output columns of every row over the whole K (no split-K, no second kernel). Measured on the H200 in
+session 16 (docs/RESULTS.md): no faster than cuBLAS for q/k/v and o (5.7-6.3 us against 5.4-6.5), slower for
+gate/up; in the engine (behind a configuration switch, in the same call) the 32-row pure decode step took 2.41 ms
+of device time with it against 2.02 ms without. So the engine keeps cuBLAS; the probe stays for the next attempt
+(split-K with an in-kernel reduction, or a GEMV-style kernel for one to eight rows).
+"""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +22,35 @@ import torch
 import torch.nn.functional as F
 
 from bench.stats import graph_time
-from kernels import skinny_gemm as sg
 
 # Qwen2.5-1.5B: hidden 1536, intermediate 8960, 12 query heads and 2 key/value heads of 128
+SMS = 132               # the H200's multiprocessors
+
+
+def tiling(m: int, n: int, k: int, sms: int = SMS) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): the rows in one block (tl.dot needs 16 at least); the widest column block that
+    still gives every multiprocessor a program (else 16); K's blocks of 128 where K allows."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = next((b for b in (64, 32) if -(-n // b) >= sms), 16)
+    block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    return block_m, block_n, block_k
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: tuple[int, int, int],
+           launch: dict | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K], weight [N, K] by the kernel, at the given tiling."""
+    from .skinny_gemm_kernel import skinny_linear
+    m, k = x.shape
+    n = weight.shape[0]
+    bm, bn, bk = blocks
+    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    skinny_linear[(-(-n // bn), -(-m // bm))](
+        x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        K=k, HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **(launch or {"num_warps": 4, "num_stages": 4}))
+    return out
+
+
 SHAPES = {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
           "down": (1536, 8960, False)}
 
@@ -61,16 +96,16 @@ def main(argv=None) -> int:
                 return step
 
             cub_us, ref = graph_time(run(F.linear), a.reps, a.layers)
-            cands = [(sg.tiling(m, n, k), None, True)]
+            cands = [(tiling(m, n, k), None, True)]
             if m in ints(a.sweep_rows):
                 for bn, bk, wp, st in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps),
                                                          ints(a.stages)):
                     if k % bk == 0:
-                        cands.append(((sg.tiling(m, n, k)[0], bn, bk), dict(num_warps=wp, num_stages=st), False))
+                        cands.append(((tiling(m, n, k)[0], bn, bk), dict(num_warps=wp, num_stages=st), False))
             for blocks, launch, own in cands:
                 label = f"{blocks}" + ("" if launch is None else f" w{launch['num_warps']}s{launch['num_stages']}")
                 try:
-                    us, out = graph_time(run(lambda x_, w_, b_: sg.linear(x_, w_, b_, blocks=blocks, launch=launch)),
+                    us, out = graph_time(run(lambda x_, w_, b_: linear(x_, w_, b_, blocks=blocks, launch=launch)),
                                          a.reps, a.layers)
                 except Exception as e:      # a tiling the compiler refuses (shared memory, registers): say so
                     print(f"{name:>8} {m:>4} {label:>22}  {type(e).__name__}: {str(e)[:80]}")

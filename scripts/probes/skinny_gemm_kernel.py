@@ -1,6 +1,6 @@
-"""The Triton kernel of kernels/skinny_gemm.py (which says what it does and why). A module of its own, as
-kernels/triton_decode_kernels.py: Triton's interpreter (the CPU tests) finds `tl` in a kernel's module globals, and
-triton is imported only when the kernel is asked for."""
+"""The Triton kernel of scripts/probes/skinny_gemm.py (which says what it measured). A module of its own, as
+kernels/triton_decode_kernels.py: Triton's interpreter finds `tl` in a kernel's module globals, and triton is
+imported only when the probe runs."""
 import triton
 import triton.language as tl
 
@@ -13,7 +13,7 @@ def skinny_linear(x_ptr, w_ptr, b_ptr, out_ptr, M, N, stride_xm, stride_wn, stri
                   PRECISION: tl.constexpr):
     """out[M, N] = x[M, K] @ w[N, K]^T (+ b): a program per BLOCK_N output columns and BLOCK_M rows, over the whole
     K (no split-K: no partial sums to reduce in a second kernel). PRECISION: "ieee" for fp32 inputs, as cuBLAS
-    multiplies them unless torch allows TF32 (tl.dot's default would round them to TF32). K is a multiple of BLOCK_K (skinny_gemm.tiling) and
+    multiplies them unless torch allows TF32 (tl.dot's default would round them to TF32). K is a multiple of BLOCK_K (the probe's tiling) and
     a compile-time constant: a model has two (hidden and intermediate sizes), and the loop's trip count is known."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)

@@ -48,6 +48,51 @@ def differences(recorded: dict, now: dict) -> list[str]:
     return out
 
 
+# Each engine configuration's defaults as a user gets them (lineage_config(name) with nothing given: the chunk
+# budget, the rows, the page size, the kernel switches left to the device), before any device resolves them: one
+# record for every device. A mutation campaign found the default chunk budget (CHUNK_TOKENS) moved unseen: every gate
+# runs its workload's own budget, and the CPU workloads' is a quarter of the default, rounded down.
+DEFAULTS_FILE = "served-defaults.json"
+
+
+def defaults_now() -> dict:
+    from engine.config import LINEAGE, lineage_config
+    return {name: lineage_config(name).describe() for name in sorted(LINEAGE)}
+
+
+def default_problems(opts) -> list[str]:
+    """The defaults against their record (golden/served-defaults.json); under --regen-golden, the record rewritten."""
+    path, now = Path(opts.golden_dir) / DEFAULTS_FILE, defaults_now()
+    if opts.regen:
+        with _locked(path):
+            old = json.loads(path.read_text()) if path.is_file() else {}
+            _atomic_write(path, (json.dumps(now, indent=1, sort_keys=True) + "\n").encode())
+        moved = default_differences(old, now)
+        if moved:
+            print(f"\nstepgate: served defaults {path}: " + "; ".join(moved))
+        return []
+    if not path.is_file():
+        return [f"no record of the engines' defaults {path}: make it with pytest gates/test_smoke.py::"
+                f"test_served_defaults --regen-golden"]
+    moved = default_differences(json.loads(path.read_text()), now)
+    if moved:
+        moved.append("(what a user who passes nothing gets. If the change was intended, regenerate: pytest "
+                     "gates/test_smoke.py::test_served_defaults --regen-golden)")
+    return moved
+
+
+def default_differences(recorded: dict, now: dict) -> list[str]:
+    out = []
+    for name in sorted(set(recorded) | set(now)):
+        old, new = recorded.get(name), now.get(name)
+        if old is None or new is None:
+            out.append(f"{name}: {'no longer a configuration' if new is None else 'a new configuration'}")
+            continue
+        out += [f"{name}: {field} {old.get(field, '(none)')!r} -> {new.get(field, '(none)')!r}"
+                for field in sorted(set(old) | set(new)) if old.get(field) != new.get(field)]
+    return out
+
+
 def regen_command(opts) -> str:
     dev = "" if not opts.is_cuda else f" --device {opts.device}"
     model = "" if opts.model == "small" else f" --model {opts.model}"
@@ -95,4 +140,4 @@ def write(path: Path, sec: str, candidate: str, now: dict) -> None:
         print(f"\nstepgate: served record {path} [{sec}] {candidate}: " + "; ".join(moved))
 
 
-__all__ = ["problems", "record_path"]
+__all__ = ["default_problems", "problems", "record_path"]

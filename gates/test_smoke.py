@@ -35,6 +35,14 @@ def test_smoke(runs, opts, engine, backend):
     assert not moved, f"{engine}[{backend}] serves other than its record:\n  " + "\n  ".join(moved)
 
 
+def test_served_defaults(opts):
+    """Each engine configuration's defaults (no field given) against their record: a default that moves (the chunk
+    budget, the rows, a kernel switch) changes what every user who passes nothing is served, while every gate runs
+    its own workload's settings."""
+    moved = served.default_problems(opts)
+    assert not moved, "the engines' defaults moved:\n  " + "\n  ".join(moved)
+
+
 # the configurations whose kernels run the captured steps' path uncaptured on a CPU (the torch backend's static_steps):
 # stated here, not read from the backend, so that losing it fails instead of skipping (a mutation campaign found
 # `static_steps = False` turning these gates into skips)

@@ -220,6 +220,13 @@ def prefix_default_off(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(EngineConfig, "resolved", lambda self, *a, **kw: replace(resolved(self, *a, **kw), prefix_cache=False))
 
 
+def chunk_default_513(mp: pytest.MonkeyPatch) -> None:
+    """The fused engine's default chunk budget one position larger (as a mutant of CHUNK_TOKENS did): every gate
+    runs its workload's own budget, so only a user who passes nothing gets it."""
+    from engine.config import LINEAGE
+    mp.setitem(LINEAGE["fused"], "chunk_tokens", 513)
+
+
 def stale_read(mp: pytest.MonkeyPatch) -> None:
     """Decode row i reads its history through row i-1's block-table row: another request's pages."""
     decode_tables(mp, lambda tables: tables[:1] + tables[:-1] if len(tables) >= 2 else tables)
@@ -375,6 +382,9 @@ PLANTS = {
     "prefix-default-off": Plant("the prefix cache switched off where the configuration's defaults are decided",
                                 r"serves other than its record:\s+(E\s+)?configuration: recorded "
                                 r"\S+/prefix/\S+, serves \S+/noprefix/", prefix_default_off),
+    "chunk-default-513": Plant("the fused engine's default chunk budget 513 (every gate sets its own)",
+                               r"the engines' defaults moved:\s+(E\s+)?fused: chunk_tokens 512 -> 513",
+                               chunk_default_513),
     "stale-read": Plant("decode row i reads row i-1's block-table row (another request's pages)",
                         poison_cause(r"(?!\1 )\S+") + "|" + token_cause("a decode row", "only when batched with"),
                         stale_read, number_changing=True),

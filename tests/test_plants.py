@@ -166,6 +166,14 @@ def test_the_smoke_gate_fails_a_run_that_serves_other_than_configured(plant):
     assert "not a near tie" not in p.stdout      # the tokens agreed: only the new checks saw it
 
 
+def test_the_smoke_gate_fails_a_default_that_moved():
+    """The default chunk budget moved (a mutant of CHUNK_TOKENS survived every gate: each runs its workload's own
+    budget): the served defaults' record fails it, naming the field."""
+    p = pytest_run("gates/test_smoke.py::test_served_defaults", "-p", "tests.plants", "--plant", "chunk-default-513")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert re.search(plants.PLANTS["chunk-default-513"].cause, p.stdout), p.stdout[-3000:]
+
+
 def test_the_smoke_gate_fails_when_the_cpu_loses_its_steps_launched_ahead():
     """Without the torch backend's static_steps the gates over steps launched ahead could only skip on a CPU: they
     fail instead, naming why."""

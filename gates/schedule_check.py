@@ -167,9 +167,10 @@ def provenance_problems(requests, trace) -> list[str]:
 
 def arrival_problems(requests) -> list[str]:
     """Arrival indices count the accepted submits: the engine's requests, in submit order, arrived in that order
-    (strictly increasing: results popped leave gaps; strict FCFS orders by them, failure reports print them)."""
+    (strictly increasing from 0 at least: results popped leave gaps; strict FCFS orders by them, failure reports
+    print them)."""
     got = [r.arrival_index for r in requests]
-    if any(a >= b for a, b in zip(got, got[1:])):
+    if any(a >= b for a, b in zip(got, got[1:])) or (got and got[0] < 0):
         return [f"{FCFS} violated: the accepted requests' arrival indices, in submit order, are {got[:SHOWN * 2]}"
                 f"{' ...' if len(got) > SHOWN * 2 else ''}; they must count the submits"]
     return []

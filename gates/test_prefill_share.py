@@ -193,3 +193,35 @@ def test_a_short_prompt_never_waits(p, chat_len, at, chunk_tokens, n_decoders):
     got = [(c.request.request_id, c.start, c.length) for c in plan.chunks]
     assert got and got[0] == ("chat", 0, min(C, chat_len)), \
         f"a short chat arriving with debt {sched.ledger.debt:.3g} s got {got} in its first step"
+
+
+def owed_scheduler(short: int, C: int = 128) -> Scheduler:
+    """Two decoders and a 40,000-position prompt at share 0.25, stepped until the ledger owes decode time."""
+    sched = Scheduler(PagePool(800, 64), max_batch=64, chunk_tokens=C, prefill_share=0.25,
+                      short_prompt_positions=short)
+    for i in range(2):
+        sched.add(Request(f"d{i}", [1] * 4, 500))
+    sched.add(Request("long", [1] * 40000, 1))
+    for _ in range(60):
+        plan = sched.schedule()
+        apply(plan)
+        sched.finish_step(duration=0.01 + 0.04 * plan.prompt_positions / C)
+        if sched.ledger.owes:
+            return sched
+    raise AssertionError("no debt after 60 steps: the bound could not be tested")
+
+
+@pytest.mark.parametrize("short", [0, 1, 100])
+def test_the_short_prompt_bound(short):
+    """EngineConfig.short_prompt_positions at its edges (0 is valid: no prompt is short, every one obeys the debt):
+    while the debt is owed, a prompt of exactly `short` positions gets its first piece in the next step and one of
+    short + 1 is withheld. A mutant that refused 0 passed the gates (none ran the bound)."""
+    for n, goes in ((short, True), (short + 1, False)):
+        if n == 0:
+            continue
+        sched = owed_scheduler(short)
+        r = Request("probe", [1] * n, 1)
+        sched.add(r)
+        took = any(c.request is r for c in sched.schedule().chunks)
+        assert took == goes, (f"a prompt of {n} positions (short_prompt_positions={short}) "
+                              f"{'waited' if goes else 'went first'} while the debt was owed")

@@ -257,3 +257,17 @@ def test_real_engine_arrival_indices_not_counted_fail_the_check(loaded, monkeypa
     with pytest.raises(ScheduleViolation, match=r"strict FCFS admission violated: the accepted requests' arrival "
                                                 r"indices, in submit order, are \[0, 0, 0"):
         check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_real_engine_arrival_indices_counted_from_minus_one_fail_the_check(loaded, monkeypatch):
+    """Found by the mutation campaign (session 16): the count started at -1 (`next_arrival = -1`) survived; failure
+    reports then named an 'arrival -1'."""
+    init = Scheduler.__init__
+
+    def planted(self, *a, **kw):
+        init(self, *a, **kw)
+        self.next_arrival = -1
+    monkeypatch.setattr(Scheduler, "__init__", planted)
+    eng = engine_run(loaded)
+    with pytest.raises(ScheduleViolation, match=r"arrival indices, in submit order, are \[-1, 0, 1"):
+        check_engine(eng, "fused[torch] tiny pool")

@@ -196,11 +196,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(tree: Path, count: int, env: dict, work: Path) -> list[tuple[subprocess.Popen, str]]:
+def start_workers(tree: Path, count: int, env: dict, work: Path,
+                  threads: int | None = None) -> list[tuple[subprocess.Popen, str]]:
     """`count` cosmic-ray http workers, each in its own copy of `tree` (a worker mutates the files of its working
-    directory), each with its share of the cores (torch's threads would otherwise oversubscribe them). Returns the
-    processes and their URLs once each answers."""
-    threads = str(max(1, (os.cpu_count() or 1) // count))
+    directory), each with its share of the cores (torch's threads would otherwise oversubscribe them; `threads`: a
+    set share, where other campaigns run beside this one). Returns the processes and their URLs once each answers."""
+    threads = str(threads or max(1, (os.cpu_count() or 1) // count))
     workers = []
     for i in range(count):
         copy = tree.with_name(f"{tree.name}.{i}")
@@ -240,7 +241,7 @@ def stop_workers(workers: list[tuple[subprocess.Popen, str]], tree: Path) -> Non
 
 
 def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool = False,
-               retest: bool = False, workers: int = 1) -> dict:
+               retest: bool = False, workers: int = 1, threads: int | None = None) -> dict:
     """One module's campaign: copy, cosmic-ray init, filter, a baseline run of the suite, cosmic-ray exec until done
     or the deadline (`resume`: an earlier session's pending mutants, its time added). `workers` > 1: that many
     mutants at a time, through cosmic-ray's http distributor (each worker in its own copy of the tree; on one GPU
@@ -279,7 +280,10 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
             raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
         BASELINES[command] = time.time() - t0
     baseline_s = BASELINES[command]
-    pool = start_workers(tree, workers, env, work) if workers > 1 else []
+    # never less than three unmutated runs: a machine loaded by other campaigns must not turn slow runs into
+    # timeouts (a timeout counts as caught)
+    timeout = max(timeout, 3 * baseline_s)
+    pool = start_workers(tree, workers, env, work, threads) if workers > 1 else []
     try:
         cfg_path.write_text(session_config(module, timeout, command, [url for _, url in pool]))
         cr("exec", str(cfg_path), str(db), cwd=tree, env=env, timeout=max(1.0, deadline - time.time()))
@@ -421,6 +425,8 @@ def main(argv=None) -> int:
     run.add_argument("--retest", action="store_true", help="with --resume: run the survivors again (a gap closed)")
     run.add_argument("--workers", type=int, default=1, help="mutants run at a time (cosmic-ray's http distributor, "
                      "a copy of the tree each)")
+    run.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the cores "
+                     "shared among the workers; set it where another campaign runs beside this one)")
     rep = sub.add_parser("report", help="write the report from the sessions under --work")
     for p in (run, rep):
         p.add_argument("--work", type=Path, default=WORK, help="sessions and metadata (default results/mutation)")
@@ -441,7 +447,7 @@ def main(argv=None) -> int:
             if time.time() >= deadline:
                 print(f"{m}: not run (the {args.max_minutes} min cap was reached)", file=sys.stderr)
                 continue
-            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest, args.workers)
+            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest, args.workers, args.threads)
             print(f"{m}: {meta['seconds']:.0f} s{'' if meta['finished'] else ' (cap reached)'}", file=sys.stderr)
     reports = report(args.work, load_equivalent(REPO / cfg["equivalent"]), modules)
     text = markdown(reports)

@@ -10,7 +10,10 @@
 #          script, built here first: about 2 minutes; the build comes back as $OUT/fa_built.tgz),
 #          .device/mutation (the sessions so far; absent on the first call)
 #   MODULES: the modules of this call (default: every module of the two suites); MINUTES (8): the campaign's cap;
-#   WORKERS (12): mutants at a time; RETEST=1: run the survivors again (after a gap was closed)
+#   WORKERS (12): mutants at a time; THREADS: torch threads a worker (default: the cores shared); RETEST=1: run the
+#   survivors again (after a gap was closed)
+#   CPU_MODULES: CPU suites' modules (the bookkeeping) run beside the GPU campaign on the host's spare cores, with
+#   the GPU hidden (so the gates serve the CPU, as CI does), CPU_WORKERS (4) mutants at a time, one thread each
 set -eu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .device/mutation
 export PYTHONUNBUFFERED=1
@@ -47,8 +50,21 @@ for m in ${MODULES:-}; do args+=(--module "$m"); done
 resume=()
 ls .device/mutation/*.sqlite > /dev/null 2>&1 && resume=(--resume)
 [ "${RETEST:-0}" = 1 ] && resume+=(--retest)
-python -m gates.mutation run "${args[@]}" "${resume[@]}" --workers "${WORKERS:-12}" --max-minutes "${MINUTES:-8}" \
-  --work .device/mutation --markdown "$OUT/mutation-report.md" --out "$OUT/mutation-report.json" \
-  > "$OUT/campaign.log" 2>&1 || echo "campaign rc=$?" >> "$OUT/campaign.log"
+cpu_pid=
+if [ -n "${CPU_MODULES:-}" ]; then
+  cpu_args=()
+  for m in $CPU_MODULES; do cpu_args+=(--module "$m"); done
+  CUDA_VISIBLE_DEVICES= python -m gates.mutation run "${cpu_args[@]}" "${resume[@]}" --workers "${CPU_WORKERS:-4}" \
+    --threads 1 --max-minutes "${MINUTES:-8}" --work .device/mutation --markdown "$OUT/mutation-report-cpu.md" \
+    --out "$OUT/mutation-report-cpu.json" > "$OUT/campaign-cpu.log" 2>&1 &
+  cpu_pid=$!
+fi
+threads=()
+[ -n "${THREADS:-}" ] && threads=(--threads "$THREADS")
+python -m gates.mutation run "${args[@]}" "${resume[@]}" --workers "${WORKERS:-12}" "${threads[@]}" \
+  --max-minutes "${MINUTES:-8}" --work .device/mutation --markdown "$OUT/mutation-report.md" \
+  --out "$OUT/mutation-report.json" > "$OUT/campaign.log" 2>&1 || echo "campaign rc=$?" >> "$OUT/campaign.log"
+[ -z "$cpu_pid" ] || wait "$cpu_pid" || echo "cpu campaign rc=$?" >> "$OUT/campaign-cpu.log"
 tar czf "$OUT/mutation.tgz" -C .device/mutation --exclude '*.tree' --exclude '*.tree.*' .
 tail -5 "$OUT/campaign.log"
+[ -z "$cpu_pid" ] || tail -5 "$OUT/campaign-cpu.log"

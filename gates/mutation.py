@@ -11,6 +11,7 @@ has the recipe and the reasons for the choices here."""
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import os
@@ -43,6 +44,7 @@ SELECTIVE = {
                                   "IsNot": {"Is"}, "In": {"NotIn"}, "NotIn": {"In"}},
 }
 LEFT_OUT = "not in the selective operator set"
+UNREACHED = "not reached: the suite's unmutated run never ran this statement (line"
 DEFERRED = "deferred: not run while survivors were run again"
 
 
@@ -187,6 +189,51 @@ def pending(db_path: Path) -> int:
                          ).fetchone()[0]
 
 
+def statement_line(source: str, line: int) -> int:
+    """The first line of the innermost statement holding `line` (coverage counts statements by their first line; a
+    mutant may sit on a continuation line)."""
+    best = None
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.stmt) and node.lineno <= line <= (node.end_lineno or node.lineno):
+            if best is None or node.lineno >= best.lineno:
+                best = node
+    return best.lineno if best else line
+
+
+def under_coverage(command: list[str], data: Path, source: Path) -> list[str]:
+    """`python -m pytest ...` run under coverage.py, measuring the one mutated module."""
+    if command[1:3] != ["-m", "pytest"]:
+        raise ValueError(f"a suite with reach = true runs `python -m pytest ...`, got {command[:3]}")
+    return [command[0], "-m", "coverage", "run", f"--data-file={data}", f"--include={source}", *command[1:]]
+
+
+def mark_unreached(db_path: Path, tree: Path, module: str, data: Path) -> int:
+    """Mutants on statements the unmutated suite never ran: the mutated code cannot run either, so the mutant
+    survives; it is recorded as a survivor (to be triaged like any other) without spending a suite run on it. Only
+    for suites whose modules Python itself runs (reach = true): a Triton kernel's body or a torch.compile'd function
+    runs without Python's line events, so coverage would call it unreached. Returns how many were marked."""
+    import coverage
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+    cov = coverage.Coverage(data_file=str(data))
+    cov.load()
+    _, statements, _, missing, _ = cov.analysis2(str(tree / module))
+    if not set(statements) - set(missing):
+        raise RuntimeError(f"coverage saw no line of {module} run: is the suite the module's?")
+    source, marked = (tree / module).read_text(), 0
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            m = item.mutations[0]
+            first = statement_line(source, m.start_pos[0])
+            if first in missing:
+                line, mutant = mutant_lines(source, m.operator_name, m.occurrence, m.start_pos[0])
+                db.set_result(item.job_id, WorkResult(output=f"{UNREACHED} {first})", diff=f"- {line}\n+ {mutant}",
+                                                      worker_outcome=WorkerOutcome.NORMAL,
+                                                      test_outcome=TestOutcome.SURVIVED))
+                marked += 1
+    return marked
+
+
 BASELINES: dict[str, float] = {}     # suite command -> seconds of its unmutated run (passed) in this process
 
 
@@ -272,13 +319,21 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
         if r.returncode:
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
-    if command not in BASELINES:        # modules of one suite share its unmutated run within a campaign
+    reach = bool(suite.get("reach"))
+    if command not in BASELINES or reach:    # modules of one suite share its unmutated run within a campaign, but
+        # a reach suite measures each module's coverage in its own run
         t0 = time.time()
-        base = subprocess.run(shlex.split(command), cwd=tree, env=env, capture_output=True, text=True,
-                              timeout=timeout)
+        argv, data = shlex.split(command), work / f"{slug(module)}.coverage"
+        # sys.monitoring (3.12+): line events at a fraction of the tracer's cost
+        cov_env = {**env, "COVERAGE_CORE": "sysmon"} if reach and sys.version_info >= (3, 12) else env
+        base = subprocess.run(under_coverage(argv, data, tree / module) if reach else argv, cwd=tree, env=cov_env,
+                              capture_output=True, text=True, timeout=timeout)
         if base.returncode:
             raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
         BASELINES[command] = time.time() - t0
+        if reach:
+            n = mark_unreached(db, tree, module, data)
+            print(f"{module}: {n} mutants on statements the suite never runs (survivors, not run)", file=sys.stderr)
     baseline_s = BASELINES[command]
     # never less than three unmutated runs: a machine loaded by other campaigns must not turn slow runs into
     # timeouts (a timeout counts as caught)
@@ -368,8 +423,9 @@ def read_session(db_path: Path, module: str, entries: list[dict]) -> list[dict]:
                 why = equivalent_reason(entries, module, enclosing(source, m.start_pos[0]), m.operator_name, line,
                                         mutant) or ""
                 verdict = "equivalent" if why else verdict
+            note = result.output if verdict == "survived" and (result.output or "").startswith(UNREACHED) else ""
             out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
-                            outcome=verdict, diff=result.diff or "", why=why))
+                            outcome=verdict, diff=result.diff or "", why=why, note=note))
         for item in db.pending_work_items:
             m = item.mutations[0]
             out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
@@ -398,6 +454,8 @@ def markdown(reports: list[dict]) -> str:
         for m in r["survivors"]:
             lines += ["", f"### survivor: `{r['module']}` line {m['line']}, {m['operator']} #{m['occurrence']}", "",
                       "```diff", m["diff"].strip(), "```"]
+            if m.get("note"):
+                lines += ["", m["note"]]
     return "\n".join(lines) + "\n"
 
 

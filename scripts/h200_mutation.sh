@@ -17,7 +17,7 @@
 set -eu
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .device/mutation
 export PYTHONUNBUFFERED=1
-python -m pip install -q --no-index --find-links .device/wheels "cosmic-ray==8.7.0" > "$OUT/pip.log" 2>&1
+python -m pip install -q --no-index --find-links .device/wheels "cosmic-ray==8.7.0" coverage > "$OUT/pip.log" 2>&1
 if ls .device/fa_built/ext/*.so > /dev/null 2>&1; then
   export STEPGATE_FLASH_ATTN_PATH=$PWD/.device/fa_built/src:$PWD/.device/fa_built/ext
 else

@@ -233,3 +233,38 @@ def test_a_session_of_an_edited_module_is_not_resumed(tmp_path):
     assert not mutation.edited_since(meta, "abc")
     assert mutation.edited_since(meta, "abd")
     assert len(mutation.module_sha("engine/pool.py")) == 16
+
+
+def test_statement_line_finds_the_first_line_of_a_continued_statement():
+    source = "x = 1\nif x:\n    y = (x +\n         2)\n"
+    assert [mutation.statement_line(source, n) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]
+
+
+def test_a_reach_suite_records_mutants_on_unrun_statements_as_survivors_without_running_them(tmp_path, monkeypatch):
+    """reach = true: the suite's unmutated run under coverage.py; `return b - a` is never run by the toy's test, so
+    its mutant is a survivor with the note that says why, and is not run; the reached ones are run and killed."""
+    pytest.importorskip("cosmic_ray")
+    pytest.importorskip("coverage")
+    import subprocess
+    repo = toy_repo(tmp_path)
+    (repo / "test_toy.py").write_text("import toy\n\ndef test_f():\n    assert toy.f(1, 2) == 3\n")
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    monkeypatch.setattr(mutation, "REPO", repo)
+    cfg = {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"},
+           "suites": {"toy": {"device": "cpu", "timeout": 60, "reach": True,
+                              "command": "python -m pytest -q -p no:cacheprovider test_toy.py"}}}
+    work = tmp_path / "work"
+    work.mkdir()
+    meta = mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300)
+    assert meta["finished"]
+    mutants = mutation.read_session(work / "toy.sqlite", "toy.py", [])
+    unreached = [m for m in mutants if m["note"]]
+    assert unreached and {m["line"] for m in unreached} == {4}, mutants
+    assert all(m["outcome"] == "survived" and "line 4" in m["note"] for m in unreached)
+    assert any(m["line"] == 3 and m["outcome"] == "killed" for m in mutants), mutants
+    assert "never ran this statement" in mutation.markdown([mutation.summarize("toy.py", mutants, meta)])
+
+
+def test_a_reach_suite_must_run_pytest_under_python():
+    with pytest.raises(ValueError, match="python -m pytest"):
+        mutation.under_coverage(["bash", "run.sh"], Path("d"), Path("m.py"))

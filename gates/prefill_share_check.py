@@ -126,6 +126,9 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
     sched = scheduler_cls(pool, max_batch=64, chunk_tokens=C, prefill_share=p, short_prompt_positions=short)
     p_used = sched.ledger.prefill_share
+    if sched.ledger.debt != 0.0:
+        raise GateFailure(f"a fresh scheduler owes the decoders {sched.ledger.debt:.4g} s before any step: it must "
+                          "start at 0 (a start below 0 would forgive the first loaded steps' debt)")
     decoders = [Request(f"d{i}", [1] * 4, b) for i, b in enumerate(budgets)]
     for r in decoders:
         sched.add(r)
@@ -146,6 +149,9 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         duration = (t_decode if plan.decodes else 0.0) + extra
         apply(plan)
         sched.finish_step(duration=duration)
+        if sched.ledger.debt < 0.0:
+            raise GateFailure(f"step {plan.index}: the debt went below 0 ({sched.ledger.debt:.4g} s): no credit, "
+                              "a step never pays off more than is owed")
         if i > warmup:
             steps.append((plan.index, bool(plan.decodes), long_work, duration, extra))
     else:
@@ -203,9 +209,12 @@ SHARE_VALUES = st.one_of(st.sampled_from([0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0,
                          st.floats(0.01, 1.0), st.floats(0.01, 0.2))
 # The cap binds only below p = 1/9 (owed (1 - p)/p e above 8 (t_d + e)), where DEBT_CASE's draws seldom land: the
 # debt gate also runs these, one where the 1 s floor binds (8 t = 0.48 s against 4.95 s owed) and one where 8 t does
-# (4.08 s against 49.5 s). A mutation campaign's survivor, DEBT_CAP_SECONDS = 2.0, passed the draws alone.
+# (4.08 s against 49.5 s). A mutation campaign's survivor, DEBT_CAP_SECONDS = 2.0, passed the draws alone. The third
+# (p = 0.15: 2.83 s owed a chunk, under 8 t = 4.08 s) is where the last long chunk's own debt, paid ahead, saturates
+# at 8 (estimate + t_d) and not at the chunk's owed debt (session 17's survivor: the cap of est - t_d passed the rest).
 CAP_EXAMPLES = [dict(p=0.01, t_decode=0.01, extra_ratio=5.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128),
-                dict(p=0.01, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128)]
+                dict(p=0.01, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128),
+                dict(p=0.15, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128)]
 DEBT_CASE = dict(p=SHARE_VALUES, t_decode=st.floats(0.002, 0.05),
                  extra_ratio=st.one_of(st.floats(0.5, 50.0), st.sampled_from([0.0, 1.0, 200.0])),
                  budgets=st.lists(st.one_of(st.integers(1, 60), st.integers(500, 6000)), min_size=0, max_size=5),

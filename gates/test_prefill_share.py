@@ -153,6 +153,7 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
 @given(**DEBT_CASE)
 @example(**CAP_EXAMPLES[0])
 @example(**CAP_EXAMPLES[1])
+@example(**CAP_EXAMPLES[2])
 def test_debt_rule(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
     check_debt_rule(Scheduler, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
 
@@ -193,6 +194,77 @@ def test_a_short_prompt_never_waits(p, chat_len, at, chunk_tokens, n_decoders):
     got = [(c.request.request_id, c.start, c.length) for c in plan.chunks]
     assert got and got[0] == ("chat", 0, min(C, chat_len)), \
         f"a short chat arriving with debt {sched.ledger.debt:.3g} s got {got} in its first step"
+
+
+def test_two_long_chunks_in_one_step_share_its_extra_time():
+    """A step that carries two prompts' long chunks: each prompt's estimate of its chunk's extra time, from which its
+    last long chunk pays its debt ahead, is half the step's extra time. Chunks end at multiples of chunk_tokens, so
+    two long chunks share a step only after prefix hits at other offsets: with chunks of 512 and pages of 64, A finds
+    64 positions cached and B 960, so A's chunk (448) and B's (64) fill one step; B's next chunk is its last long one
+    and pays (extra / 2) (1 - p) / p ahead. Session 17's survivor: extra * 2 there passed every gate."""
+    p, t_d, per_position = 0.5, 0.01, 1e-4
+    sched = Scheduler(PagePool(400, 64, prefix_cache=True), max_batch=64, chunk_tokens=512, prefill_share=p,
+                      short_prompt_positions=100)
+    shared = list(range(1, 1101))
+    sched.add(Request("seed", shared, 1))              # caches the prefix A and B begin with
+    for i in range(2):
+        sched.add(Request(f"d{i}", [7] * 4, 2000))
+    both, added = None, False
+    for _ in range(400):
+        if not added and sched.step_index > 0 and all(r.request_id != "seed" for r in sched.running):
+            sched.add(Request("A", shared[:64] + [9] * 2000, 1))
+            sched.add(Request("B", shared[:960] + [8] * 600, 1))
+            added = True
+        plan = sched.schedule()
+        if "B" in sched.ledger.prepaid:
+            break
+        longs = sorted(c.request.request_id for c in plan.chunks if c.long)
+        extra = per_position * plan.prompt_positions
+        if longs == ["A", "B"]:
+            both = extra
+        apply(plan)
+        sched.finish_step(duration=(t_d if plan.decodes else 0.0) + extra)
+    else:
+        raise AssertionError("B's last long chunk never paid ahead")
+    assert both is not None, "no step carried A's and B's long chunks together: the case tests nothing"
+    want = both / 2 * (1 - p) / p
+    got = sched.ledger.prepaid["B"]
+    assert got == pytest.approx(want, rel=1e-6), (
+        f"B's last long chunk paid {got:.4g} s ahead; its previous chunk shared a step of {both:.4g} s extra time "
+        f"with A's, so its estimate is half of that and it owes {want:.4g} s")
+
+
+def test_a_cancelled_prompt_gives_back_what_was_charged_ahead_for_it():
+    """A long prompt cancelled after its last long chunk paid its debt ahead (the chunk withheld, the decoders
+    paying the debt down): what was charged for it is owed to nobody, and the debt drops by it, never below 0.
+    Session 17's survivor: a floor of -1 s there passed every gate (the debt went negative: credit)."""
+    p, t_d = 0.5, 0.01
+    sched = Scheduler(PagePool(200, 64), max_batch=64, chunk_tokens=128, prefill_share=p, short_prompt_positions=100)
+    for i in range(2):
+        sched.add(Request(f"d{i}", [1] * 4, 2000))
+    requests = {}
+    for i in range(400):
+        if i == 3:
+            requests["long"] = Request("long", [1] * (100 + 128 * 2 + 37), 1)
+            sched.add(requests["long"])
+        plan = sched.schedule()
+        apply(plan)
+        sched.finish_step(duration=(t_d if plan.decodes else 0.0) + 4e-4 * plan.prompt_positions)
+        charged = sched.ledger.prepaid.get("long", 0.0)
+        if charged > 0 and sched.ledger.debt < charged:
+            break
+    else:
+        raise AssertionError("the last long chunk never paid ahead, or the decoders never paid it down")
+    before = sched.ledger.debt
+    assert sched.cancel("long", requests).outcome == "cancelled"
+    plan = sched.schedule()
+    assert not plan.chunks, "a cancelled prompt's chunk ran"
+    apply(plan)
+    sched.finish_step(duration=t_d)
+    want = max(0.0, max(0.0, before - t_d) - charged)
+    assert sched.ledger.debt == pytest.approx(want, abs=1e-12) and sched.ledger.debt >= 0.0, (
+        f"cancelled with {before:.4g} s owed, {charged:.4g} s of it charged ahead for its last long chunk: after a "
+        f"pure decode step of {t_d} s the debt is {sched.ledger.debt:.4g} s, expected {want:.4g} s")
 
 
 def owed_scheduler(short: int, C: int = 128) -> Scheduler:

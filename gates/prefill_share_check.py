@@ -126,6 +126,13 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
     sched = scheduler_cls(pool, max_batch=64, chunk_tokens=C, prefill_share=p, short_prompt_positions=short)
     p_used = sched.ledger.prefill_share
+    # the documented range, restated here rather than read from the ledger's own normalisation: 0.01 <= p <= 1 is
+    # used as given, anything else (below, above, not finite) falls back to 1 (no debt). Session 17's survivors
+    # (0.01 falling back to 1, 2.0 used as given) passed while the gate computed with what the ledger said
+    want_p = p if isinstance(p, (int, float)) and math.isfinite(p) and 0.01 <= p <= 1.0 else 1.0
+    if p_used != want_p:
+        raise GateFailure(f"prefill_share={p!r} is used as {p_used!r}; the documented range gives {want_p!r} "
+                          "(0.01 <= p <= 1 as given, anything else 1)")
     if sched.ledger.debt != 0.0:
         raise GateFailure(f"a fresh scheduler owes the decoders {sched.ledger.debt:.4g} s before any step: it must "
                           "start at 0 (a start below 0 would forgive the first loaded steps' debt)")
@@ -149,6 +156,9 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         duration = (t_decode if plan.decodes else 0.0) + extra
         apply(plan)
         sched.finish_step(duration=duration)
+        if not plan.decodes and sched.ledger.debt != 0.0:
+            raise GateFailure(f"step {plan.index} carried no decode tokens, yet the decoders are owed "
+                              f"{sched.ledger.debt:.4g} s after it: debt counts only runnable decoders")
         if sched.ledger.debt < 0.0:
             raise GateFailure(f"step {plan.index}: the debt went below 0 ({sched.ledger.debt:.4g} s): no credit, "
                               "a step never pays off more than is owed")

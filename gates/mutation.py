@@ -200,26 +200,35 @@ def statement_line(source: str, line: int) -> int:
     return best.lineno if best else line
 
 
-def under_coverage(command: list[str], data: Path, source: Path) -> list[str]:
-    """`python -m pytest ...` run under coverage.py, measuring the one mutated module."""
+def under_coverage(command: list[str], data: Path, tree: Path, modules: list[str]) -> list[str]:
+    """`python -m pytest ...` run under coverage.py, measuring the suite's modules (their paths in `tree`)."""
     if command[1:3] != ["-m", "pytest"]:
         raise ValueError(f"a suite with reach = true runs `python -m pytest ...`, got {command[:3]}")
-    return [command[0], "-m", "coverage", "run", f"--data-file={data}", f"--include={source}", *command[1:]]
+    include = ",".join(str(tree / m) for m in modules)
+    return [command[0], "-m", "coverage", "run", f"--data-file={data}", f"--include={include}", *command[1:]]
 
 
-def mark_unreached(db_path: Path, tree: Path, module: str, data: Path) -> int:
-    """Mutants on statements the unmutated suite never ran: the mutated code cannot run either, so the mutant
-    survives; it is recorded as a survivor (to be triaged like any other) without spending a suite run on it. Only
-    for suites whose modules Python itself runs (reach = true): a Triton kernel's body or a torch.compile'd function
-    runs without Python's line events, so coverage would call it unreached. Returns how many were marked."""
+def unrun_statements(data: Path, tree: Path, modules: list[str]) -> dict[str, set[int]]:
+    """Per module: the statements (their first lines) the measured run never ran."""
     import coverage
-    from cosmic_ray.work_db import WorkDB, use_db
-    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
     cov = coverage.Coverage(data_file=str(data))
     cov.load()
-    _, statements, _, missing, _ = cov.analysis2(str(tree / module))
-    if not set(statements) - set(missing):
-        raise RuntimeError(f"coverage saw no line of {module} run: is the suite the module's?")
+    out = {}
+    for m in modules:
+        _, statements, _, missing, _ = cov.analysis2(str(tree / m))
+        if not set(statements) - set(missing):
+            raise RuntimeError(f"coverage saw no line of {m} run: is the suite the module's?")
+        out[m] = set(missing)
+    return out
+
+
+def mark_unreached(db_path: Path, tree: Path, module: str, missing: set[int]) -> int:
+    """Mutants on statements the unmutated suite never ran (`missing`): the mutated code cannot run either, so the
+    mutant survives; it is recorded as a survivor (to be triaged like any other) without spending a suite run on it.
+    Only for suites whose modules Python itself runs (reach = true): a Triton kernel's body or a torch.compile'd
+    function runs without Python's line events, so coverage would call it unreached. Returns how many were marked."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
     source, marked = (tree / module).read_text(), 0
     with use_db(str(db_path), WorkDB.Mode.open) as db:
         for item in list(db.pending_work_items):
@@ -235,6 +244,7 @@ def mark_unreached(db_path: Path, tree: Path, module: str, data: Path) -> int:
 
 
 BASELINES: dict[str, float] = {}     # suite command -> seconds of its unmutated run (passed) in this process
+REACHED: dict[str, dict[str, set[int]]] = {}   # reach suite command -> module -> statements its run never ran
 
 
 def free_port() -> int:
@@ -320,20 +330,23 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
     reach = bool(suite.get("reach"))
-    if command not in BASELINES or reach:    # modules of one suite share its unmutated run within a campaign, but
-        # a reach suite measures each module's coverage in its own run
+    if command not in BASELINES:        # modules of one suite share its unmutated run within a campaign; a reach
+        # suite's run measures them all at once (the run's tree goes with its module: what it reached is kept here)
         t0 = time.time()
-        argv, data = shlex.split(command), work / f"{slug(module)}.coverage"
+        argv, data = shlex.split(command), work / f"{cfg['modules'][module]}.coverage"
+        suite_modules = [m for m, name in cfg["modules"].items() if name == cfg["modules"][module]]
         # sys.monitoring (3.12+): line events at a fraction of the tracer's cost
         cov_env = {**env, "COVERAGE_CORE": "sysmon"} if reach and sys.version_info >= (3, 12) else env
-        base = subprocess.run(under_coverage(argv, data, tree / module) if reach else argv, cwd=tree, env=cov_env,
-                              capture_output=True, text=True, timeout=timeout)
+        base = subprocess.run(under_coverage(argv, data, tree, suite_modules) if reach else argv, cwd=tree,
+                              env=cov_env, capture_output=True, text=True, timeout=timeout)
         if base.returncode:
             raise RuntimeError(f"the suite fails unmutated ({module}): {command}\n{base.stdout[-3000:]}")
         BASELINES[command] = time.time() - t0
         if reach:
-            n = mark_unreached(db, tree, module, data)
-            print(f"{module}: {n} mutants on statements the suite never runs (survivors, not run)", file=sys.stderr)
+            REACHED[command] = unrun_statements(data, tree, suite_modules)
+    if reach:
+        n = mark_unreached(db, tree, module, REACHED[command][module])
+        print(f"{module}: {n} mutants on statements the suite never runs (survivors, not run)", file=sys.stderr)
     baseline_s = BASELINES[command]
     # never less than three unmutated runs: a machine loaded by other campaigns must not turn slow runs into
     # timeouts (a timeout counts as caught)

@@ -267,4 +267,4 @@ def test_a_reach_suite_records_mutants_on_unrun_statements_as_survivors_without_
 
 def test_a_reach_suite_must_run_pytest_under_python():
     with pytest.raises(ValueError, match="python -m pytest"):
-        mutation.under_coverage(["bash", "run.sh"], Path("d"), Path("m.py"))
+        mutation.under_coverage(["bash", "run.sh"], Path("d"), Path("."), ["m.py"])

@@ -104,6 +104,7 @@ class Engine:
         self._ahead: tuple[Foresight, object] | None = None   # the step launched ahead, its samples
         self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
         self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match
+        self.steps_undone = 0           # steps an exception interrupted before their commit (redone by the next step)
         self.requests: dict[str, Request] = {}   # until pop_result()
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
         self.trace: list[StepRecord] = []       # the last config.trace_limit steps (all with None)
@@ -179,6 +180,7 @@ class Engine:
         on its samples is dropped. Its forward wrote only the open step's own slots: written again by the redo before
         anything reads them, or, for pages that go back to the pool, poisoned before the next forward."""
         plan, mark, evicted = self._open
+        self.steps_undone += 1
         self._ahead = None
         self.scheduler.undo(plan, mark, evicted)
         for r in plan.admitted:

@@ -303,15 +303,18 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     builds its own this way (`model`: its shard)."""
     s = model.shape
     on_cuda = torch.device(config.device).type == "cuda"
+    compiled = False
     if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
         from .model import try_compile_elementwise
         # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's
         why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch)
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
+        compiled = not why
     runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
                         poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
                         backend_options=config.backend_options(), **runner_kw)
+    runner.compiled_elementwise = compiled      # what this build did, for the gates to hold against Engine.served
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile

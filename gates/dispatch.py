@@ -31,4 +31,77 @@ def census_steps(engine) -> dict[str, int]:
     return out
 
 
-__all__ = ["dispatch_problems"]
+def served_problems(engine) -> list[str]:
+    """What the runner was built to run against what the engine says it serves (Engine.served: the configuration
+    with every None decided), one line a difference: the backend's kernel choices, captured or uncaptured steps, the
+    step graphs of the fused forward, the compiled elementwise pieces. The served record and the dispatch check both
+    start from the configuration: a build that ignored it (a kernel choice dropped on its way to the backend, steps
+    captured where the configuration asks for uncaptured ones, so a graphs-on-vs-off gate compares captured with
+    captured) would pass them. Session 17's runner campaign found these unseen."""
+    served, runner = engine.served, engine.runner
+    backend = runner.backend
+    out = []
+    took = {"decode_kernel": backend.decode_kernel, "decode_splits": backend.decode_splits,
+            "decode_append": backend.appends_decode_kv, "flex_dynamic": backend.dynamic}
+    for name, value in took.items():
+        if getattr(served, name) != value:
+            out.append(f"served: {name}={getattr(served, name)!r} is configured, the {backend.name} backend was built "
+                       f"with {value!r}")
+    graphs = runner.graphs
+    if graphs is not None and graphs.capture_graphs != served.capture_graphs:
+        out.append(f"served: capture_graphs={served.capture_graphs} is configured, the runner's pure decode steps are "
+                   f"{'captured' if graphs.capture_graphs else 'uncaptured'}")
+    step_graphs = getattr(runner, "step_graphs", None)
+    # the fused forward's loaded steps take the captured path (one rank) where the backend's prefill allows it: on
+    # CUDA a graph-safe prefill; on a CPU, where nothing is captured, kernels that are right over static buffers
+    on_cuda = runner.device.type == "cuda"
+    want_steps = graphs is not None and served.forward == "fused" and served.tp == 1 and (
+        backend.graph_safe_prefill or (not on_cuda and backend.static_steps))
+    if want_steps and step_graphs is None:
+        out.append(f"served: the fused forward's loaded steps should take the captured path (the {backend.name} "
+                   f"backend's prefill allows it{'' if on_cuda else ' on a CPU'}), but the runner built no step graphs")
+    if step_graphs is not None:
+        if served.forward != "fused":
+            out.append(f"served: the {served.forward} forward runs no step graphs, yet the runner built them")
+        elif step_graphs.capture_graphs != served.capture_graphs:
+            out.append(f"served: capture_graphs={served.capture_graphs} is configured, the runner's loaded steps are "
+                       f"{'captured' if step_graphs.capture_graphs else 'uncaptured'}")
+    compiled = getattr(runner, "compiled_elementwise", None)
+    if compiled is not None and compiled != served.compile_elementwise:
+        out.append(f"served: compile_elementwise={served.compile_elementwise} is configured, the pieces run "
+                   f"{'compiled' if compiled else 'eagerly'} (a failed torch.compile warns at construction)")
+    return out
+
+
+def census_problems(engine) -> list[str]:
+    """The path census counts each forward a step ran once: its total is the traced steps that did work plus the
+    steps launched ahead and dropped (their forward ran, then the real step), and its launched-ahead steps are those
+    traced as launched ahead plus the dropped ones. A census that counts nothing, or files every step under another
+    path, would still name the right paths (the served record and the dispatch check read names only)."""
+    if engine.config.trace_limit is not None:
+        return []           # a bounded trace keeps the last steps only: nothing to hold the census against
+    rows = engine.runner.path_census()
+    work = [r for r in engine.trace if r.prompt_positions or r.decode_tokens]
+    dropped = getattr(engine, "ahead_discarded", 0)
+    # a step undone by an exception (gates/test_redo.py) may or may not have launched its forward, and the step
+    # launched ahead on it: up to two forwards each, counted, then redone
+    undone = getattr(engine, "steps_undone", 0)
+    counted, ahead = sum(r["steps"] for r in rows), sum(r["steps"] for r in rows if r["ahead"])
+    out = []
+    traced_ahead = sum(r.ahead for r in work)
+    if not len(work) + dropped <= counted <= len(work) + dropped + 2 * undone:
+        out.append(f"census: {counted} step(s) counted; {len(work)} traced steps did work, {dropped} launched ahead "
+                   f"were dropped" + (f", {undone} were undone and redone" if undone else ""))
+    if not traced_ahead + dropped <= ahead <= traced_ahead + dropped + undone:
+        out.append(f"census: {ahead} step(s) counted as launched ahead; {traced_ahead} traced and {dropped} dropped"
+                   + (f", {undone} undone" if undone else ""))
+    # the steps that admitted a request with a prefix found cached (the census's prefix-hit column)
+    hit_steps = {r.admit_step for r in engine.requests.values() if r.cached_prefix and r.admit_step is not None}
+    hits = sum(r["steps"] for r in rows if r["prefix_hit"])
+    if not undone and hits != len(hit_steps):
+        out.append(f"census: {hits} step(s) counted as admitting a cached prefix; {len(hit_steps)} steps admitted "
+                   f"a request whose prompt began with cached pages")
+    return out
+
+
+__all__ = ["census_problems", "dispatch_problems", "served_problems"]

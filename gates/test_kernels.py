@@ -236,6 +236,34 @@ def test_kernel_wide(backend, what, kv_lens, device, request):
                  kv_lens=kv_lens, seed=13)
 
 
+def test_engine_kernel_choices_reach_the_backend(backend, device, runs):
+    """Each kernel choice EngineConfig has for a backend (every decode kernel, the fused append off and on where it
+    has one) reaches the backend of an engine built with it, and the engine's runner is what Engine.served says it
+    serves (gates/dispatch.served_problems). The gates' engine runs serve the defaults, so a build that dropped the
+    choices on their way to the backend passed them all: session 17's runner campaign found it (ModelRunner's
+    `backend_options or {}` made `and`). Engines are built, not run: no captured steps, no warm-up."""
+    from .dispatch import served_problems
+    cls = kernels.backend_class(backend)
+    P = min(cls.page_sizes) if cls.page_sizes else 64
+    skip_unless_runs(backend, device, P)
+    built = 0
+    for kernel in cls.decode_kernels:
+        for append in ((False, True) if cls.appends_decode_kv else (None,)):
+            ref = runs.engine_reference("fused", backend, "smoke-cpu", page_size=P, decode_kernel=kernel,
+                                        decode_append=append, cuda_graphs=False, compile_warmup=False, poison=False)
+            try:
+                engine = ref.engine()
+            except ValueError:
+                continue          # a combination the backend refuses (test_kernel_choices_are_taken_or_refused)
+            got = engine.runner.backend
+            assert (got.decode_kernel, got.appends_decode_kv) == (kernel, bool(append)), (
+                f"EngineConfig(backend={backend!r}, decode_kernel={kernel!r}, decode_append={append}) built a backend "
+                f"that runs decode_kernel={got.decode_kernel!r}, decode_append={got.appends_decode_kv}")
+            assert served_problems(engine) == []
+            built += 1
+    assert built >= 1
+
+
 SPLIT_KERNELS = {"flash": ("flash",)}   # the one kernel that takes a split count: flash-attn's split-KV decode
 
 

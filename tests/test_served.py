@@ -67,3 +67,58 @@ def test_dispatch_names_a_configured_kernel_no_call_ran_and_a_kernel_not_configu
     be.took("decode", "other")
     assert dispatch_problems(engine) == ["dispatch: a decode call ran torch.decode.other, but the torch backend is "
                                          "configured to run torch.decode.gather"]
+
+
+# -- the runner against Engine.served, the census against the trace (gates/dispatch.py; session 17) ------------------
+def small_engine(loaded, **kw):
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.workload import get_workload
+    from engine.schedule_log import ScheduleLog
+    e = Engine(EngineConfig(device="cpu", dtype="float32", chunk_tokens=64, **kw), loaded=loaded,
+               schedule_log=ScheduleLog())
+    e.run(get_workload("smoke-cpu").requests()[:3])
+    return e
+
+
+def test_served_problems_name_each_difference_between_the_runner_and_what_is_served(loaded):
+    from gates.dispatch import served_problems
+    e = small_engine(loaded, backend="flex", decode_kernel="packed")
+    assert served_problems(e) == []
+    e.runner.backend.decode_kernel = "rows"         # a choice dropped on its way to the backend
+    e.runner.compiled_elementwise = True            # pieces compiled where the configuration says eager
+    assert served_problems(e) == [
+        "served: decode_kernel='packed' is configured, the flex backend was built with 'rows'",
+        "served: compile_elementwise=False is configured, the pieces run compiled (a failed torch.compile warns at "
+        "construction)"]
+
+
+def test_served_problems_name_captured_steps_and_step_graphs_against_the_configuration(loaded):
+    from gates.dispatch import served_problems
+    e = small_engine(loaded, backend="torch", forward="fused", cuda_graphs=True, overlap=False)
+    assert e.runner.graphs is not None and e.runner.step_graphs is not None and served_problems(e) == []
+    e.runner.graphs.capture_graphs = True           # captured where the configuration (a CPU) says uncaptured
+    step_graphs, e.runner.step_graphs = e.runner.step_graphs, None
+    assert served_problems(e) == [
+        "served: capture_graphs=False is configured, the runner's pure decode steps are captured",
+        "served: the fused forward's loaded steps should take the captured path (the torch backend's prefill allows "
+        "it on a CPU), but the runner built no step graphs"]
+    e.runner.step_graphs = step_graphs
+    e.served = e.served.with_(forward="chunked")
+    assert "served: the chunked forward runs no step graphs, yet the runner built them" in served_problems(e)
+
+
+def test_census_problems_hold_the_census_against_the_trace(loaded):
+    from collections import Counter
+    from gates.dispatch import census_problems
+    e = small_engine(loaded, backend="torch", prefix_cache=True)
+    assert census_problems(e) == []
+    census = Counter(e.runner.census)
+    path = next(iter(census))
+    e.runner.census[path] += 1                      # a step counted twice
+    assert census_problems(e)[0].startswith("census: ")
+    e.runner.census.clear()
+    e.runner.census.update({p._replace(ahead=True, prefix_hit=True): n for p, n in census.items()})
+    problems = census_problems(e)
+    assert any("counted as launched ahead" in p for p in problems), problems
+    assert any("counted as admitting a cached prefix" in p for p in problems), problems

@@ -104,4 +104,29 @@ def census_problems(engine) -> list[str]:
     return out
 
 
-__all__ = ["census_problems", "dispatch_problems", "served_problems"]
+def poison_problems(engine) -> list[str]:
+    """In poison mode every page on the free list holds NaN in every layer's keys and values (never written since
+    the pool was made, or poisoned when freed), but the last step's freed pages, poisoned before the next step. A
+    poison mode that fills or poisons nothing would let every page safety verdict pass: a read of a freed page must
+    turn the logits into NaN (session 17's runner campaign: the NaN fill and poison_pages disabled passed the
+    gates)."""
+    caches = getattr(engine.runner, "kv_caches", None)
+    if not engine.config.poison or not caches:
+        return []               # (a tensor-parallel engine's caches live in its ranks)
+    import torch
+    late = set(getattr(engine, "_unpoisoned", []))
+    pages = [p for p in engine.pool.free if p not in late]
+    if not pages:
+        return []
+    idx = torch.tensor(pages, device=caches[0][0].device)
+    for layer, (k, v) in enumerate(caches):
+        for name, t in (("keys", k), ("values", v)):
+            finite = torch.isfinite(t[idx]).flatten(1).any(1)
+            if finite.any():
+                bad = [p for p, f in zip(pages, finite.tolist()) if f]
+                return [f"poison: free page(s) {bad[:5]} hold finite {name} in layer {layer}: freed or never-written "
+                        f"pages must hold NaN in poison mode, or a kernel that reads one goes unseen"]
+    return []
+
+
+__all__ = ["census_problems", "dispatch_problems", "poison_problems", "served_problems"]

@@ -24,7 +24,7 @@ from engine.request import State
 from engine.schedule_log import ScheduleLog
 from engine.scheduler import StepKind
 
-from .dispatch import census_problems, dispatch_problems, served_problems
+from .dispatch import census_problems, dispatch_problems, poison_problems, served_problems
 from .failure import GateFailure
 
 # Invariant names: every failure message starts with one of these, followed by " violated: " (gates/test_admission.py
@@ -246,7 +246,7 @@ def engine_problems(engine) -> list[str]:
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine) +
-            served_problems(engine) + census_problems(engine))
+            served_problems(engine) + census_problems(engine) + poison_problems(engine))
 
 
 def check_engine(engine, label: str) -> None:

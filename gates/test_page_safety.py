@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+from engine.errors import PoisonedLogitsError
+from engine.request import State
 from engine.workload import Workload
 
 from . import summary, triage
@@ -15,6 +17,33 @@ from .runs import CANDIDATES, skip_unless_runs, tiny_pool_slots, workload_for
 from .records import GenRecord
 from .reference import EngineReference
 from .schedule_check import check_engine
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend):
+    """The canary of every page safety verdict: the second of two decoding requests gets its first page poisoned
+    under it (as if freed while it still reads it): the engine must stop with PoisonedLogitsError naming that
+    request and that page. Without it a
+    poison mode that detected nothing (non-finite rows looked for along the wrong dimension, say) would pass every
+    gate here; session 17's runner campaign found such mutants unseen."""
+    skip_unless_runs(opts, engine, backend)
+    e = runs.engine_reference(engine, backend, workload_for(opts, "smoke-cpu")).engine()
+    # two requests, the second's page poisoned: the report must name that row's request, not the first row's
+    first = e.submit(list(range(7, 7 + e.pool.page_size // 2)), 16)
+    rid = e.submit(list(range(5, 5 + 3 * e.pool.page_size // 2)), 16)
+    for _ in range(20):
+        if e.requests[rid].state is State.DECODE and e.requests[first].state is State.DECODE:
+            break
+        e.step()
+    assert e.requests[rid].state is State.DECODE, "the request never started decoding"
+    page = e.pool.owned[rid][0]
+    e.runner.poison_pages([page])
+    with pytest.raises(PoisonedLogitsError) as caught:
+        for _ in range(4):      # (a step launched ahead may have read the page before it was poisoned)
+            e.step()
+    err = caught.value
+    assert err.reader == rid and err.page == page, (
+        f"the poisoned read was caught but named reader {err.reader!r}, page {err.page}: expected {rid!r}, {page}")
 
 
 @pytest.mark.parametrize("page_size", [64, 256])

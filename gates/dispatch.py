@@ -66,6 +66,15 @@ def served_problems(engine) -> list[str]:
         elif step_graphs.capture_graphs != served.capture_graphs:
             out.append(f"served: capture_graphs={served.capture_graphs} is configured, the runner's loaded steps are "
                        f"{'captured' if step_graphs.capture_graphs else 'uncaptured'}")
+    caches = getattr(runner, "kv_caches", None)
+    if caches:
+        # the pool is sized from free memory by ModelRunner.bytes_per_page (engine/served.py): it must be what a page
+        # of the cache as allocated takes, or the pool would be sized for pages of another size
+        held = sum(t.numel() * t.element_size() for kv in caches for t in kv) // caches[0][0].shape[0]
+        said = type(runner).bytes_per_page(runner.shape, runner.page_size, runner.dtype)
+        if said != held:
+            out.append(f"served: a page of the KV cache takes {held} bytes as allocated, bytes_per_page says {said} "
+                       "(the pool is sized from free memory by it)")
     compiled = getattr(runner, "compiled_elementwise", None)
     if compiled is not None and compiled != served.compile_elementwise:
         out.append(f"served: compile_elementwise={served.compile_elementwise} is configured, the pieces run "

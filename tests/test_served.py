@@ -134,3 +134,13 @@ def test_poison_problems_name_a_free_page_that_holds_finite_values(loaded):
         f"poison: free page(s) [{page}] hold finite values in layer 1: freed or never-written pages must hold NaN in "
         "poison mode, or a kernel that reads one goes unseen"]
     assert poison_problems(small_engine(loaded, backend="torch", poison=False)) == []
+
+
+def test_served_problems_hold_bytes_per_page_against_the_cache_as_allocated(loaded, monkeypatch):
+    from engine.runner import ModelRunner
+    from gates.dispatch import served_problems
+    e = small_engine(loaded, backend="torch")
+    true = ModelRunner.bytes_per_page(e.runner.shape, e.runner.page_size, e.runner.dtype)
+    monkeypatch.setattr(ModelRunner, "bytes_per_page", staticmethod(lambda *a: true // 2))
+    assert served_problems(e) == [f"served: a page of the KV cache takes {true} bytes as allocated, bytes_per_page "
+                                  f"says {true // 2} (the pool is sized from free memory by it)"]

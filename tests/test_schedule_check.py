@@ -35,11 +35,17 @@ def drive(pool_cls=PagePool, scheduler_cls=Scheduler, pages: int = PAGES):
         plan = sched.schedule()
         plan.apply([7] * len(plan.sampled), 0.0)
         sched.finish_step()
-    # no step trace, no results, no kernels: the provenance, record and dispatch checks have nothing to compare here
-    no_kernels = SimpleNamespace(name="none", dispatched=set(), prefill_kernel="-", decode_kernel="-")
-    return SimpleNamespace(scheduler=sched, pool=pool, requests=requests, trace=[], results=dict,
-                           config=SimpleNamespace(record_topk=0),
-                           runner=SimpleNamespace(path_census=lambda: [], backend=no_kernels))
+    # no step trace, no results, no kernels, no cache: the provenance, record, dispatch, served, census and poison
+    # checks have nothing to compare here
+    no_kernels = SimpleNamespace(name="none", dispatched=set(), prefill_kernel="-", decode_kernel="-",
+                                 decode_splits=None, appends_decode_kv=False, dynamic=False,
+                                 graph_safe_prefill=False, static_steps=False)
+    served = SimpleNamespace(decode_kernel="-", decode_splits=None, decode_append=False, flex_dynamic=False,
+                             capture_graphs=False, forward="fused", tp=1, compile_elementwise=False)
+    return SimpleNamespace(scheduler=sched, pool=pool, requests=requests, trace=[], results=dict, served=served,
+                           config=SimpleNamespace(record_topk=0, trace_limit=None, poison=False),
+                           runner=SimpleNamespace(path_census=lambda: [], backend=no_kernels, graphs=None,
+                                                  device=SimpleNamespace(type="cpu")))
 
 
 def first_problem(run) -> str:

@@ -165,6 +165,73 @@ def filter_session(db_path: Path, tree: Path, module: str, entries: list[dict], 
                                                       worker_outcome=WorkerOutcome.SKIPPED))
 
 
+def units(source: str) -> list[tuple[int, int, str]]:
+    """The module's units, as mutmut keys its results: each top-level statement, a class's statements taken one by
+    one (its methods). (first line with decorators, last line, name and a hash of the text): a unit whose text is
+    unchanged since a session holds the same mutants, so their verdicts carry over an edit elsewhere in the module."""
+    lines, out = source.splitlines(), []
+
+    def unit(first: int, last: int, name: str) -> None:
+        text = "\n".join(lines[first - 1:last])
+        out.append((first, last, f"{name}:{hashlib.sha256(text.encode()).hexdigest()[:16]}"))
+
+    for node in ast.parse(source).body:
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        if not isinstance(node, ast.ClassDef):
+            unit(first, node.end_lineno, getattr(node, "name", ""))
+            continue
+        unit(first, node.lineno, node.name)         # the class line and its decorators: a unit of their own
+        for n in node.body:
+            at = min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])])
+            unit(at, n.end_lineno, f"{node.name}.{getattr(n, 'name', '')}")
+    return out
+
+
+def unit_key(found: list[tuple[int, int, str]], operator: str, pos: tuple[int, int]) -> tuple | None:
+    """A mutant's place independent of the lines around its unit: (operator, unit, line within it, column)."""
+    for first, last, key in found:
+        if first <= pos[0] <= last:
+            return operator, key, pos[0] - first, pos[1]
+    return None
+
+
+def carry_over(old_db: Path, old_source: str, db_path: Path, source: str) -> int:
+    """Verdicts of an earlier session of the module (before an edit) copied to the new session's mutants that sit in
+    units whose text is unchanged (mutmut's rule: a changed function runs its mutants again). Returns how many."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    old_units, new_units, before = units(old_source), units(source), {}
+    with use_db(str(old_db), WorkDB.Mode.open) as db:
+        for item, result in db.completed_work_items:
+            m = item.mutations[0]
+            # skipped ones are marked again by filter_session; unreached ones again by mark_unreached if still so
+            if result.worker_outcome.value != "skipped" and not (result.output or "").startswith(UNREACHED):
+                before[unit_key(old_units, m.operator_name, m.start_pos)] = result
+    before.pop(None, None)
+    carried = 0
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in list(db.pending_work_items):
+            m = item.mutations[0]
+            result = before.get(unit_key(new_units, m.operator_name, m.start_pos))
+            if result is not None:
+                db.set_result(item.job_id, result)
+                carried += 1
+    return carried
+
+
+def session_source(work: Path, module: str, sha: str) -> str | None:
+    """The module's text when its session was made: kept beside the session, or (sessions from before it was kept)
+    the version in git history with the session's hash."""
+    kept = work / f"{slug(module)}.source.py"
+    if kept.is_file():
+        return kept.read_text()
+    revs = subprocess.run(["git", "rev-list", "HEAD", "--", module], cwd=REPO, capture_output=True, text=True).stdout
+    for rev in revs.split():
+        text = subprocess.run(["git", "show", f"{rev}:{module}"], cwd=REPO, capture_output=True).stdout
+        if hashlib.sha256(text).hexdigest()[:16] == sha:
+            return text.decode()
+    return None
+
+
 def retest_survivors(db_path: Path) -> None:
     """After a gap is closed: the survivors back to pending, and the mutants never run set aside (DEFERRED) so that
     cosmic-ray exec runs the survivors alone; `restore_deferred` makes those pending again."""
@@ -308,27 +375,39 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     meta_path = work / f"{slug(module)}.meta.json"
     tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
     sha = module_sha(module)
+    old_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    before_edit = None          # (the session before the edit, the module's text then)
     if resume and edited_since(meta_path, sha):
-        print(f"{module} changed since its session was made: a fresh session", file=sys.stderr)
-        resume = retest = False
+        old_source = session_source(work, module, old_meta["module_sha"]) if db.is_file() else None
+        if old_source is None:
+            print(f"{module} changed since its session was made: a fresh session", file=sys.stderr)
+            resume = retest = False
+        else:
+            before_edit = (db.replace(db.with_name(f"{db.stem}.before-edit.sqlite")), old_source)
     if resume and not retest and meta_path.is_file() and db.is_file() and pending(db) == 0:
-        return json.loads(meta_path.read_text())      # nothing left to run
+        return old_meta      # nothing left to run
     copy_tree(tree)
     command = suite["command"].replace("python ", f"{sys.executable} ", 1)
     env = {**os.environ, "PYTHONPATH": str(tree), "HYPOTHESIS_PROFILE": "ci", "CI": "1"}
-    earlier = json.loads(meta_path.read_text())["seconds"] if resume and db.is_file() and meta_path.is_file() else 0
+    earlier = old_meta.get("seconds", 0) if resume and (db.is_file() or before_edit) else 0
     started, at_commit = time.time(), commit()        # the tree the mutants run on is the one copied now
     entries = load_equivalent(REPO / cfg["equivalent"])
-    if resume and retest and db.is_file():
-        retest_survivors(db)
-        filter_session(db, tree, module, entries, all_operators=True)    # survivors since allow-listed: not rerun
     cfg_path.write_text(session_config(module, timeout, command, []))
+    carried = old_meta.get("carried", 0) if resume and not before_edit else 0
     if not (resume and db.is_file()):
         db.unlink(missing_ok=True)
         r = cr("init", str(cfg_path), str(db), cwd=tree, env=env)
         if r.returncode:
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
+        (work / f"{slug(module)}.source.py").write_text((tree / module).read_text())
+        if before_edit:
+            carried = carry_over(before_edit[0], before_edit[1], db, (tree / module).read_text())
+            before_edit[0].unlink()
+            print(f"{module}: {carried} verdicts carried over from the session before the edit", file=sys.stderr)
+    if resume and retest and db.is_file():
+        retest_survivors(db)
+        filter_session(db, tree, module, entries, all_operators=True)    # survivors since allow-listed: not rerun
     reach = bool(suite.get("reach"))
     if command not in BASELINES:        # modules of one suite share its unmutated run within a campaign; a reach
         # suite's run measures them all at once (the run's tree goes with its module: what it reached is kept here)
@@ -365,7 +444,7 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
                 workers=workers,
                 device=suite["device"], baseline_s=round(baseline_s, 1),
                 seconds=round(earlier + time.time() - started, 1),
-                finished=finished, commit=at_commit, module_sha=sha, machine=machine(),
+                finished=finished, commit=at_commit, module_sha=sha, carried=carried, machine=machine(),
                 date=time.strftime("%Y-%m-%d"))
     meta_path.write_text(json.dumps(meta, indent=1))
     shutil.rmtree(tree, ignore_errors=True)
@@ -460,8 +539,10 @@ def markdown(reports: list[dict]) -> str:
               "Commands: gates/mutation.toml's suites (the gates' fast subsets)."]
     for r in reports:
         if r["meta"].get("command"):
+            carried = r["meta"].get("carried")
             lines += ["", f"`{r['module']}`: `{r['meta']['command']}` (per-mutant timeout {r['meta']['timeout_s']} s,"
-                      f" baseline {r['meta']['baseline_s']} s)"]
+                      f" baseline {r['meta']['baseline_s']} s" + (f"; {carried} verdicts carried over from the "
+                      "session before an edit of the module, from its unchanged functions" if carried else "") + ")"]
         for m in r["equivalent"]:
             lines += [f"- equivalent: `{r['module']}` line {m['line']}, {m['operator']}: {m['why']}"]
         for m in r["survivors"]:

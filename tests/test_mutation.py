@@ -268,3 +268,52 @@ def test_a_reach_suite_records_mutants_on_unrun_statements_as_survivors_without_
 def test_a_reach_suite_must_run_pytest_under_python():
     with pytest.raises(ValueError, match="python -m pytest"):
         mutation.under_coverage(["bash", "run.sh"], Path("d"), Path("."), ["m.py"])
+
+
+def test_a_units_key_holds_across_lines_moved_and_changes_with_its_text():
+    before = "def f(a, b):\n    return a + b\n\n\nclass C:\n    def m(self):\n        return 1 + 2\n"
+    after = "import os\n\n" + before.replace("return 1 + 2", "return 1 - 2")
+    old, new = mutation.units(before), mutation.units(after)
+    op = "core/NumberReplacer"
+    assert mutation.unit_key(old, op, (2, 11)) == mutation.unit_key(new, op, (4, 11))     # f moved two lines down
+    assert mutation.unit_key(old, op, (2, 11)) != mutation.unit_key(new, op, (4, 12))     # another column
+    assert mutation.unit_key(old, op, (7, 15)) != mutation.unit_key(new, op, (9, 15))     # C.m's text changed
+    assert mutation.unit_key(old, op, (5, 0)) == mutation.unit_key(new, op, (7, 0))       # the class line, unchanged
+
+
+def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions(tmp_path, monkeypatch):
+    """--resume after an edit: the mutants of unchanged functions keep their verdicts (not run again: the boundary
+    survivor stays a survivor though the new check would kill it), the edited or new function's mutants run; then
+    --retest runs the survivors against the new check. The session's source is kept for the next edit, and a
+    session from before it was kept finds its source in git history by its hash."""
+    pytest.importorskip("cosmic_ray")
+    repo = toy_repo(tmp_path)
+    monkeypatch.setattr(mutation, "REPO", repo)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def cfg(check):
+        return {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"},
+                "suites": {"toy": {"device": "cpu", "timeout": 60, "command": f"python -c 'import toy; {check}'"}}}
+    first = "assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3"
+    mutation.run_module("toy.py", cfg(first), work, deadline=time.time() + 300)
+    before = {(m["line"], m["operator"], m["occurrence"]): m["outcome"]
+              for m in mutation.read_session(work / "toy.sqlite", "toy.py", [])}
+    kept = work / "toy.source.py"
+    assert kept.read_text() == (repo / "toy.py").read_text()
+    kept.unlink()                                   # as a session made before the source was kept
+    sha = mutation.module_sha("toy.py")
+    assert mutation.session_source(work, "toy.py", sha) == (repo / "toy.py").read_text()     # from git
+
+    (repo / "toy.py").write_text("def g(x):\n    return x * 3\n\n\n" + (repo / "toy.py").read_text())
+    second = "assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3 and toy.f(2, 2) == 0 and toy.g(2) == 6"
+    meta = mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True)
+    assert meta["finished"] and meta["carried"] == len([v for v in before.values() if v != "left out"]), meta
+    after = mutation.read_session(work / "toy.sqlite", "toy.py", [])
+    assert {(m["line"] - 4, m["operator"], m["occurrence"]): m["outcome"] for m in after if m["line"] > 4} == before
+    assert [m["line"] for m in after if m["outcome"] == "survived"] == [6]   # carried, not run against f(2, 2)
+    assert all(m["outcome"] in ("killed", "left out") for m in after if m["line"] <= 2), after   # g's: run
+    assert mutation.session_source(work, "toy.py", mutation.module_sha("toy.py")) == (repo / "toy.py").read_text()
+
+    mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True, retest=True)
+    assert not [m for m in mutation.read_session(work / "toy.sqlite", "toy.py", []) if m["outcome"] == "survived"]

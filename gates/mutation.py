@@ -233,14 +233,18 @@ def session_source(work: Path, module: str, sha: str) -> str | None:
 
 
 def retest_survivors(db_path: Path) -> None:
-    """After a gap is closed: the survivors back to pending, and the mutants never run set aside (DEFERRED) so that
-    cosmic-ray exec runs the survivors alone; `restore_deferred` makes those pending again."""
+    """After a gap is closed: the survivors back to pending (and the runs that failed for want of device memory:
+    no verdict), and the mutants never run set aside (DEFERRED) so that cosmic-ray exec runs those alone;
+    `restore_deferred` makes the rest pending again."""
     import sqlite3
     with sqlite3.connect(db_path) as c:
         never_run = "SELECT job_id FROM work_items WHERE job_id NOT IN (SELECT job_id FROM work_results)"
         c.execute("INSERT INTO work_results (job_id, worker_outcome, output) SELECT job_id, 'SKIPPED', ? FROM "
                   f"({never_run})", (DEFERRED,))
         c.execute("DELETE FROM work_results WHERE worker_outcome = 'NORMAL' AND test_outcome = 'SURVIVED'")
+        lost = [job for job, out in c.execute("SELECT job_id, output FROM work_results WHERE worker_outcome = "
+                                              "'NORMAL' AND test_outcome = 'KILLED'") if environmental(out)]
+        c.executemany("DELETE FROM work_results WHERE job_id = ?", [(j,) for j in lost])
 
 
 def restore_deferred(db_path: Path) -> None:
@@ -364,6 +368,22 @@ def stop_workers(workers: list[tuple[subprocess.Popen, str]], tree: Path) -> Non
         shutil.rmtree(tree.with_name(f"{tree.name}.{i}"), ignore_errors=True)
 
 
+def worker_cap(suite: dict, workers: int, device_gib: float | None) -> int:
+    """At most as many workers as the device's memory holds runs of the suite at once (its `worker_gib`: what one
+    run holds at most); a worker short of memory fails its suite for the device's sake, not the mutant's."""
+    gib = suite.get("worker_gib")
+    if not gib or not device_gib:
+        return workers
+    return max(1, min(workers, int(device_gib // gib)))
+
+
+def device_gib(suite: dict) -> float | None:
+    if suite["device"] != "cuda":
+        return None
+    import torch
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+
+
 def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool = False,
                retest: bool = False, workers: int = 1, threads: int | None = None) -> dict:
     """One module's campaign: copy, cosmic-ray init, filter, a baseline run of the suite, cosmic-ray exec until done
@@ -372,6 +392,10 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     they share it). Returns the run's metadata (also written beside the session)."""
     suite = cfg["suites"][cfg["modules"][module]]
     timeout = float(suite["timeout"])
+    if workers > 1 and worker_cap(suite, workers, device_gib(suite)) < workers:
+        print(f"{module}: {worker_cap(suite, workers, device_gib(suite))} workers, not {workers}: the device holds no "
+              f"more runs of {suite['worker_gib']} GiB", file=sys.stderr)
+        workers = worker_cap(suite, workers, device_gib(suite))
     meta_path = work / f"{slug(module)}.meta.json"
     tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
     sha = module_sha(module)
@@ -474,6 +498,20 @@ def machine() -> str:
 
 
 # -- the report -----------------------------------------------------------------------------------------------------
+# A suite that failed for want of device memory says nothing of the mutant: a dozen workers on one GPU, each holding
+# its gates' engines, can fill it (session 18 found 37 of the runner suite's 188 "kills" were that). The first failure
+# is what counts: pytest's FAILED line, or the output's error where there is none (an error at collection).
+ENVIRONMENT = re.compile(r"OutOfMemoryError|CUDA out of memory|CUDA error: out of memory|"
+                         r"PoolTooLargeError: .* free on cuda")
+
+
+def environmental(output: str | None) -> str | None:
+    """The environmental cause of a failed suite run (out of device memory), or None: a verdict."""
+    failed = re.findall(r"^FAILED .*$|^ERROR .*$", output or "", re.M)
+    m = ENVIRONMENT.search(failed[0] if failed else (output or ""))
+    return m[0] if m else None
+
+
 def outcome(worker: str, test: str | None, output: str | None) -> str:
     """One mutant's verdict from cosmic-ray's result: killed, survived, timeout, equivalent, incompetent, left out."""
     if worker == "skipped":
@@ -481,6 +519,8 @@ def outcome(worker: str, test: str | None, output: str | None) -> str:
     if worker != "normal":
         return "incompetent"            # the worker itself failed (an exception, a crash): not a test verdict
     if test == "killed":
+        if environmental(output):
+            return "incompetent"        # the device, not a gate: run again with fewer workers (--retest)
         return "timeout" if output == "timeout" else "killed"
     return test or "incompetent"        # survived / incompetent
 
@@ -495,7 +535,8 @@ def summarize(module: str, mutants: list[dict], meta: dict) -> dict:
     score = (counts["killed"] + counts["timeout"]) / judged if judged else None
     return dict(module=module, counts=counts, score=score, meta=meta,
                 survivors=[m for m in mutants if m["outcome"] == "survived"],
-                equivalent=[m for m in mutants if m["outcome"] == "equivalent"])
+                equivalent=[m for m in mutants if m["outcome"] == "equivalent"],
+                incompetent=[m for m in mutants if m["outcome"] == "incompetent"])
 
 
 def read_session(db_path: Path, module: str, entries: list[dict]) -> list[dict]:
@@ -516,6 +557,8 @@ def read_session(db_path: Path, module: str, entries: list[dict]) -> list[dict]:
                                         mutant) or ""
                 verdict = "equivalent" if why else verdict
             note = result.output if verdict == "survived" and (result.output or "").startswith(UNREACHED) else ""
+            if verdict == "incompetent" and environmental(result.output):
+                note = f"no verdict: the suite ran out of device memory ({environmental(result.output)})"
             out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
                             outcome=verdict, diff=result.diff or "", why=why, note=note))
         for item in db.pending_work_items:
@@ -535,7 +578,8 @@ def markdown(reports: list[dict]) -> str:
         lines.append(f"| `{r['module']}` | {c['killed']} | {c['survived']} | {c['timeout']} | {c['equivalent']} | "
                      f"{c['incompetent']} | {c['pending']} | {score} | {meta.get('seconds', 0) / 60:.1f} min | "
                      f"{meta.get('machine', '?')} | {meta.get('commit', '?')} |")
-    lines += ["", "Score: (killed + timeout) / (killed + survived + timeout); equivalent mutants are left out. "
+    lines += ["", "Score: (killed + timeout) / (killed + survived + timeout); equivalent mutants are left out, and so "
+              "are incompetent ones (no verdict: the worker failed, or the suite ran out of device memory). "
               "Commands: gates/mutation.toml's suites (the gates' fast subsets)."]
     for r in reports:
         if r["meta"].get("command"):
@@ -545,6 +589,9 @@ def markdown(reports: list[dict]) -> str:
                       "session before an edit of the module, from its unchanged functions" if carried else "") + ")"]
         for m in r["equivalent"]:
             lines += [f"- equivalent: `{r['module']}` line {m['line']}, {m['operator']}: {m['why']}"]
+        for m in r.get("incompetent", []):
+            lines += [f"- incompetent (run again: --resume --retest): `{r['module']}` line {m['line']}, {m['operator']}"
+                      f" #{m['occurrence']}: {m.get('note') or 'the worker failed'}"]
         for m in r["survivors"]:
             lines += ["", f"### survivor: `{r['module']}` line {m['line']}, {m['operator']} #{m['occurrence']}", "",
                       "```diff", m["diff"].strip(), "```"]

@@ -264,6 +264,30 @@ def test_engine_kernel_choices_reach_the_backend(backend, device, runs):
     assert built >= 1
 
 
+@pytest.mark.parametrize("forward", ["chunked", "fused"])
+def test_each_forward_builds_the_steps_it_serves(backend, device, runs, forward):
+    """An engine of each forward over each backend, asking for the captured steps' path (cuda_graphs=True) wherever
+    the backend takes it, is built to run what Engine.served says (gates/dispatch.served_problems): its pure decode
+    steps captured or not as configured, loaded-step graphs for the fused forward alone. The gates' engine runs build
+    the chunked forward over the torch backend only, whose decode takes no captured steps on CUDA: a build that gave
+    the chunked forward loaded-step graphs passed them all (session 18's runner campaign). Built, not run."""
+    from engine.config import graphs_problem
+    from .dispatch import served_problems
+    cls = kernels.backend_class(backend)
+    P = min(cls.page_sizes) if cls.page_sizes else 64
+    skip_unless_runs(backend, device, P)
+    ref = runs.engine_reference(forward, backend, "smoke-cpu", page_size=P, cuda_graphs=True, compile_warmup=False)
+    why = graphs_problem(ref.config)
+    if why:
+        pytest.skip(f"{forward}[{backend}]: no captured steps' path here: {why}")
+    engine = ref.engine()
+    assert engine.runner.graphs is not None, (
+        f"{forward}[{backend}] asked for the captured steps' path (cuda_graphs=True, which this backend takes here) "
+        "and the runner built no pure decode graphs")
+    problems = served_problems(engine)
+    assert not problems, f"{forward}[{backend}]: the runner is not what the engine serves: " + "; ".join(problems)
+
+
 SPLIT_KERNELS = {"flash": ("flash",)}   # the one kernel that takes a split count: flash-attn's split-KV decode
 
 

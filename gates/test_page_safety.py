@@ -19,15 +19,20 @@ from .reference import EngineReference
 from .schedule_check import check_engine
 
 
+@pytest.mark.parametrize("record", [True, False], ids=["recording", "poison-alone"])
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
-def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend):
+def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend, record):
     """The canary of every page safety verdict: the second of two decoding requests gets its first page poisoned
     under it (as if freed while it still reads it): the engine must stop with PoisonedLogitsError naming that
     request and that page. Without it a
     poison mode that detected nothing (non-finite rows looked for along the wrong dimension, say) would pass every
-    gate here; session 17's runner campaign found such mutants unseen."""
+    gate here; session 17's runner campaign found such mutants unseen. Both as the gates run (recording the top-k
+    beside the poison mode) and with poison mode alone, as an engineer turns it on to debug: each step's read-back
+    carries the non-finite rows only in poison mode and the top-k only in record mode, and session 18's campaign
+    found a read-back that took one flag for the other unseen while every gate recorded."""
     skip_unless_runs(opts, engine, backend)
-    e = runs.engine_reference(engine, backend, workload_for(opts, "smoke-cpu")).engine()
+    e = runs.engine_reference(engine, backend, workload_for(opts, "smoke-cpu"),
+                              **({} if record else {"record_topk": 0})).engine()
     # two requests, the second's page poisoned: the report must name that row's request, not the first row's
     first = e.submit(list(range(7, 7 + e.pool.page_size // 2)), 16)
     rid = e.submit(list(range(5, 5 + 3 * e.pool.page_size // 2)), 16)
@@ -38,10 +43,14 @@ def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend):
     assert e.requests[rid].state is State.DECODE, "the request never started decoding"
     page = e.pool.owned[rid][0]
     e.runner.poison_pages([page])
-    with pytest.raises(PoisonedLogitsError) as caught:
+    try:
         for _ in range(4):      # (a step launched ahead may have read the page before it was poisoned)
             e.step()
-    err = caught.value
+    except PoisonedLogitsError as caught:
+        err = caught
+    else:
+        pytest.fail(f"page {page} was poisoned under {rid!r} while it decodes, and 4 steps read it unseen: poison "
+                    f"mode caught nothing ({'recording the top-k' if record else 'poison mode alone'})")
     assert err.reader == rid and err.page == page, (
         f"the poisoned read was caught but named reader {err.reader!r}, page {err.page}: expected {rid!r}, {page}")
 

@@ -317,3 +317,42 @@ def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions
 
     mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True, retest=True)
     assert not [m for m in mutation.read_session(work / "toy.sqlite", "toy.py", []) if m["outcome"] == "survived"]
+
+
+def test_workers_are_capped_by_what_the_device_holds_of_the_suite():
+    runner = {"device": "cuda", "worker_gib": 16}
+    assert mutation.worker_cap(runner, 13, 139.8) == 8        # session 18: 13 on one H200 ran out of memory
+    assert mutation.worker_cap(runner, 4, 139.8) == 4
+    assert mutation.worker_cap(runner, 13, 8.0) == 1
+    assert mutation.worker_cap({"device": "cuda"}, 13, 139.8) == 13      # no figure: as asked
+    assert mutation.worker_cap(runner, 13, None) == 13                   # no device to ask
+
+
+@pytest.mark.parametrize("output,cause", [
+    ("FAILED gates/test_tokens.py::test_determinism[flash-flash] - torch.OutOfMemoryError: CUDA out of memory.",
+     "OutOfMemoryError"),
+    ("FAILED gates/test_graphs.py::x - engine.errors.PoolTooLargeError: kv_cache_bytes=None: 1025 pages of 256 slots "
+     "take 0.5 GiB of KV cache on this model (524288 bytes a page), more than the 0.0194 GiB free on cuda: give fewer",
+     "PoolTooLargeError: kv_cache_bytes=None: 1025 pages of 256 slots take 0.5 GiB of KV cache on this model (524288 "
+     "bytes a page), more than the 0.0194 GiB free on cuda"),
+    ("FAILED gates/test_smoke.py::test_smoke[chunked-torch] - ZeroDivisionError\nlater: CUDA out of memory", None),
+    ("FAILED gates/test_smoke.py::test_smoke[flash-flash] - AssertionError: tokens differ", None),
+])
+def test_a_suite_out_of_device_memory_gives_no_verdict(output, cause):
+    """The first failure decides: out of device memory (a dozen workers on one GPU) is the machine's, not the
+    mutant's; the run counts as incompetent (no verdict) and --retest runs it again."""
+    assert mutation.environmental(output) == cause
+    assert mutation.outcome("normal", "killed", output) == ("incompetent" if cause else "killed")
+
+
+def test_retest_runs_again_what_ran_out_of_device_memory(tmp_path):
+    import sqlite3
+    db = tmp_path / "s.sqlite"
+    session(db, {"k": ("NORMAL", "KILLED"), "oom": ("NORMAL", "KILLED"), "p": None})
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE work_results SET output = 'FAILED x - torch.OutOfMemoryError: CUDA out of memory' "
+                  "WHERE job_id = 'oom'")
+    mutation.retest_survivors(db)
+    assert mutation.pending(db) == 1            # the run without a verdict, alone
+    mutation.restore_deferred(db)
+    assert mutation.pending(db) == 2

@@ -110,7 +110,8 @@ def check_decode_estimate(scheduler_cls, durations: list[float], p: float = 0.5)
 
 
 def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float, budgets: list[int],
-                    long_pieces: int, chunk_tokens: int, warmup: int = 3, short: int = 512) -> dict:
+                    long_pieces: int, chunk_tokens: int, warmup: int = 3, last_ratio: float = 1.0, tail: int = 37,
+                    short: int = 512) -> dict:
     """Drive `scheduler_cls` with synthetic step durations: a step costs t_decode if it carries decode tokens, plus
     extra_ratio * t_decode per chunk_tokens prompt positions. Decoders (one per budget) start first and decode
     `warmup` steps alone; then a long prompt of `long_pieces` long chunks (+ a short tail) arrives. Checks:
@@ -120,10 +121,19 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
       max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t), by whole steps: debt <= n t_d < debt + t_d; before the prompt's
       last long chunk, that chunk's own debt too (paid ahead, estimated from the chunk before it);
     - over all cycles and the last long chunk, the decoders' share of (pure decode time + prompt work's extra time)
-      is 1 - p (unsaturated) within one pure decode step per cycle.
+      is 1 - p (unsaturated) within one pure decode step per cycle;
+    - step by step: a step of decode tokens and short chunks never raises the debt, a step with long work never
+      lowers it (but to its cap), and after the prompt's last long chunk the debt is what that chunk owes less what
+      was charged ahead for it, never less than before (session 17's survivors: a credit of up to 1 s, the charge
+      ahead counted twice, passed the cycles, which end at the last long chunk).
+    t_d, the extra time's baseline, is 0 until the first pure decode step (`warmup` 0: the long prompt's first
+    chunk runs beside the decoders' first tokens), then the pure decode steps' duration. `last_ratio`: the last long
+    chunk's extra time against the others' (below 1 it was charged ahead more than it owes: no credit back).
+    `tail`: the prompt's positions beyond `short` and its long chunks (0: its last long chunk leaves exactly `short`,
+    the boundary of "the last long chunk").
     Returns what it measured."""
     C = chunk_tokens
-    pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + 40) // 64), 64)
+    pool = PagePool(4 + sum(-(-(4 + b) // 64) for b in budgets) + -(-(short + C * long_pieces + tail + 3) // 64), 64)
     sched = scheduler_cls(pool, max_batch=64, chunk_tokens=C, prefill_share=p, short_prompt_positions=short)
     p_used = sched.ledger.prefill_share
     # the documented range, restated here rather than read from the ledger's own normalisation: 0.01 <= p <= 1 is
@@ -139,31 +149,70 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     decoders = [Request(f"d{i}", [1] * 4, b) for i, b in enumerate(budgets)]
     for r in decoders:
         sched.add(r)
-    longp = Request("long", [1] * (short + C * long_pieces + 37), 1)
-    steps = []          # (index, has_decodes, long_work, duration, extra)
+    longp = Request("long", [1] * (short + C * long_pieces + tail), 1)
+    steps = []          # (index, has_decodes, long_work, duration, extra, the extra the rule charges: t - t_d, t_d)
+    # t_d as documented: no estimate before the first pure decode step (0: the whole loaded step is extra time, and
+    # a step of decode tokens and short chunks pays off nothing), then the EWMA, here of equal pure decode steps
+    pure_seen = False
+    charged_ahead = 0.0     # what schedule() charged ahead (its rises of the debt) since the last long work ran
+    tol = 1e-9
     for i in range(200000):
         if i == 1 + warmup:
             sched.add(longp)
         if longp.state not in (State.WAITING, State.PREFILL) and i > 1 + warmup:
             break
+        before_schedule = sched.ledger.debt
         plan = sched.schedule()
+        before = sched.ledger.debt
         long_left = longp.state is State.PREFILL and longp.prompt_left > short
         long_work = any(c.request is longp for c in plan.chunks) and long_left
         if not plan.decodes and longp.state is State.PREFILL and not any(c.request is longp for c in plan.chunks):
             raise GateFailure(f"step {plan.index}: the long prompt's chunk was withheld while nobody decodes (debt "
                               f"{sched.ledger.debt:.4g} s): debt must count only runnable decoders")
+        if plan.decodes:
+            charged_ahead += max(0.0, before - before_schedule)
         extra = extra_ratio * t_decode * plan.prompt_positions / C
+        if long_work and longp.prompt_left - next(c.length for c in plan.chunks if c.request is longp) <= short:
+            extra *= last_ratio      # the last long chunk costs other than the chunk its charge ahead is estimated on
         duration = (t_decode if plan.decodes else 0.0) + extra
+        t_d = t_decode if pure_seen else 0.0
+        charged = max(0.0, duration - t_d)
         apply(plan)
         sched.finish_step(duration=duration)
-        if not plan.decodes and sched.ledger.debt != 0.0:
+        after = sched.ledger.debt
+        pure_seen = pure_seen or bool(plan.decodes and not plan.chunks)
+        if not plan.decodes and after != 0.0:
             raise GateFailure(f"step {plan.index} carried no decode tokens, yet the decoders are owed "
-                              f"{sched.ledger.debt:.4g} s after it: debt counts only runnable decoders")
-        if sched.ledger.debt < 0.0:
-            raise GateFailure(f"step {plan.index}: the debt went below 0 ({sched.ledger.debt:.4g} s): no credit, "
+                              f"{after:.4g} s after it: debt counts only runnable decoders")
+        if after < 0.0:
+            raise GateFailure(f"step {plan.index}: the debt went below 0 ({after:.4g} s): no credit, "
                               "a step never pays off more than is owed")
+        if plan.decodes and plan.chunks and not plan.long_chunks and after > before + tol:
+            raise GateFailure(f"step {plan.index} (decode tokens and short chunks only, {duration:.4g} s) raised the "
+                              f"debt from {before:.4g} to {after:.4g} s: such a step pays off its decode part, "
+                              f"min(t, t_d) with t_d = {t_d:.4g} s "
+                              f"({'the pure decode steps' if pure_seen else 'no pure decode step yet: 0'})")
+        if plan.decodes and long_work:
+            cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * duration)
+            if after < min(before, cap) - tol:
+                raise GateFailure(f"step {plan.index} (long work, {duration:.4g} s) lowered the debt from "
+                                  f"{before:.4g} to {after:.4g} s: a loaded step only adds to it (but for the cap of "
+                                  f"max({DEBT_CAP_SECONDS}, {DEBT_CAP_STEPS} t) = {cap:.4g} s)")
+            if longp.prompt_left <= short:
+                # the prompt's last long chunk: what it owes, less what was charged ahead for it, no credit
+                owed = charged * (1 - p_used) / p_used
+                want = min(before + max(0.0, owed - charged_ahead), cap)
+                if not math.isclose(after, want, rel_tol=1e-9, abs_tol=tol):
+                    raise GateFailure(
+                        f"p={p_used}: after the prompt's last long chunk (step {plan.index}, {duration:.4g} s, "
+                        f"{charged:.4g} s beyond t_d = {t_d:.4g} s) the debt is {after:.4g} s; the rule gives "
+                        f"min({before:.4g} + max(0, {owed:.4g} owed - {charged_ahead:.4g} charged ahead), saturated "
+                        f"at max({DEBT_CAP_SECONDS}, {DEBT_CAP_STEPS} t) = {cap:.4g}) = {want:.4g} s"
+                        + (" (the debt did not saturate)" if after > cap + tol else ""))
+        if long_work:
+            charged_ahead = 0.0
         if i > warmup:
-            steps.append((plan.index, bool(plan.decodes), long_work, duration, extra))
+            steps.append((plan.index, bool(plan.decodes), long_work, duration, extra, charged, t_d))
     else:
         raise GateFailure("the long prompt never finished filling (a hang)")
     # cycles: from a step with long work up to the next one, decoders runnable throughout
@@ -176,7 +225,7 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
     decode_time = prompt_time = lo = hi = 0.0
     last_long = steps[long_at[-1]] if long_at else None
     for b, seg in cycles:
-        t_loaded, e = seg[0][3], seg[0][4]
+        t_loaded, e = seg[0][3], seg[0][5]
         n = sum(1 for s in seg[1:] if s[4] == 0.0)          # pure decode steps
         owed = e * (1 - p_used) / p_used
         cap = max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * t_loaded)
@@ -185,8 +234,10 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
         before_last = b == long_at[-1]
         if before_last:
             # the next chunk is the prompt's last long one: it pays its own debt ahead, estimated from this chunk
-            # (same size, so the estimate is exact here), saturated at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS t)
-            due = max(due, min(due + owed, max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * (e + t_decode))))
+            # (same size, so the estimate is exact here), saturated at max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS (est +
+            # t_d)), t_d as it stood when the next step was scheduled (charged ahead then)
+            t_d_ahead = seg[1][6] if len(seg) > 1 else steps[b][6]
+            due = max(due, min(due + owed, max(DEBT_CAP_SECONDS, DEBT_CAP_STEPS * (e + t_d_ahead))))
             ahead = f", plus the last long chunk's own debt ahead, estimated as this one's ({owed:.4g} s)"
         tol = 1e-6 * max(1.0, due)
         if not due - tol <= n * t_decode < due + t_decode + tol:
@@ -197,7 +248,7 @@ def check_debt_rule(scheduler_cls, p: float, t_decode: float, extra_ratio: float
                 f"{DEBT_CAP_STEPS} t) = {cap:.4g} s{ahead}: {due:.4g} s, so {math.ceil(due / t_decode - 1e-9)} steps"
                 + (" (the debt did not saturate)" if n * t_decode > cap + t_decode and not before_last else ""))
         decode_time += n * t_decode
-        prompt_time += e + (last_long[4] if before_last else 0.0)
+        prompt_time += e + (last_long[5] if before_last else 0.0)
         lo += due
         hi += due + t_decode
     share = target = None
@@ -222,10 +273,22 @@ SHARE_VALUES = st.one_of(st.sampled_from([0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0,
 # (4.08 s against 49.5 s). A mutation campaign's survivor, DEBT_CAP_SECONDS = 2.0, passed the draws alone. The third
 # (p = 0.15: 2.83 s owed a chunk, under 8 t = 4.08 s) is where the last long chunk's own debt, paid ahead, saturates
 # at 8 (estimate + t_d) and not at the chunk's owed debt (session 17's survivor: the cap of est - t_d passed the rest).
-CAP_EXAMPLES = [dict(p=0.01, t_decode=0.01, extra_ratio=5.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128),
-                dict(p=0.01, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128),
-                dict(p=0.15, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128)]
+CAP_EXAMPLES = [dict(p=p, t_decode=0.01, extra_ratio=r, budgets=[6000, 6000], long_pieces=3, chunk_tokens=128, warmup=3,
+                     last_ratio=1.0, tail=37)
+                for p, r in ((0.01, 5.0), (0.01, 50.0), (0.15, 50.0))]
+# And the step-by-step checks' corners, which the draws seldom meet together: a last long chunk that costs nothing
+# after a charge ahead for a full one (no credit back: session 18's survivor `max(-1.0, ...)`), a prompt whose last
+# long chunk leaves exactly short_prompt_positions (`<=`, not `<`), and a prompt of two long chunks beside decoders
+# that have not run a pure decode step yet, at a share where the charge ahead saturates (t_d is 0 then, not +-1 s).
+STEP_EXAMPLES = [dict(p=0.5, t_decode=0.01, extra_ratio=3.0, budgets=[2000, 2000], long_pieces=3, chunk_tokens=128,
+                      warmup=3, last_ratio=0.0, tail=37),
+                 dict(p=0.5, t_decode=0.01, extra_ratio=3.0, budgets=[2000, 2000], long_pieces=3, chunk_tokens=128,
+                      warmup=3, last_ratio=1.0, tail=0),
+                 dict(p=0.01, t_decode=0.01, extra_ratio=50.0, budgets=[6000, 6000], long_pieces=1,
+                      chunk_tokens=128, warmup=0, last_ratio=1.0, tail=37)]
 DEBT_CASE = dict(p=SHARE_VALUES, t_decode=st.floats(0.002, 0.05),
                  extra_ratio=st.one_of(st.floats(0.5, 50.0), st.sampled_from([0.0, 1.0, 200.0])),
                  budgets=st.lists(st.one_of(st.integers(1, 60), st.integers(500, 6000)), min_size=0, max_size=5),
-                 long_pieces=st.integers(2, 10), chunk_tokens=st.sampled_from([64, 128, 256, 512]))
+                 long_pieces=st.integers(2, 10), chunk_tokens=st.sampled_from([64, 128, 256, 512]),
+                 warmup=st.integers(0, 3),      # 0: the long prompt's first chunk runs before any pure decode step
+                 last_ratio=st.sampled_from([1.0, 1.0, 0.5, 0.0, 2.0]), tail=st.sampled_from([37, 0, 1, 300]))

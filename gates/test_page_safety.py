@@ -29,10 +29,12 @@ def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend, record
     gate here; session 17's runner campaign found such mutants unseen. Both as the gates run (recording the top-k
     beside the poison mode) and with poison mode alone, as an engineer turns it on to debug: each step's read-back
     carries the non-finite rows only in poison mode and the top-k only in record mode, and session 18's campaign
-    found a read-back that took one flag for the other unseen while every gate recorded."""
+    found a read-back that took one flag for the other unseen while every gate recorded. The second also serves at
+    a prefill share below 1: the step a poisoned read stops ends without a measured duration, which the debt ledger
+    must leave as it is (its survivors: a step without one accounted, and failing the engine with a TypeError)."""
     skip_unless_runs(opts, engine, backend)
     e = runs.engine_reference(engine, backend, workload_for(opts, "smoke-cpu"),
-                              **({} if record else {"record_topk": 0})).engine()
+                              **({} if record else {"record_topk": 0, "prefill_share": 0.5})).engine()
     # two requests, the second's page poisoned: the report must name that row's request, not the first row's
     first = e.submit(list(range(7, 7 + e.pool.page_size // 2)), 16)
     rid = e.submit(list(range(5, 5 + 3 * e.pool.page_size // 2)), 16)

@@ -27,7 +27,7 @@ from engine.scheduler import Scheduler
 from engine.workload import get_workload
 
 from .runs import CANDIDATES, skip_unless_runs
-from .prefill_share_check import (CAP_EXAMPLES, DEBT_CASE, apply, assert_no_problems, check_debt_rule,
+from .prefill_share_check import (CAP_EXAMPLES, DEBT_CASE, STEP_EXAMPLES, apply, assert_no_problems, check_debt_rule,
                                   check_decode_estimate, check_identical, chunk_problems)
 from .reference import EngineReference
 from .schedule_check import provenance_problems, topk_problems
@@ -154,8 +154,11 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
 @example(**CAP_EXAMPLES[0])
 @example(**CAP_EXAMPLES[1])
 @example(**CAP_EXAMPLES[2])
-def test_debt_rule(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
-    check_debt_rule(Scheduler, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
+@example(**STEP_EXAMPLES[0])
+@example(**STEP_EXAMPLES[1])
+@example(**STEP_EXAMPLES[2])
+def test_debt_rule(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens, warmup, last_ratio, tail):
+    check_debt_rule(Scheduler, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens, warmup, last_ratio, tail)
 
 
 @given(durations=st.lists(st.floats(0.001, 0.2), min_size=2, max_size=30))

@@ -49,6 +49,9 @@ class UncappedLedger(DebtLedger):
         if plan.long_chunks and plan.decodes and self.prefill_share < 1.0:
             p, t_d = self.prefill_share, self.decode_estimate or 0.0
             self.debt += max(0.0, max(0.0, duration - t_d) * (1 - p) / p - ahead)
+            longs = [c.request.request_id for c in plan.chunks if c.long]
+            for rid in longs:       # the estimate a last long chunk's charge ahead is made from, as the ledger keeps it
+                self.chunk_extra[rid] = max(0.0, duration - t_d) / len(longs)
         else:
             super().account(plan, duration, ahead)
 
@@ -131,8 +134,9 @@ class PaysLastPieceAfter(Scheduler):
 def run_property(scheduler_cls):
     @FIND
     @given(**DEBT_CASE)
-    def prop(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens):
-        check_debt_rule(scheduler_cls, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens)
+    def prop(p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens, warmup, last_ratio, tail):
+        check_debt_rule(scheduler_cls, p, t_decode, extra_ratio, budgets, long_pieces, chunk_tokens, warmup, last_ratio,
+                        tail)
 
     prop()
 
@@ -142,8 +146,8 @@ def test_unplanted_scheduler_passes_the_debt_property():
 
 
 def test_debt_that_never_saturates_is_caught():
-    with pytest.raises(AssertionError, match=r"the debt rule gives .* saturated at max\(.*\(the debt did not "
-                                             r"saturate\)"):
+    # the cycle check or the last long chunk's, whichever meets it first
+    with pytest.raises(AssertionError, match=r"rule gives .* saturated at max\(.*\(the debt did not saturate\)"):
         run_property(NeverSaturates)
 
 
@@ -205,3 +209,35 @@ def test_an_estimate_that_is_not_the_documented_ewma_is_caught():
     with pytest.raises(AssertionError, match=r"the pure decode estimate t_d is .*; the documented EWMA \(weight "
                                              r"0.25 on the newest pure decode step\) gives"):
         check_decode_estimate(planted, durations)
+
+
+# -- the ledger's own lines, mutated (session 17-18's campaign survivors, planted as the campaign made them) ---------
+def mutated_scheduler(old: str, new: str) -> type:
+    """A Scheduler whose ledger is engine/prefill_share.py with one line changed (`old` must occur once)."""
+    import inspect
+    import engine.prefill_share as module
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, old
+    ns = {"__name__": "planted_prefill_share"}
+    exec(compile(source.replace(old, new), "planted_prefill_share.py", "exec"), ns)
+    return type("Planted", (Scheduler,), {"ledger_cls": ns["DebtLedger"]})
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("owed = max(0.0, extra * (1.0 - p) / p - ahead)", "owed = max(-1.0, extra * (1.0 - p) / p - ahead)",
+     r"(after the prompt's last long chunk .* the rule gives min\(|went below 0 .* no credit)"),
+    ("owed = max(0.0, extra * (1.0 - p) / p - ahead)", "owed = max(0.0, extra * (1.0 - p) / p + ahead)",
+     r"after the prompt's last long chunk .* charged ahead"),
+    ("self.debt = max(0.0, self.debt - min(t, t_d))", "self.debt = max(0.0, self.debt + min(t, t_d))",
+     r"decode tokens and short chunks only.* raised the debt"),
+    ("t_d = self.decode_estimate or 0.0", "t_d = self.decode_estimate or -1.0",
+     r"(raised the debt|the rule gives|the debt rule gives)"),
+    ("if plan else 0.0", "if not plan else 0.0", r"after the prompt's last long chunk"),
+    ("self.prepaid[rid] = self.debt - before", "self.prepaid[rid] = self.debt + before",
+     r"after the prompt's last long chunk"),
+], ids=["credit", "charged-twice", "short-step-raises", "no-estimate-below-0", "ahead-forgotten", "prepaid-plus"])
+def test_the_ledgers_survivors_are_caught_by_the_debt_property(old, new, message):
+    """Each mutant of the ledger that passed the debt gate before its step-by-step checks (the debt after the last
+    long chunk, a short step never raising the debt, t_d before any pure decode step) fails it now, naming the rule."""
+    with pytest.raises(AssertionError, match=message):
+        run_property(mutated_scheduler(old, new))

@@ -373,6 +373,11 @@ def make_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: int = 64
                       f"NeverFitsError")
                 self.requests[rid] = request
                 self.model[rid] = Expected(rid, prompt_len, budget, self.arrivals, need)
+                # the accepted submits counted one by one (a count that skipped, 0, 2, 4, still orders them: session
+                # 18's survivor `next_arrival += 2` passed every ordering check)
+                check(request.arrival_index == self.arrivals, FCFS,
+                      f"{rid} is accepted submit number {self.arrivals} (from 0): its arrival index is "
+                      f"{request.arrival_index}; arrival indices count the accepted submits")
                 self.arrivals += 1
                 self.queue.append(rid)
                 self.live.add(rid)

@@ -43,6 +43,20 @@ def test_served_defaults(opts):
     assert not moved, "the engines' defaults moved:\n  " + "\n  ".join(moved)
 
 
+def test_an_engine_keeps_no_schedule_log_unless_asked(runs, opts):
+    """An engine built as users build it (no schedule_log) records no admission, wait, release or step end: the log
+    the gates read grows by every event (about 730 bytes a request), which a server that runs for days must not.
+    Every gate asks for the log, so a scheduler that kept it by default passed them all (session 18's campaign)."""
+    from engine import Engine
+    wl = workload_for(opts, SMOKE_CPU.name)
+    ref = runs.engine_reference("fused", "torch", wl)
+    e = Engine(ref.config, loaded=ref.loaded)
+    e.run(get_workload(wl).requests()[:3])
+    log = e.scheduler.log
+    kept = {name: len(getattr(log, name)) for name in ("admissions", "waits", "releases", "ends")}
+    assert not any(kept.values()), f"an engine built without a schedule log kept one: {kept} records"
+
+
 # the configurations whose kernels run the captured steps' path uncaptured on a CPU (the torch backend's static_steps):
 # stated here, not read from the backend, so that losing it fails instead of skipping (a mutation campaign found
 # `static_steps = False` turning these gates into skips)

@@ -49,6 +49,15 @@ class QueueJumpingScheduler(Scheduler):
         return admitted
 
 
+class SkippingArrivalsScheduler(Scheduler):
+    """Arrival indices counted two by two (0, 2, 4, ...): still in submit order, so strict FCFS orders them right,
+    but they no longer count the submits (session 18's scheduler survivor `next_arrival += 2`)."""
+
+    def add(self, request):
+        super().add(request)
+        self.next_arrival += 1
+
+
 class EagerFreePool(PagePool):
     """Pages freed during the step instead of at its end: release() puts them straight back on the free list."""
 
@@ -220,6 +229,14 @@ def prefix_default_off(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(EngineConfig, "resolved", lambda self, *a, **kw: replace(resolved(self, *a, **kw), prefix_cache=False))
 
 
+def schedule_log_kept(mp: pytest.MonkeyPatch) -> None:
+    """A scheduler built without a schedule log keeps one whole (as the survivor `ScheduleLog(keep=True)` did): every
+    gate asks for the log, so only a served engine's memory grows."""
+    import engine.scheduler
+    from engine.schedule_log import ScheduleLog
+    mp.setattr(engine.scheduler, "ScheduleLog", lambda keep=True: ScheduleLog(keep=True))
+
+
 def chunk_default_513(mp: pytest.MonkeyPatch) -> None:
     """The fused engine's default chunk budget one position larger (as a mutant of CHUNK_TOKENS did): every gate
     runs its workload's own budget, so only a user who passes nothing gets it."""
@@ -382,6 +399,8 @@ PLANTS = {
     "prefix-default-off": Plant("the prefix cache switched off where the configuration's defaults are decided",
                                 r"serves other than its record:\s+(E\s+)?configuration: recorded "
                                 r"\S+/prefix/\S+, serves \S+/noprefix/", prefix_default_off),
+    "schedule-log-kept": Plant("an engine built without a schedule log keeps one whole (memory grows by every step)",
+                               r"an engine built without a schedule log kept one", schedule_log_kept),
     "chunk-default-513": Plant("the fused engine's default chunk budget 513 (every gate sets its own)",
                                r"the engines' defaults moved:\s+(E\s+)?fused: chunk_tokens 512 -> 513",
                                chunk_default_513),

@@ -13,7 +13,8 @@ from hypothesis.stateful import run_state_machine_as_test
 from engine.pool import PagePool
 from engine.scheduler import Scheduler
 from gates.admission_machine import PAGE_SIZES, make_machine
-from tests.plants import AcceptingPool, EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler
+from tests.plants import (AcceptingPool, EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler,
+                          SkippingArrivalsScheduler)
 
 # Generation only: hypothesis stops at the first failing example and reports its message. (Shrinking is left to the
 # gate itself; here it would only cost time.) Derandomized, so the search is the same on every run; each bug is found
@@ -33,6 +34,8 @@ PLANTED = {
                             r"^never fits violated: r\d+ needs ceil\(\(\d+ \+ \d+\) / \d+\) = \d+ pages "
                             r".*accepted at submit"),
     "queue-jump": (PagePool, QueueJumpingScheduler, r"^strict FCFS admission violated: step \d+ admitted r\d+ .*while"),
+    "arrivals-skip": (PagePool, SkippingArrivalsScheduler,
+                      r"^strict FCFS admission violated: r\d+ is accepted submit number \d+ .*its arrival index is"),
     "free-during-step": (EagerFreePool, Scheduler,
                          r"^eviction at the end of the step violated: release\('r\d+'\) put pages straight back"),
     "beyond-max-batch": (PagePool, OverfullScheduler, r"^max batch violated: .* requests now hold rows, max_batch is"),

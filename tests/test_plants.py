@@ -181,3 +181,10 @@ def test_the_smoke_gate_fails_when_the_cpu_loses_its_steps_launched_ahead():
                    "--plant", "no-static-steps")
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS["no-static-steps"].cause, p.stdout), p.stdout[-3000:]
+
+
+def test_an_engine_that_keeps_its_schedule_log_unasked_fails_the_smoke_file():
+    p = pytest_run("gates/test_smoke.py::test_an_engine_keeps_no_schedule_log_unless_asked", "-p", "tests.plants",
+                   "--plant", "schedule-log-kept")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert re.search(plants.PLANTS["schedule-log-kept"].cause, p.stdout), p.stdout[-3000:]

@@ -3,8 +3,16 @@ launched, before its readback) is undone, and the next step() redoes it; the run
 undisturbed run of the same configuration serves: every token, the step that emitted it, every prompt chunk, every
 step of the trace. Run on the mixed workload (more requests than rows: admissions land while others run) through each
 engine configuration, in poison mode, reusing the token gate's undisturbed run. A step launched ahead whose pages were poisoned cannot be redone (Engine._undo
-fails the engine by design), so where steps launch ahead the interrupt comes before that launch."""
+fails the engine by design), so where steps launch ahead the interrupt comes before that launch.
+
+With the prefix cache: a step that admits a request on cached pages and evicts other cached pages for it is
+interrupted; its undo must leave the pool as before the step, but for the evicted pages, which come back free (last
+on the free list): the pages found cached back in the LRU, in their old places. The redone run must then match the
+undisturbed one step by step: free list, cached pages, LRU order, holders, cache counts, schedule log, tokens. And a
+request that step admitted, cancelled during it, must go nowhere: no pages held, nothing cached, nothing computed."""
 from __future__ import annotations
+
+import random
 
 import pytest
 
@@ -71,3 +79,126 @@ def test_an_interrupted_step_is_redone_identically(runs, opts, engine, backend):
                                                f"{want[rid]}" if rid else "") +
             f"; steps {len(e.trace)} vs {n}, first differing step "
             f"{next((a for a, b in zip(steps(e), steps(undisturbed)) if a != b), None)}")
+
+
+# The prefix cache's redo: served one request at a time (max_batch 1) in a pool of 7 pages (and the null page)
+EVICTING_POOL_PAGES = 8
+REDONE = "sys-b"        # the request whose admitting step (on cached pages, evicting) is interrupted
+
+
+def evicting_requests(vocab: int, P: int, seed: int = 5) -> list[tuple[str, list[int], int]]:
+    """(request id, prompt, budget) for pages of P slots: when sys-b is admitted, sys-a's 2 system-prompt pages and
+    other's 3 prompt pages are cached and 2 pages free, so sys-b (5 pages) finds 2 cached, takes the 2 free ones and
+    evicts other's last page; tail (4 pages) then evicts in the LRU order that step's undo must have restored."""
+    rng = random.Random(seed)
+
+    def rand(n):
+        return [rng.randrange(3, vocab) for _ in range(n)]
+    system = rand(2 * P)
+    return [("sys-a", system + rand(1), 4), ("other", rand(3 * P), 4), (REDONE, system + rand(2 * P + 1), 4),
+            ("tail", rand(3 * P), 4)]
+
+
+def pool_state(pool) -> dict:
+    """What an undo must restore: the free list in order, the cached pages (page -> key), those nobody holds in LRU
+    order, the holders, the cache's counts."""
+    c = pool.cache
+    return dict(free=list(pool.free), lru=list(c.lru), cached={p: e.key for p, e in c.by_page.items()},
+                owned={o: list(pages) for o, pages in pool.owned.items()}, lookups=c.lookups, hits=c.hits,
+                evictions=c.evictions)
+
+
+def differences(got: dict, want: dict) -> str:
+    return "; ".join(f"{k} {got.get(k)} vs {want[k]}" for k in want if got.get(k) != want[k])
+
+
+def serve_by_step(e, requests, undone=None) -> list[dict]:
+    """Submit `requests` at once and step `e` to its end: the pool's state after each step that stood. A step that an
+    Interrupt stopped is left to the next step() to redo, after `undone(the pool's state before the step)`."""
+    for rid, prompt, budget in requests:
+        e.submit(prompt, budget, rid)
+    states = []
+    for _ in range(100 * len(requests)):
+        if not e.scheduler.has_work:
+            return states
+        before = pool_state(e.pool)
+        try:
+            e.step()
+        except Interrupt:
+            e.alive()           # undone, not failed: EngineDeadError here fails the gate with its cause
+        else:
+            states.append(pool_state(e.pool))
+            continue
+        undone(before)
+    raise GateFailure(f"no end after {100 * len(requests)} steps")
+
+
+@pytest.mark.parametrize("cancel", [False, True], ids=["redone", "cancelled"])
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_an_interrupted_step_that_evicts_cached_pages_is_undone(runs, opts, engine, backend, cancel):
+    skip_unless_runs(opts, engine, backend)
+    # the mixed workload's configuration (its chunk budget), with the prefix cache, one row and a tight pool
+    ref = runs.engine_reference(engine, backend, workload_for(opts, "mixed-cpu"), prefix_cache=True, max_batch=1,
+                                num_pages=EVICTING_POOL_PAGES)
+    undisturbed = ref.engine()
+    requests = evicting_requests(runs.loaded[0].shape.vocab_size, undisturbed.config.page_size)
+    want = serve_by_step(undisturbed, requests)
+    label = f"{engine}[{backend}], prefix cache, {REDONE}'s admitting step interrupted" + \
+        (f" and {REDONE} cancelled in it" if cancel else "")
+    seen = {}       # REDONE's pages and hits in the interrupted step
+
+    def interrupt(point: str) -> None:
+        plan = e.scheduler.plan
+        if point == "scheduled" and not seen and any(r.request_id == REDONE for r in plan.admitted):
+            r = e.requests[REDONE]
+            seen.update(pages=list(r.pages), hits=r.cached_prefix // e.pool.page_size)
+            if cancel:          # a cancel during the step: the undo sends it nowhere (Scheduler.undo)
+                e.cancel(REDONE)
+            raise Interrupt(f"interrupted at step {plan.index}, {point}")
+
+    def undone(before: dict) -> None:
+        """The pool as before the step, but the pages it evicted (its new pages that were not free) come back free,
+        last on the free list, in the order taken; the pages it found cached are back in the LRU, in place."""
+        gone = [p for p in seen["pages"][seen["hits"]:] if p not in before["free"]]
+        if not gone or not seen["hits"]:
+            raise GateFailure(f"{label}: the interrupted step found {seen['hits']} pages cached and evicted {gone}: "
+                              f"the workload no longer reaches the case (it must do both)")
+        expect = dict(before, free=before["free"] + gone, lru=[p for p in before["lru"] if p not in gone],
+                      cached={p: k for p, k in before["cached"].items() if p not in gone},
+                      evictions=before["evictions"] + len(gone))
+        diff = differences(pool_state(e.pool), expect)
+        if diff:
+            raise GateFailure(f"{label}: after the undo the pool is not as before the step but for the pages it "
+                              f"evicted ({gone}, free last); got vs expected: {diff}")
+
+    e = ref.engine(step_hook=interrupt)
+    got = serve_by_step(e, requests, undone)
+    if not seen:
+        raise GateFailure(f"{label}: no step admitted {REDONE}, so none was interrupted")
+    check_engine(e, label)      # every page back, the pool's invariants, provenance (nothing computed), strict FCFS
+    if cancel:
+        # nothing admits it again, so what its undo left stays to the end: its hits' places in the LRU (else they are
+        # cached pages nobody can evict or find free), its positions (else computed by no step)
+        r = e.results()[REDONE]
+        if (r.state, r.tokens, r.chunks, r.cached_prefix, r.admit_time) != ("cancelled", [], [], 0, None):
+            raise GateFailure(f"{label}: {REDONE} was cancelled in its undone step, so it never ran, but its result "
+                              f"is state {r.state}, tokens {r.tokens}, chunks {r.chunks}, cached prefix "
+                              f"{r.cached_prefix}, admitted at {r.admit_time}")
+        return
+    # redone: from here on as if never interrupted. The redo pins the same hits again, so a pool whose undo lost
+    # their places in the LRU looks right after it; the free pages the redone step's admission saw (schedule log) do
+    # not
+    bad = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if bad is not None or len(got) != len(want):
+        raise GateFailure(f"{label}: redone, the pool differs from the undisturbed run's after step {bad} "
+                          f"({len(got)} steps vs {len(want)}); got vs undisturbed: "
+                          f"{differences(got[bad], want[bad]) if bad is not None else '-'}")
+    log, want_log = e.scheduler.log, undisturbed.scheduler.log
+    if log.admissions != want_log.admissions or log.waits != want_log.waits:
+        wrong = next(((a, b) for a, b in zip(log.admissions, want_log.admissions) if a != b), None)
+        raise GateFailure(f"{label}: redone, the schedule log differs from the undisturbed run's: "
+                          f"{len(log.admissions)} vs {len(want_log.admissions)} admissions, first differing (got, "
+                          f"undisturbed) {wrong}; head waits {'differ' if log.waits != want_log.waits else 'equal'}")
+    if served(e) != served(undisturbed) or steps(e) != steps(undisturbed):
+        raise GateFailure(f"{label}: redone, the run served something else than the undisturbed one: "
+                          f"{served(e)} vs {served(undisturbed)}; steps {steps(e)} vs {steps(undisturbed)}")

@@ -76,8 +76,23 @@ def is_small(model) -> bool:
     return model_class(model) == "small"
 
 
+def transformers_models():
+    """transformers, told that Hugging Face's hub kernels are not there. From 5.25 it requires their `kernels`
+    distribution and, finding it, imports `kernels` when it loads a model; in a stepgate process that name is this
+    repository's kernels/ (the attention backends: the layout is fixed), so the import fails. stepgate never asks
+    for hub kernels (its reference is transformers' eager attention), so the availability check answers False
+    before any module of transformers that reads it is imported. Call it before importing a transformers model."""
+    import sys
+
+    import transformers.utils as utils
+    from transformers.utils import import_utils
+    if "transformers.integrations.hub_kernels" not in sys.modules:
+        utils.is_kernels_available = import_utils.is_kernels_available = lambda *args, **kwargs: False
+    return __import__("transformers")
+
+
 def qwen2_config(**kw):
-    from transformers import Qwen2Config
+    Qwen2Config = transformers_models().Qwen2Config
     theta = kw.pop("rope_theta", 10000.0)
     cfg = Qwen2Config(**kw)
     # transformers 5 keeps theta in rope_parameters; 4.x in rope_theta. Set both.
@@ -144,7 +159,7 @@ def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, o
                     f": the embedded model {named!r} ships with stepgate (golden/models in a checkout, the "
                     f"stepgate_models package once installed); reinstall stepgate (`pip install .`), or pass a "
                     f"Hugging Face checkpoint directory" if named else ""))
-        from transformers import AutoConfig
+        AutoConfig = transformers_models().AutoConfig
         cfg = AutoConfig.from_pretrained(str(path))
         sd = load_state_dict(path)
         name = path.name
@@ -162,7 +177,7 @@ def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, o
 
 def hf_model(source=None, dtype=torch.float32, device="cpu"):
     """transformers' own Qwen2ForCausalLM on the same weights (eager attention: the ground truth)."""
-    from transformers import Qwen2ForCausalLM
+    Qwen2ForCausalLM = transformers_models().Qwen2ForCausalLM
     source = resolve(source)
     if isinstance(source, str) and source == RANDOM_1P5B:
         cfg, ours = random_1p5b_state(device=device, dtype=dtype)
@@ -173,7 +188,9 @@ def hf_model(source=None, dtype=torch.float32, device="cpu"):
         return m.eval()
     if not isinstance(source, (str, os.PathLike)):
         return source
-    return Qwen2ForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation="eager").to(device).eval()
+    # use_kernels=False: from 5.25 a model loads with hub kernels unless told not to; the reference is eager
+    return Qwen2ForCausalLM.from_pretrained(str(source), dtype=dtype, attn_implementation="eager",
+                                            use_kernels=False).to(device).eval()
 
 
 def model_checksum(source=None) -> str:

@@ -64,7 +64,8 @@ def gpus_needed(item, o: GateOptions) -> int:
 # gates that run by default on CUDA but only with -m slow on a CPU (see pytest_collection_modifyitems)
 CPU_SLOW = ("test_prefill_share.py::test_tokens_and_chunks_identical_across_prefill_share[chunked-torch]",
             # shapes of their own: FlexAttention compiles each
-            "test_kernels.py::test_kernel_wide[flex-rows]", "test_kernels.py::test_kernel_wide[flex-keys]")
+            "test_kernels.py::test_kernel_wide[flex-rows]", "test_kernels.py::test_kernel_wide[flex-keys]",
+            "test_kernels.py::test_kernel_wide[flex-items]")
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -217,16 +217,27 @@ def test_kernel_large_page_count(backend, kind, device, request):
 WIDE_SHAPE = (32, 1, 64)
 
 
-@pytest.mark.parametrize("what,kv_lens", [
+WIDE_CASES = [
     # more rows than any other case, and than a head dim: short histories, as a wide batch has them at serving time
     # (up to 512 rows on the 1.5B shape); a grid bounded by anything but the rows drops the rows past it
-    ("rows", [1 + (7 * i) % 70 for i in range(200)]),
+    pytest.param("rows", [1 + (7 * i) % 70 for i in range(200)], id="rows"),
     # more keys in one call than any other case: 24 rows at a 4k context (98k keys, 384 of the Triton decode's
     # items); a grid bounded by anything but the keys the rows hold (the pool's pages, say) drops work
-    ("keys", [4000 + 5 * i for i in range(24)]),
-], ids=["rows", "keys"])
+    pytest.param("keys", [4000 + 5 * i for i in range(24)], id="keys"),
+    # rows longer than the Triton decode's combine takes in one block of items (ITEM_BLOCK, 32 items of 256 keys:
+    # 8,192), up to the 32k context of the Qwen2.5 models, beside one- and two-item rows: 1, 2, 32 (one full block,
+    # the table wider than it), 33 (a second block of one item), 65 and 128 items (three and four blocks). Every
+    # other case's rows fit one block, where a merge of the blocks (the running max carried over, the previous
+    # blocks rescaled, a block's item offset) is never run; the long rows come last, so an offset wrong in a later
+    # block reads other rows' items rather than outside the buffer
+    pytest.param("items", [1, 300, 8192, 8193, 16385, 32768], id="items"),
+]
+
+
+@pytest.mark.parametrize("what,kv_lens", WIDE_CASES)
 def test_kernel_wide(backend, what, kv_lens, device, request):
-    """Decode calls wider than the grid's: many rows, many keys, a query group wider than a tile."""
+    """Decode calls wider than the grid's: many rows, many keys, rows of more items than one combine block, a query
+    group wider than a tile."""
     dtype = _default_dtype(request)
     H, kvh, d = WIDE_SHAPE
     sizes = kernels.backend_class(backend).page_sizes

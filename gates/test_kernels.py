@@ -392,3 +392,58 @@ def test_decode_kernels_agree(backend, device, request):
     compare_decode_kernels([backend], case)
 
 
+
+
+@pytest.mark.parametrize("forward", ["chunked", "fused"])
+def test_each_forward_runs_the_steps_it_serves(backend, device, runs, forward):
+    """Engines of each forward over each backend serve two requests, the second's prompt beside the first's decode
+    tokens (a loaded step): eagerly, the chunked forward runs a loaded step's prompt chunks and its decode batch as
+    two forwards and the fused one as one; with the captured steps' path (where the backend takes it), every pure
+    decode step runs through the decode graphs. Both run the same tokens either way, within the tie rule, so no token
+    gate sees a step run by the other forward, or eagerly beside captured graphs (the runner campaign of session 19
+    found both unseen: `forward_mode != "fused"`, `not use_graphs` in ModelRunner.logits)."""
+    from engine.config import graphs_problem
+    from engine.request import State
+    cls = kernels.backend_class(backend)
+    P = min(cls.page_sizes) if cls.page_sizes else 64
+    skip_unless_runs(backend, device, P)
+
+    def serve(engine) -> list[tuple[bool, bool]]:
+        """(prompt chunks?, decode tokens?) of each forward the runner ran."""
+        calls, inner = [], engine.runner.forward
+
+        def forward_(chunks, decodes, *args, **kwargs):
+            calls.append((bool(chunks), bool(decodes)))
+            return inner(chunks, decodes, *args, **kwargs)
+        engine.runner.forward = forward_
+        first = engine.submit(list(range(7, 7 + P // 2)), 6)
+        for _ in range(8):
+            if engine.requests[first].state is State.DECODE:
+                break
+            engine.step()
+        engine.submit(list(range(5, 5 + P + 3)), 4)
+        engine.run()
+        return calls
+
+    eager = runs.engine_reference(forward, backend, "smoke-cpu", page_size=P, cuda_graphs=False,
+                                  compile_warmup=False, overlap=False).engine()
+    calls = serve(eager)
+    loaded = sum(1 for s in eager.trace if s.prompt_positions and s.decode_tokens)
+    assert loaded, f"{forward}[{backend}]: the workload made no loaded step: the check checks nothing"
+    both = sum(1 for c in calls if c == (True, True))
+    if forward == "chunked":
+        assert both == 0, (f"{forward}[{backend}]: {both} forward(s) ran prompt chunks and decode tokens together: "
+                           f"the chunked forward runs a loaded step as two forwards (the fused forward ran?)")
+    else:
+        assert both == loaded, (f"{forward}[{backend}]: {loaded} loaded step(s), {both} forward(s) with prompt "
+                                f"chunks and decode tokens together: the fused forward runs a loaded step as one "
+                                f"(calls {calls})")
+    ref = runs.engine_reference(forward, backend, "smoke-cpu", page_size=P, cuda_graphs=True, compile_warmup=False,
+                                overlap=False)
+    if graphs_problem(ref.config):
+        return
+    captured = ref.engine()
+    serve(captured)
+    eager_decode = [r for r in captured.runner.path_census() if r["kind"] == "pure-decode" and r["mode"] == "eager"]
+    assert not eager_decode, (f"{forward}[{backend}] with decode graphs: {sum(r['steps'] for r in eager_decode)} "
+                              f"pure decode step(s) ran eagerly beside them: {eager_decode}")

@@ -75,11 +75,19 @@ def served_problems(engine) -> list[str]:
         if said != held:
             out.append(f"served: a page of the KV cache takes {held} bytes as allocated, bytes_per_page says {said} "
                        "(the pool is sized from free memory by it)")
-    compiled = getattr(runner, "compiled_elementwise", None)
-    if compiled is not None and compiled != served.compile_elementwise:
+    # what build_runner did (a tensor-parallel engine's runner records none: its ranks build theirs): True or False
+    # exactly, so that a record of anything else (None where the compile succeeded) is not taken for agreement
+    compiled = getattr(runner, "compiled_elementwise", _UNRECORDED)
+    if compiled is not _UNRECORDED and compiled not in (True, False):
+        out.append(f"served: compile_elementwise={served.compile_elementwise} is configured, the runner's record of "
+                   f"what its build did is {compiled!r}, not True or False")
+    elif compiled is not _UNRECORDED and compiled != served.compile_elementwise:
         out.append(f"served: compile_elementwise={served.compile_elementwise} is configured, the pieces run "
                    f"{'compiled' if compiled else 'eagerly'} (a failed torch.compile warns at construction)")
     return out
+
+
+_UNRECORDED = object()
 
 
 def census_problems(engine) -> list[str]:
@@ -138,4 +146,24 @@ def poison_problems(engine) -> list[str]:
     return []
 
 
-__all__ = ["census_problems", "dispatch_problems", "poison_problems", "served_problems"]
+def autograd_problems(engine) -> list[str]:
+    """The runner's device state (its KV cache, the captured steps' static logits) carries no autograd history: every
+    forward runs in inference mode. One run outside it (a step launched ahead without ModelRunner.launch_ahead's
+    inference mode: session 19's H200 campaign) records its graph into the cache it writes, and every later step's
+    graph chains onto it: the same tokens, but memory that grows with each step (on a CPU the graphs gate's overlap
+    run took 24 GB where it takes 3, until the machine killed it; on CUDA a replay records nothing)."""
+    runner = engine.runner
+    state = [(f"layer {i}'s {name} cache", t) for i, kv in enumerate(getattr(runner, "kv_caches", None) or [])
+             for name, t in zip(("key", "value"), kv)]
+    logits = getattr(runner, "graph_logits", None)
+    if logits is not None:
+        state.append(("the captured steps' static logits", logits))
+    for what, t in state:
+        if t.requires_grad or t.grad_fn is not None:
+            fn = type(t.grad_fn).__name__ if t.grad_fn is not None else "a leaf that requires grad"
+            return [f"autograd: {what} records autograd history ({fn}): a forward ran outside inference mode, and each "
+                    f"later step's graph chains onto the tensors it wrote (memory grows with every step)"]
+    return []
+
+
+__all__ = ["autograd_problems", "census_problems", "dispatch_problems", "poison_problems", "served_problems"]

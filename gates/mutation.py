@@ -458,6 +458,9 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     try:
         cfg_path.write_text(session_config(module, timeout, command, [url for _, url in pool]))
         cr("exec", str(cfg_path), str(db), cwd=tree, env=env, timeout=max(1.0, deadline - time.time()))
+        if resume and retest:       # the survivors judged again first; then, in the time left, the never-run ones
+            restore_deferred(db)
+            cr("exec", str(cfg_path), str(db), cwd=tree, env=env, timeout=max(1.0, deadline - time.time()))
     except subprocess.TimeoutExpired:
         pass                    # the mutants not run stay pending and are reported as not run
     finally:

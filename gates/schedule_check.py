@@ -24,7 +24,7 @@ from engine.request import State
 from engine.schedule_log import ScheduleLog
 from engine.scheduler import StepKind
 
-from .dispatch import census_problems, dispatch_problems, poison_problems, served_problems
+from .dispatch import autograd_problems, census_problems, dispatch_problems, poison_problems, served_problems
 from .failure import GateFailure
 
 # Invariant names: every failure message starts with one of these, followed by " violated: " (gates/test_admission.py
@@ -222,12 +222,35 @@ def record_problems(results) -> list[str]:
 
 
 def topk_problems(engine) -> list[str]:
-    """Record mode: one top-k entry per emitted token of every request (the 0.02 rule reads them at a flip)."""
+    """Record mode: one top-k entry per emitted token of every request (the 0.02 rule reads them at a flip), and
+    each entry that token's top-k: k token ids (ints) with their logits, descending, the emitted (greedy) token
+    among them at the top logit. The rule reads the entries only where two runs' tokens differ, which the gates'
+    runs rarely do: ids and logits read back swapped (engine/readback.py's order) passed every gate on the H200."""
     if not engine.config.record_topk:
         return []
     out = [f"{RECORD} violated: {rid} emitted {len(r.output)} tokens, {len(engine.topk.get(rid, []))} top-k entries "
            f"were recorded" for rid, r in engine.requests.items() if len(engine.topk.get(rid, [])) != len(r.output)]
+    k = engine.config.record_topk
+    for rid, r in engine.requests.items():
+        for pos, (token, (ids, vals)) in enumerate(zip(r.output, engine.topk.get(rid, []))):
+            why = _topk_entry_problem(token, ids, vals, k)
+            if why:
+                out.append(f"{RECORD} violated: {rid}'s top-k entry at emitted position {pos} (token {token}): {why}")
+                break
     return out[:SHOWN]
+
+
+def _topk_entry_problem(token: int, ids, vals, k: int) -> str | None:
+    if len(ids) != k or len(vals) != k:
+        return f"{len(ids)} ids and {len(vals)} logits, not {k} of each"
+    if not all(type(i) is int for i in ids) or not all(isinstance(v, float) for v in vals):
+        return f"ids {ids[:4]} must be token ids (ints), logits {vals[:4]} floats: read back in another order?"
+    if any(a < b for a, b in zip(vals, vals[1:])):
+        return f"logits {vals[:4]}... are not descending"
+    # greedy: the emitted token's logit is the top one (where more than k tie at the top, it may be left out)
+    if token in ids and vals[ids.index(token)] != vals[0] or token not in ids and vals[-1] != vals[0]:
+        return f"the emitted token is not at the top logit {vals[0]} of ids {ids[:4]}"
+    return None
 
 
 def engine_problems(engine) -> list[str]:
@@ -246,7 +269,8 @@ def engine_problems(engine) -> list[str]:
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine) +
-            served_problems(engine) + census_problems(engine) + poison_problems(engine))
+            served_problems(engine) + census_problems(engine) + poison_problems(engine) +
+            autograd_problems(engine))
 
 
 def check_engine(engine, label: str) -> None:

@@ -12,7 +12,8 @@
 #   MODULES: the modules of this call (default: every module of the two suites); MINUTES (8): the campaign's cap;
 #   WORKERS (12): mutants at a time (a suite with worker_gib in gates/mutation.toml is capped at what the GPU's
 #   memory holds: the runner suite at 8); THREADS: torch threads a worker (default: the cores shared); RETEST=1: run
-#   the survivors again (after a gap was closed) and the runs that ran out of device memory (no verdict)
+#   the survivors again (after a gap was closed) and the runs that ran out of device memory (no verdict), then, in
+#   the time left, the mutants never run
 #   CPU_MODULES: CPU suites' modules (the bookkeeping) run beside the GPU campaign on the host's spare cores, with
 #   the GPU hidden (so the gates serve the CPU, as CI does), CPU_WORKERS (4) mutants at a time, one thread each
 set -eu

@@ -315,8 +315,15 @@ def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions
     assert all(m["outcome"] in ("killed", "left out") for m in after if m["line"] <= 2), after   # g's: run
     assert mutation.session_source(work, "toy.py", mutation.module_sha("toy.py")) == (repo / "toy.py").read_text()
 
-    mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True, retest=True)
+    import sqlite3
+    with sqlite3.connect(work / "toy.sqlite") as c:      # a mutant never run (a campaign cut at its cap)
+        c.execute("DELETE FROM work_results WHERE job_id = (SELECT job_id FROM work_results WHERE test_outcome = "
+                  "'KILLED' LIMIT 1)")
+    assert mutation.pending(work / "toy.sqlite") == 1
+    meta = mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True, retest=True)
     assert not [m for m in mutation.read_session(work / "toy.sqlite", "toy.py", []) if m["outcome"] == "survived"]
+    # the survivors first, then the never-run one in the time left: one call leaves nothing pending
+    assert meta["finished"] and mutation.pending(work / "toy.sqlite") == 0
 
 
 def test_workers_are_capped_by_what_the_device_holds_of_the_suite():

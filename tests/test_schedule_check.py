@@ -277,3 +277,24 @@ def test_real_engine_arrival_indices_counted_from_minus_one_fail_the_check(loade
     eng = engine_run(loaded)
     with pytest.raises(ScheduleViolation, match=r"arrival indices, in submit order, are \[-1, 0, 1"):
         check_engine(eng, "fused[torch] tiny pool")
+
+
+def test_topk_entries_are_each_emitted_tokens_top_k():
+    """Record mode: each top-k entry holds token ids (ints) and their logits, descending, the emitted token at the top
+    logit; ids and logits read back swapped (engine/readback.py's order, session 19's H200 campaign) are caught."""
+    from gates.schedule_check import topk_problems
+    good = [([5, 2, 9], [3.5, 1.0, -2.0]), ([7, 4, 1], [2.0, 2.0, 0.5])]
+
+    def run(entries, output=(5, 4)):
+        return SimpleNamespace(config=SimpleNamespace(record_topk=3), topk={"a": entries},
+                               requests={"a": SimpleNamespace(output=list(output))})
+    assert topk_problems(run(good)) == []           # a tie at the top: either tied token is the greedy one
+    swapped = [(vals, ids) for ids, vals in good]
+    assert topk_problems(run(swapped)) == [
+        "request record violated: a's top-k entry at emitted position 0 (token 5): ids [3.5, 1.0, -2.0] must be "
+        "token ids (ints), logits [5, 2, 9] floats: read back in another order?"]
+    assert "not descending" in topk_problems(run([([5, 2, 9], [3.5, -2.0, 1.0]), good[1]]))[0]
+    assert "not at the top logit 3.5" in topk_problems(run(good, output=(2, 4)))[0]
+    assert "2 ids and 2 logits, not 3" in topk_problems(run([([5, 2], [3.5, 1.0]), good[1]]))[0]
+    assert topk_problems(run(good[:1])) == [
+        "request record violated: a emitted 2 tokens, 1 top-k entries were recorded"]

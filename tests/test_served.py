@@ -91,6 +91,11 @@ def test_served_problems_name_each_difference_between_the_runner_and_what_is_ser
         "served: decode_kernel='packed' is configured, the flex backend was built with 'rows'",
         "served: compile_elementwise=False is configured, the pieces run compiled (a failed torch.compile warns at "
         "construction)"]
+    e.runner.backend.decode_kernel = "packed"
+    e.runner.compiled_elementwise = None            # a compile that worked recorded as None (its `why`)
+    assert served_problems(e) == [
+        "served: compile_elementwise=False is configured, the runner's record of what its build did is None, not True "
+        "or False"]
 
 
 def test_served_problems_name_captured_steps_and_step_graphs_against_the_configuration(loaded):
@@ -135,6 +140,21 @@ def test_poison_problems_name_a_free_page_that_holds_finite_values(loaded):
         "poison mode, or a kernel that reads one goes unseen"]
     assert poison_problems(small_engine(loaded, backend="torch", poison=False)) == []
 
+
+
+def test_autograd_problems_name_a_cache_with_autograd_history(loaded):
+    """A step whose forward ran outside inference mode (a step launched ahead, uncaptured) leaves autograd history in
+    the KV cache it wrote: memory that grows with each step (session 19's H200 campaign; on a CPU, out of memory)."""
+    import torch
+    from gates.dispatch import autograd_problems
+    e = small_engine(loaded, backend="torch", forward="fused", cuda_graphs=True, overlap=True)
+    assert e.steps_ahead > 0 and autograd_problems(e) == []
+    k, v = e.runner.kv_caches[1]
+    w = torch.ones(1, requires_grad=True)
+    v[1, 0] = (w * 2.0).expand_as(v[1, 0])          # a write recorded by autograd (the planted step's)
+    assert autograd_problems(e) == [
+        "autograd: layer 1's value cache records autograd history (CopySlices): a forward ran outside inference "
+        "mode, and each later step's graph chains onto the tensors it wrote (memory grows with every step)"]
 
 def test_served_problems_hold_bytes_per_page_against_the_cache_as_allocated(loaded, monkeypatch):
     from engine.runner import ModelRunner

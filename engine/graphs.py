@@ -29,6 +29,7 @@ see graphed steps exactly like eager ones. Loaded and chunk-only steps: engine/s
 """
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -175,17 +176,27 @@ class CapturedSteps:
         before = torch.cuda.memory_reserved(r.device)
         # capture_begin/capture_end on a side stream is what `torch.cuda.graph` does, less its gc.collect() and
         # empty_cache() per graph: a full collection of a process that holds torch, dynamo and hypothesis takes
-        # about 0.2 s, and an engine captures tens of graphs (the memory was settled once, above)
+        # about 0.2 s, and an engine captures tens of graphs (the memory was settled once, above). One collection
+        # here, and none during the captures: a collection inside one frees whatever garbage holds (an earlier
+        # engine's graphs, its events), calls that a global-mode capture forbids, and the capture is invalidated
+        # ("operation failed due to a previous error during capture": the flash gate suite, session 20)
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         stream.wait_stream(torch.cuda.current_stream(r.device))
-        with torch.cuda.stream(stream):
-            for key in tqdm(self.keys, desc=desc, unit="graph", disable=not progress, leave=False):
-                g = torch.cuda.CUDAGraph()
-                g.capture_begin(pool=r.graph_pool)
-                try:
-                    self.forward(key)
-                finally:
-                    g.capture_end()
-                self.graphs[key] = g
+        try:
+            with torch.cuda.stream(stream):
+                for key in tqdm(self.keys, desc=desc, unit="graph", disable=not progress, leave=False):
+                    g = torch.cuda.CUDAGraph()
+                    g.capture_begin(pool=r.graph_pool)
+                    try:
+                        self.forward(key)
+                    finally:
+                        g.capture_end()
+                    self.graphs[key] = g
+        finally:
+            if collecting:
+                gc.enable()
         torch.cuda.current_stream(r.device).wait_stream(stream)
         torch.cuda.synchronize(r.device)
         self.capture_s = time.perf_counter() - t0

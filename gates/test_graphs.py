@@ -105,3 +105,62 @@ def test_overlap_vs_serial(runs, opts, engine, backend, workload):
                              cuda_graphs=True)
     assert_gate(compare(f"{engine}[{backend}] overlap vs serial on {wl}", serial, over, scorer.score,
                         opts.threshold, opts.flip_cap, check_steps=True))
+
+
+@pytest.mark.gpu
+def test_a_collection_during_capture_frees_nothing(runs, opts, monkeypatch):
+    """An engine captures its steps whatever garbage the process holds. A collection inside a capture frees what the
+    garbage holds: another engine's captured graphs (cudaGraphExecDestroy), calls a global-mode capture forbids, and
+    the capture fails ("operation failed due to a previous error during capture"). The flash gate suite met it in
+    the order it runs (session 20). Here every capture begins beside fresh garbage that holds a captured graph, with a
+    young-generation collection due at every allocation: the captures must run no collection (the garbage is freed
+    after them), and the engine must build and serve."""
+    import gc
+    import torch
+    from engine.request import State
+    engine, backend = "flash", "flash"
+    skip_unless_graphs(opts, engine, backend)
+    freed_capturing = []
+
+    class Garbage:
+        def __init__(self, graph):
+            self.me, self.graph = self, graph       # a cycle: only a collection frees it
+
+        def __del__(self):
+            freed_capturing.append(torch.cuda.is_current_stream_capturing())
+
+    def a_captured_graph():
+        x = torch.zeros(8, device=opts.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x.add_(1)
+        return g
+
+    spare = [a_captured_graph() for _ in range(96)]
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin(self, *args, **kwargs):
+        collecting = gc.isenabled()
+        gc.disable()                # the garbage made now must outlive the capture's start
+        if spare:
+            Garbage(spare.pop())
+        begin(self, *args, **kwargs)
+        if collecting:
+            gc.enable()
+
+    threshold = gc.get_threshold()
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin)
+    gc.set_threshold(1, 10**6, 10**6)
+    try:
+        eng = runs.engine_reference(engine, backend, "smoke-cpu", cuda_graphs=True, overlap=False).engine()
+    finally:
+        gc.set_threshold(*threshold)
+        monkeypatch.undo()
+    gc.collect()
+    first = eng.submit(list(range(7, 40)), 4)
+    eng.run()
+    assert eng.requests[first].state is State.FINISHED
+    assert eng.runner.graphs is not None and eng.runner.graphs.graphs, "the engine captured nothing: no check made"
+    assert freed_capturing and not any(freed_capturing), (
+        f"{sum(freed_capturing)} of {len(freed_capturing)} garbage cycles were collected inside a capture: a "
+        "collection there frees what garbage holds (captured graphs, events), which invalidates the capture")

@@ -3,6 +3,7 @@ of gates (gates/mutation.toml) once per mutant; this module drives it and writes
 survived, timed out, equivalent, time; every survivor with its diff), Markdown for a CI summary and JSON for history.
 
     python -m gates.mutation run --module engine/pool.py [--module ...] [--max-minutes 60]
+    python -m gates.mutation run --module engine/runner.py --also    # its survivors against its second suite
     python -m gates.mutation report [--markdown mutation.md] [--out mutation.json]
 
 Mutants in the committed allow-list (gates/mutation_equivalent.toml: the original line, the mutated line, why they
@@ -46,6 +47,7 @@ SELECTIVE = {
 LEFT_OUT = "not in the selective operator set"
 UNREACHED = "not reached: the suite's unmutated run never ran this statement (line"
 DEFERRED = "deferred: not run while survivors were run again"
+NOT_SURVIVOR = "not a survivor of the module's own suite"
 
 
 def selected(operator: str) -> bool:
@@ -385,19 +387,35 @@ def device_gib(suite: dict) -> float | None:
 
 
 def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool = False,
-               retest: bool = False, workers: int = 1, threads: int | None = None) -> dict:
+               retest: bool = False, workers: int = 1, threads: int | None = None, also: bool = False) -> dict:
     """One module's campaign: copy, cosmic-ray init, filter, a baseline run of the suite, cosmic-ray exec until done
     or the deadline (`resume`: an earlier session's pending mutants, its time added). `workers` > 1: that many
     mutants at a time, through cosmic-ray's http distributor (each worker in its own copy of the tree; on one GPU
-    they share it). Returns the run's metadata (also written beside the session)."""
-    suite = cfg["suites"][cfg["modules"][module]]
+    they share it). Returns the run's metadata (also written beside the session).
+    `also`: the survivors of the module's session (its own suite's) against its second suite (gates/mutation.toml
+    [also]: the CPU gate run, for a CUDA suite's module), in a session of their own beside it; the report counts
+    a mutant that suite kills as killed, and says by which suite."""
+    suite_name = cfg["also"][module] if also else cfg["modules"][module]
+    suite = cfg["suites"][suite_name]
+    stem = slug(module) + (".also" if also else "")
+    if also:
+        main_db = work / f"{slug(module)}.sqlite"
+        main_meta = json.loads((work / f"{slug(module)}.meta.json").read_text()) if main_db.is_file() else None
+        if main_meta is None or main_meta.get("module_sha") != module_sha(module):
+            raise RuntimeError(f"{module}: --also runs the survivors of its own suite's session on this text of the "
+                               f"module: none under {work}" if main_meta is None else
+                               f"{module} changed since its session was made: run its own suite first (--resume)")
+        survivors = {(m["operator"], m["occurrence"]) for m in
+                     read_session(main_db, module, load_equivalent(REPO / cfg["equivalent"]))
+                     if m["outcome"] == "survived"}
+        resume = retest = False         # a fresh session each time: the survivors as they are now
     timeout = float(suite["timeout"])
     if workers > 1 and worker_cap(suite, workers, device_gib(suite)) < workers:
         print(f"{module}: {worker_cap(suite, workers, device_gib(suite))} workers, not {workers}: the device holds no "
               f"more runs of {suite['worker_gib']} GiB", file=sys.stderr)
         workers = worker_cap(suite, workers, device_gib(suite))
-    meta_path = work / f"{slug(module)}.meta.json"
-    tree, db, cfg_path = work / f"{slug(module)}.tree", work / f"{slug(module)}.sqlite", work / f"{slug(module)}.toml"
+    meta_path = work / f"{stem}.meta.json"
+    tree, db, cfg_path = work / f"{stem}.tree", work / f"{stem}.sqlite", work / f"{stem}.toml"
     sha = module_sha(module)
     old_meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     before_edit = None          # (the session before the edit, the module's text then)
@@ -424,6 +442,8 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
         if r.returncode:
             raise RuntimeError(f"cosmic-ray init failed for {module}:\n{r.stderr}")
         filter_session(db, tree, module, entries, cfg.get("operators") == "all")
+        if also:
+            keep_only(db, survivors)
         (work / f"{slug(module)}.source.py").write_text((tree / module).read_text())
         if before_edit:
             carried = carry_over(before_edit[0], before_edit[1], db, (tree / module).read_text())
@@ -432,12 +452,12 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     if resume and retest and db.is_file():
         retest_survivors(db)
         filter_session(db, tree, module, entries, all_operators=True)    # survivors since allow-listed: not rerun
-    reach = bool(suite.get("reach"))
+    reach = bool(suite.get("reach")) and not also
     if command not in BASELINES:        # modules of one suite share its unmutated run within a campaign; a reach
         # suite's run measures them all at once (the run's tree goes with its module: what it reached is kept here)
         t0 = time.time()
         argv, data = shlex.split(command), work / f"{cfg['modules'][module]}.coverage"
-        suite_modules = [m for m, name in cfg["modules"].items() if name == cfg["modules"][module]]
+        suite_modules = [m for m, name in cfg["modules"].items() if name == suite_name]
         # sys.monitoring (3.12+): line events at a fraction of the tracer's cost
         cov_env = {**env, "COVERAGE_CORE": "sysmon"} if reach and sys.version_info >= (3, 12) else env
         base = subprocess.run(under_coverage(argv, data, tree, suite_modules) if reach else argv, cwd=tree,
@@ -467,7 +487,7 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
         stop_workers(pool, tree)
     restore_deferred(db)
     finished = pending(db) == 0
-    meta = dict(module=module, suite=cfg["modules"][module], command=suite["command"], timeout_s=timeout,
+    meta = dict(module=module, suite=suite_name, command=suite["command"], timeout_s=timeout,
                 workers=workers,
                 device=suite["device"], baseline_s=round(baseline_s, 1),
                 seconds=round(earlier + time.time() - started, 1),
@@ -476,6 +496,38 @@ def run_module(module: str, cfg: dict, work: Path, deadline: float, resume: bool
     meta_path.write_text(json.dumps(meta, indent=1))
     shutil.rmtree(tree, ignore_errors=True)
     return meta
+
+
+def keep_only(db_path: Path, keys: set[tuple[str, int]]) -> None:
+    """Mark skipped every pending mutant but those of `keys` ((operator, occurrence): cosmic-ray's names for one
+    module's mutants, the same in every session made on the same text)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+    with use_db(str(db_path), WorkDB.Mode.open) as db:
+        for item in db.pending_work_items:
+            m = item.mutations[0]
+            if (m.operator_name, m.occurrence) not in keys:
+                db.set_result(item.job_id, WorkResult(output=NOT_SURVIVOR, worker_outcome=WorkerOutcome.SKIPPED))
+
+
+def killed_elsewhere(work: Path, module: str, mutants: list[dict]) -> list[dict]:
+    """The module's mutants with its own suite's survivors that its second suite's session (--also) killed marked
+    killed, and a note naming that suite and the test that failed."""
+    db, meta_path = work / f"{slug(module)}.also.sqlite", work / f"{slug(module)}.also.meta.json"
+    if not db.is_file():
+        return mutants
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    killed = {(m["operator"], m["occurrence"]): m for m in read_session(db, module, [])
+              if m["outcome"] in ("killed", "timeout")}
+    out = []
+    for m in mutants:
+        k = killed.get((m["operator"], m["occurrence"]))
+        if m["outcome"] == "survived" and k:
+            m = dict(m, outcome="killed", elsewhere=meta.get("suite", "also"),
+                     note=f"killed by the {meta.get('suite', 'second')} suite ({meta.get('device', '?')}, "
+                          f"{meta.get('machine', '?')}, {meta.get('commit', '?')}): {k.get('test') or k['outcome']}")
+        out.append(m)
+    return out
 
 
 def edited_since(meta_path: Path, sha: str) -> bool:
@@ -539,7 +591,8 @@ def summarize(module: str, mutants: list[dict], meta: dict) -> dict:
     return dict(module=module, counts=counts, score=score, meta=meta,
                 survivors=[m for m in mutants if m["outcome"] == "survived"],
                 equivalent=[m for m in mutants if m["outcome"] == "equivalent"],
-                incompetent=[m for m in mutants if m["outcome"] == "incompetent"])
+                incompetent=[m for m in mutants if m["outcome"] == "incompetent"],
+                elsewhere=[m for m in mutants if m.get("elsewhere")])
 
 
 def read_session(db_path: Path, module: str, entries: list[dict]) -> list[dict]:
@@ -562,8 +615,10 @@ def read_session(db_path: Path, module: str, entries: list[dict]) -> list[dict]:
             note = result.output if verdict == "survived" and (result.output or "").startswith(UNREACHED) else ""
             if verdict == "incompetent" and environmental(result.output):
                 note = f"no verdict: the suite ran out of device memory ({environmental(result.output)})"
+            failed = re.search(r"^(?:FAILED|ERROR) (\S+)", result.output or "", re.M)
             out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
-                            outcome=verdict, diff=result.diff or "", why=why, note=note))
+                            outcome=verdict, diff=result.diff or "", why=why, note=note,
+                            test=failed[1] if failed and verdict == "killed" else None))
         for item in db.pending_work_items:
             m = item.mutations[0]
             out.append(dict(operator=m.operator_name, occurrence=m.occurrence, line=m.start_pos[0],
@@ -583,6 +638,8 @@ def markdown(reports: list[dict]) -> str:
                      f"{meta.get('machine', '?')} | {meta.get('commit', '?')} |")
     lines += ["", "Score: (killed + timeout) / (killed + survived + timeout); equivalent mutants are left out, and so "
               "are incompetent ones (no verdict: the worker failed, or the suite ran out of device memory). "
+              "A survivor of a module's own suite that its second suite kills (gates/mutation.toml [also]: the CPU "
+              "gate run of a CUDA suite's module, run with --also) counts as killed, and is named below. "
               "Commands: gates/mutation.toml's suites (the gates' fast subsets)."]
     for r in reports:
         if r["meta"].get("command"):
@@ -592,6 +649,9 @@ def markdown(reports: list[dict]) -> str:
                       "session before an edit of the module, from its unchanged functions" if carried else "") + ")"]
         for m in r["equivalent"]:
             lines += [f"- equivalent: `{r['module']}` line {m['line']}, {m['operator']}: {m['why']}"]
+        for m in r.get("elsewhere", []):
+            lines += [f"- killed by a second suite: `{r['module']}` line {m['line']}, {m['operator']} "
+                      f"#{m['occurrence']}: {m['note']}"]
         for m in r.get("incompetent", []):
             lines += [f"- incompetent (run again: --resume --retest): `{r['module']}` line {m['line']}, {m['operator']}"
                       f" #{m['occurrence']}: {m.get('note') or 'the worker failed'}"]
@@ -606,12 +666,14 @@ def markdown(reports: list[dict]) -> str:
 def report(work: Path, entries: list[dict], modules: list[str] | None = None) -> list[dict]:
     out = []
     for db in sorted(work.glob("*.sqlite")):
+        if db.stem.endswith(".also") or db.stem.endswith(".before-edit"):
+            continue                    # a second suite's session: merged into its module's below
         meta_path = work / f"{db.stem}.meta.json"
         meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
         module = meta.get("module", db.stem.replace(".", "/") + ".py")
         if modules and module not in modules:
             continue
-        out.append(summarize(module, read_session(db, module, entries), meta))
+        out.append(summarize(module, killed_elsewhere(work, module, read_session(db, module, entries)), meta))
     return out
 
 
@@ -627,6 +689,8 @@ def main(argv=None) -> int:
     run.add_argument("--retest", action="store_true", help="with --resume: run the survivors again (a gap closed)")
     run.add_argument("--workers", type=int, default=1, help="mutants run at a time (cosmic-ray's http distributor, "
                      "a copy of the tree each)")
+    run.add_argument("--also", action="store_true", help="the modules' survivors against their second suite "
+                     "(gates/mutation.toml [also]); a kill there counts, named in the report")
     run.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: the cores "
                      "shared among the workers; set it where another campaign runs beside this one)")
     rep = sub.add_parser("report", help="write the report from the sessions under --work")
@@ -649,7 +713,11 @@ def main(argv=None) -> int:
             if time.time() >= deadline:
                 print(f"{m}: not run (the {args.max_minutes} min cap was reached)", file=sys.stderr)
                 continue
-            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest, args.workers, args.threads)
+            if args.also and m not in cfg.get("also", {}):
+                print(f"{m}: no second suite in gates/mutation.toml [also]", file=sys.stderr)
+                continue
+            meta = run_module(m, cfg, args.work, deadline, args.resume, args.retest, args.workers, args.threads,
+                              also=args.also)
             print(f"{m}: {meta['seconds']:.0f} s{'' if meta['finished'] else ' (cap reached)'}", file=sys.stderr)
     reports = report(args.work, load_equivalent(REPO / cfg["equivalent"]), modules)
     text = markdown(reports)

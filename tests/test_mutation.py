@@ -23,6 +23,9 @@ def test_the_configured_modules_and_suites_exist():
         paths = [w.split("::")[0] for w in shlex.split(suite["command"]) if w.startswith("gates/")]
         assert paths and all((REPO / p).is_file() for p in paths), f"suite {name}: {suite['command']}"
         assert suite["timeout"] > 0 and suite["device"] in ("cpu", "cuda")
+    for module, name in cfg.get("also", {}).items():     # a second suite: another device's gate run of the module
+        assert module in cfg["modules"] and name in cfg["suites"], (module, name)
+        assert cfg["suites"][name]["device"] != cfg["suites"][cfg["modules"][module]]["device"], (module, name)
 
 
 def test_the_committed_allow_list_reads_and_gives_each_mutant_a_reason():
@@ -184,6 +187,43 @@ def toy_repo(tmp_path: Path) -> Path:
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "toy"]):
         subprocess.run(cmd, cwd=repo, check=True)
     return repo
+
+
+def test_a_survivor_its_second_suite_kills_counts_as_killed_and_is_named(tmp_path, monkeypatch):
+    """--also runs a module's survivors (its own suite's session) against its second suite, in a session of their
+    own: a mutant that suite kills is reported killed, with the suite and the failing test named; one it does not
+    kill stays a survivor; the other mutants are not run again; an edit of the module since refuses the run."""
+    pytest.importorskip("cosmic_ray")
+    repo = toy_repo(tmp_path)
+    monkeypatch.setattr(mutation, "REPO", repo)
+    (repo / "test_toy.py").write_text("import toy\n\ndef test_equal():\n    assert toy.f(2, 2) == 0\n")
+    cfg = {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"}, "also": {"toy.py": "cpu2"},
+           "suites": {"toy": {"device": "cuda", "timeout": 60,
+                              "command": "python -c 'import toy; assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3'"},
+                      "cpu2": {"device": "cpu", "timeout": 60, "command": "python -m pytest -x -q test_toy.py"}}}
+    work = tmp_path / "work"
+    work.mkdir()
+    mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300)
+    own = mutation.read_session(work / "toy.sqlite", "toy.py", [])
+    assert [m["line"] for m in own if m["outcome"] == "survived"] == [2]      # a < b -> a <= b
+    meta = mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, also=True)
+    assert meta["suite"] == "cpu2" and meta["finished"]
+    also = mutation.read_session(work / "toy.also.sqlite", "toy.py", [])
+    assert [m["outcome"] for m in also if m["outcome"] not in ("left out",)] == ["killed"]   # the survivor alone ran
+    [r] = mutation.report(work, [])
+    assert r["counts"]["survived"] == 0 and r["score"] == 1.0, r["counts"]
+    assert len(r["elsewhere"]) == 1 and "cpu2 suite" in r["elsewhere"][0]["note"]
+    assert "test_toy.py::test_equal" in r["elsewhere"][0]["note"]
+    assert "killed by a second suite: `toy.py` line 2" in mutation.markdown([r])
+
+    (repo / "test_toy.py").write_text("import toy\n\ndef test_nothing():\n    assert toy.f(1, 2) == 3\n")
+    mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, also=True)
+    [r] = mutation.report(work, [])
+    assert r["counts"]["survived"] == 1 and not r["elsewhere"]                # not killed there: still a survivor
+
+    (repo / "toy.py").write_text((repo / "toy.py").read_text() + "\n\ndef g():\n    return 1\n")
+    with pytest.raises(RuntimeError, match="changed since"):
+        mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, also=True)
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -14,6 +14,9 @@
 #   memory holds: the runner suite at 8); THREADS: torch threads a worker (default: the cores shared); RETEST=1: run
 #   the survivors again (after a gap was closed) and the runs that ran out of device memory (no verdict), then, in
 #   the time left, the mutants never run
+#   ALSO=1: after the GPU campaign, its modules' survivors against their second suite (gates/mutation.toml [also]:
+#   the CPU gate run, GPU hidden; `run --also`), CPU_WORKERS at a time, ALSO_MINUTES (3) at most; a kill there
+#   counts in the report, named
 #   CPU_MODULES: CPU suites' modules (the bookkeeping) run beside the GPU campaign on the host's spare cores, with
 #   the GPU hidden (so the gates serve the CPU, as CI does), CPU_WORKERS (4) mutants at a time, one thread each
 set -eu
@@ -67,6 +70,11 @@ python -m gates.mutation run "${args[@]}" "${resume[@]}" --workers "${WORKERS:-1
   --max-minutes "${MINUTES:-8}" --work .device/mutation --markdown "$OUT/mutation-report.md" \
   --out "$OUT/mutation-report.json" > "$OUT/campaign.log" 2>&1 || echo "campaign rc=$?" >> "$OUT/campaign.log"
 [ -z "$cpu_pid" ] || wait "$cpu_pid" || echo "cpu campaign rc=$?" >> "$OUT/campaign-cpu.log"
+if [ "${ALSO:-0}" = 1 ]; then
+  CUDA_VISIBLE_DEVICES= python -m gates.mutation run "${args[@]}" --also --workers "${CPU_WORKERS:-4}" --threads 1 \
+    --max-minutes "${ALSO_MINUTES:-3}" --work .device/mutation --markdown "$OUT/mutation-report.md" \
+    --out "$OUT/mutation-report.json" > "$OUT/campaign-also.log" 2>&1 || echo "also rc=$?" >> "$OUT/campaign-also.log"
+fi
 tar czf "$OUT/mutation.tgz" -C .device/mutation --exclude '*.tree' --exclude '*.tree.*' .
 tail -5 "$OUT/campaign.log"
 [ -z "$cpu_pid" ] || tail -5 "$OUT/campaign-cpu.log"

@@ -20,6 +20,10 @@ def teacher_forced(gate: str, engine, golden: dict[str, GenRecord], threshold: f
             continue
         # position len(prompt) - 1 + i predicts emitted token i
         logits = engine.score(list(g.prompt) + list(g.tokens[:-1]))[len(g.prompt) - 1:].float()
+        left = pages_left(engine)
+        if left:
+            v.failure = Failure(rid, 0, left)
+            continue
         if logits.shape[0] != len(g.tokens):
             v.failure = Failure(rid, 0, f"score() gave {logits.shape[0]} rows of logits for the {len(g.tokens)} "
                                         f"emitted positions")
@@ -30,3 +34,13 @@ def teacher_forced(gate: str, engine, golden: dict[str, GenRecord], threshold: f
             if a != b and not accept(v, g, cand, i, a, b, gap_in(g, i, a, b), threshold, teacher_forced=False):
                 break
     return GateReport(gate, verdicts, threshold, flip_cap)
+
+
+def pages_left(engine) -> str | None:
+    """Between steps, score() returns its pages at once: none wait for a step's end, the pool is whole again (every
+    request of the gate's run is done). What is wrong, or None."""
+    pool = engine.pool
+    if pool.pending or pool.num_free != pool.capacity:
+        return (f"after score() between steps {sum(len(p) for _, p in pool.pending)} page(s) wait for a step's end and "
+                f"{pool.num_free} of {pool.capacity} are free: score() must hand its pages back at once")
+    return None

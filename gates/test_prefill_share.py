@@ -80,16 +80,22 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
     def cancel_during_the_forward(point: str) -> None:
         """A cancel from another thread lands while a step's forward runs (the engine's step hook, right after the
         launch): the request is a decode row of that very step, so the step must not emit its token (nor, in record
-        mode, its top-k)."""
+        mode, its top-k). Twice: a row in its first decode step (one token, from its prompt: the dropped row is its
+        only decode row, which the failure reports' provenance must still name), and a row further on."""
         plan = e.scheduler.plan
-        if point != "launched" or plan is None or plan.index not in FORWARD_CANCELS or forward_cancelled_at:
+        if point != "launched" or plan is None or plan.index not in FORWARD_CANCELS or len(forward_cancelled_at) > 1:
             return
-        r = next((r for r in plan.decodes if r.request_id not in cancelled and len(r.output) >= 1), None)
-        if r is not None:
-            res = e.cancel(r.request_id)
-            assert res.cancelled and res.emitted == len(r.output), res
-            cancelled[r.request_id] = ("during the forward", len(r.output))
-            forward_cancelled_at.append(plan.index)
+        for where, pred in (("during its first decode step's forward", lambda n: n == 1),
+                            ("during the forward", lambda n: n >= 2)):
+            if where in {w for w, _ in cancelled.values()}:
+                continue
+            r = next((r for r in plan.decodes if r.request_id not in cancelled and pred(len(r.output))), None)
+            if r is not None:
+                res = e.cancel(r.request_id)
+                assert res.cancelled and res.emitted == len(r.output), res
+                cancelled[r.request_id] = (where, len(r.output))
+                forward_cancelled_at.append(plan.index)
+                return
 
     e = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
                         poison=True, chunk_tokens=wl.chunk_tokens, prefill_share=p).engine(
@@ -120,7 +126,8 @@ def test_cancellation_leaves_the_others_identical(runs, opts, p):
             cancelled[r.request_id] = (where, len(r.output))
             just_cancelled.append(r.request_id)
     wheres = {w for w, _ in cancelled.values()}
-    assert {"waiting", "mid-prefill", "mid-decode", "during the forward"} <= wheres, \
+    assert {"waiting", "mid-prefill", "mid-decode", "during the forward", "during its first decode step's forward"
+            } <= wheres, \
         f"the workload gave no chance to cancel: {cancelled}"
     assert e.pool.num_free == e.pool.capacity and not e.pool.owned, "pages leaked after cancellations"
     e.pool.check()

@@ -14,7 +14,7 @@ from . import served, summary, triage
 from .compare import compare
 from .runs import CANDIDATES, skip_unless_runs, workload_for
 from .reference import LazyReference
-from .teacher_forced import teacher_forced
+from .teacher_forced import pages_left, teacher_forced
 from .foresight_guard import guard_problems
 
 
@@ -109,6 +109,10 @@ def test_smoke_teacher_forced(runs, opts, engine, backend):
                             opts.threshold, opts.flip_cap)
     summary.record(report)
     assert report.ok, triage.failure_message(report)
+    fresh = runs.engine_reference(engine, backend, workload).engine()      # score() before any step
+    fresh.score(list(next(iter(golden.values())).prompt))
+    left = pages_left(fresh)
+    assert left is None, f"{engine}[{backend}], an engine that has served no step: {left}"
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])

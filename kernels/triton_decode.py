@@ -16,6 +16,11 @@ fixed by the batch's shape and the pool's size; items past the step's last one e
 The step's new key and value (new_kv, the append) are attended from registers by each row's last item, which also
 writes them to their cache slot; no program reads that slot, so no ordering between programs is needed.
 
+The combine stays a kernel of its own. Merging in attend_items' launch instead (each row's last item to arrive, by
+an atomic count, combining the row) was measured on the H200 in session 21 and was slower: the 32-row pure decode
+step 1.088x [1.061, 1.117] (gates.ab, 5 process pairs), its attention 0.70 ms against 0.51, as the longest row's
+last item then merges its group's six heads one after another at the end of the launch (docs/RESULTS.md, k16).
+
 Correctness is tested on CPU through Triton's interpreter, and the GPU path is compiled to sm_90 PTX there
 (tests/test_triton_decode.py); on the H200 the same tests and the flash token, graph and page-safety gates pass with
 it, and the 32-row pure decode step's attention took 0.63 ms of device time against split-KV's 0.87
@@ -29,6 +34,7 @@ import torch
 
 CHUNK = 256             # keys an item attends: one 256-slot page (flash's page size); a multiple of BLOCK_N
 BLOCK_N = 64            # keys a program loads at a time; divides the page size
+ITEM_BLOCK = 32         # items the combine loads at once (kernels/triton_decode_kernels.py's ITEM_BLOCK)
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a group are padded to it
 # attend_items' launch: Triton's defaults (4 warps, 3 stages) unless set. scripts/probes/triton_sweep.py measured 54
 # tilings on the H200 (docs/RESULTS.md, k14): these are within 6% of the fastest (21.3 against 20.0 us a layer), so
@@ -94,6 +100,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     o_part = torch.empty(n_items, heads, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(n_items, heads, device=q.device, dtype=torch.float32)
     new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)     # unread without the append
+    # the combine's static trip count, for the interpreter only: on the GPU it loops to each row's count, so no
+    # table width compiles a kernel of its own (one block of ITEM_BLOCK items a trip)
+    max_count = combine_bound(block_table.shape[1] * page_size, chunk) if not q.is_cuda else ITEM_BLOCK
     attend_items[(n_items, kv_heads)](
         q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, new_k, new_v, o_part, lse,
         scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
@@ -101,20 +110,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0),
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
-        BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda,
+        BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
         **(LAUNCH if launch is None else launch))
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
-                                 lse.stride(0), out.stride(0), out.stride(1), D=d,
-                                 MAX_COUNT=combine_bound(block_table.shape[1] * page_size, chunk))
+                                 lse.stride(0), out.stride(0), out.stride(1), D=d, MAX_COUNT=max_count,
+                                 STATIC_LOOP=not q.is_cuda)
     return out
 
 
 def combine_bound(width_slots: int, chunk: int) -> int:
-    """combine_items' static trip count: the table's width in items, rounded up to a power of two. Each captured
-    decode step has its own table width, and a compile-time constant per width compiles the kernel again for each
-    (after one GPU gate run with the unrounded width, Triton's cache held 66 MB); rounded, a model's widths share
-    a few compiles. Items past a row's count are skipped, so a larger bound costs only untaken iterations."""
+    """The combine's static trip count under Triton's interpreter (on the GPU it loops to each row's count): the
+    table's width in items, rounded up to a power of two. Each captured decode step has its own table width, and a
+    compile-time constant per width compiled the kernels again for each (after one GPU gate run with the unrounded
+    width, Triton's cache held 66 MB). Items past a row's count are skipped."""
     items = max(1, -(-width_slots // chunk))
     return 1 << (items - 1).bit_length()
 

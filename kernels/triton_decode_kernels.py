@@ -6,14 +6,13 @@ import triton.language as tl
 
 
 @triton.jit
-def key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g, kv_stride_page, kv_stride_slot,
-              kv_stride_head, scale, m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keys [b, min(b + BLOCK_N, end)) of `row` (one page: BLOCK_N divides the page size) into the online softmax of
-    the group's queries q [GROUP_PAD, D]: returns the new running max, sum and weighted values."""
+def key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page, kv_stride_slot, kv_stride_head, scale,
+              m_i, l_i, acc, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys [b, min(b + BLOCK_N, end)) of one row (all in `page`: BLOCK_N divides the page size) into the online
+    softmax of the group's queries q [GROUP_PAD, D]: returns the new running max, sum and weighted values."""
     d = tl.arange(0, D)
     pos = b + tl.arange(0, BLOCK_N)
     keep = pos < end
-    page = tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)    # a large pool passes 2**31 elements
     base = page * kv_stride_page + (pos % page_size) * kv_stride_slot + g * kv_stride_head
     k = tl.load(k_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
     s = tl.dot(q, tl.trans(k)) * scale                              # [GROUP_PAD, BLOCK_N] fp32
@@ -24,6 +23,12 @@ def key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g, kv_
     v = tl.load(v_ptr + base[:, None] + d[None, :], mask=keep[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def page_of(bt_ptr, row, bt_stride, b, page_size):
+    """The page holding key position b of `row` (int64: a large pool passes 2**31 elements)."""
+    return tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)
 
 
 # the row count and the table's width change with every captured width: specialised on (Triton compiles a variant
@@ -37,7 +42,7 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                  new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                  o_stride_item, o_stride_head, lse_stride_item,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr):
+                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr):
     item = tl.program_id(0)
     g = tl.program_id(1)                       # key/value head
     row = tl.load(item_row_ptr + item)
@@ -54,22 +59,27 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        # ONE_PAGE (the item divides the page size, so an item lies in one page): its page is looked up once, and
+        # every key block's address is known before the loop, with no table load in the chain of each block
+        page = page_of(bt_ptr, row, bt_stride, start, page_size)
         if STATIC_LOOP:
             # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: a static trip count
             # whose blocks past the item's keys are skipped
             for j in range(CHUNK // BLOCK_N):
                 b = start + j * BLOCK_N
                 if b < end:
-                    m_i, l_i, acc = key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g,
-                                              kv_stride_page, kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc,
-                                              D, BLOCK_N)
+                    if not ONE_PAGE:
+                        page = page_of(bt_ptr, row, bt_stride, b, page_size)
+                    m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
+                                              kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
         else:
             # on the GPU a loop over the item's key blocks, which the compiler pipelines (the next block's loads
             # under this block's math)
             for b in range(start, end, BLOCK_N):
-                m_i, l_i, acc = key_block(q, k_ptr, v_ptr, bt_ptr, row, bt_stride, b, end, page_size, g,
-                                          kv_stride_page, kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc,
-                                          D, BLOCK_N)
+                if not ONE_PAGE:
+                    page = page_of(bt_ptr, row, bt_stride, b, page_size)
+                m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
+                                          kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
         if APPEND:
             if tl.load(item_last_ptr + item) != 0:
                 # the step's own key and value: attended from registers, written to the row's next slot
@@ -82,7 +92,7 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                 acc = acc * alpha[:, None] + p1[:, None] * nv.to(tl.float32)[None, :]
                 l_i = l_i * alpha + p1
                 m_i = m_new
-                page = tl.load(bt_ptr + row * bt_stride + cached // page_size).to(tl.int64)
+                page = page_of(bt_ptr, row, bt_stride, cached, page_size)
                 slot = page * kv_stride_page + (cached % page_size) * kv_stride_slot + g * kv_stride_head
                 tl.store(k_ptr + slot + d, nk)
                 tl.store(v_ptr + slot + d, nv)
@@ -92,39 +102,61 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
         tl.store(lse_ptr + item * lse_stride_item + heads, m_i + tl.log(l_i), mask=hmask)
 
 
-# combine_items' items at a time: a row of up to 32 items (a table up to 8,192 slots at CHUNK 256) is one block; a
+# combine_head's items at a time: a row of up to 32 items (a table up to 8,192 slots at CHUNK 256) is one block; a
 # whole wider row would not fit in registers (sm_90 at D 128: 111 a thread for 32 items, 234 for 64, 512 spill)
 ITEM_BLOCK = tl.constexpr(32)
 
 
 @triton.jit
-def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, o_stride_item, o_stride_head,
-                  lse_stride_item, out_stride_row, out_stride_head, D: tl.constexpr, MAX_COUNT: tl.constexpr):
-    # a row's items are loaded at once, their lse a vector and their outputs one tile, not one item after another
-    # with each load waiting on the previous item's merge (6 us a launch on the H200). A block's loads need none of
-    # the previous block's math; only rows past ITEM_BLOCK items take a second block (and rescale the first)
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    first = tl.load(first_ptr + row)
-    count = tl.load(count_ptr + row)
+def combine_head(o_ptr, lse_ptr, first, count, head, o_stride_item, o_stride_head, lse_stride_item,
+                 D: tl.constexpr, MAX_COUNT: tl.constexpr, STATIC_LOOP: tl.constexpr):
+    """One query head of one row: its items' partial outputs [count, D] merged by their log-sum-exps -> [D] fp32.
+
+    A row's items are loaded at once, their lse a vector and their outputs one tile, not one item after another with
+    each load waiting on the previous item's merge (6 us a launch on the H200). A block's loads need none of the
+    previous block's math; only rows past ITEM_BLOCK items take a second block (and rescale the first). MAX_COUNT
+    bounds the interpreter's static loop (STATIC_LOOP) and the block; the GPU loops to the row's count."""
     BLOCK: tl.constexpr = min(MAX_COUNT, ITEM_BLOCK)
-    j = tl.arange(0, BLOCK)
-    d = tl.arange(0, D)
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([D], tl.float32)
-    for b in range(0, MAX_COUNT, BLOCK):     # a static bound (combine_bound), as in attend_items
-        if b < count:                        # so the block has an item, and m_new is finite
-            keep = b + j < count
-            t = first + b + j
-            lse = tl.load(lse_ptr + t * lse_stride_item + head, mask=keep, other=float("-inf"))
-            o = tl.load(o_ptr + t[:, None] * o_stride_item + head * o_stride_head + d[None, :], mask=keep[:, None],
-                        other=0.0)
-            m_new = tl.maximum(m, tl.max(lse, 0))
-            alpha = tl.exp(m - m_new)        # 0 on the first block: exp(-inf), never exp(-inf - -inf)
-            w = tl.where(keep, tl.exp(lse - m_new), 0.0)
-            acc = acc * alpha + tl.sum(w[:, None] * o, 0)
-            total = total * alpha + tl.sum(w, 0)
-            m = m_new
-    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + d,
-             (acc / total).to(out_ptr.dtype.element_ty))
+    if STATIC_LOOP:     # the interpreter's loop bounds are static (as in attend_items)
+        for b in range(0, MAX_COUNT, BLOCK):
+            if b < count:                    # so the block has an item, and m_new is finite
+                m, total, acc = merge_items(o_ptr, lse_ptr, first, count, head, b, m, total, acc, o_stride_item,
+                                            o_stride_head, lse_stride_item, D, BLOCK)
+    else:
+        for b in range(0, count, BLOCK):
+            m, total, acc = merge_items(o_ptr, lse_ptr, first, count, head, b, m, total, acc, o_stride_item,
+                                        o_stride_head, lse_stride_item, D, BLOCK)
+    return acc / total
+
+
+@triton.jit
+def merge_items(o_ptr, lse_ptr, first, count, head, b, m, total, acc, o_stride_item, o_stride_head, lse_stride_item,
+                D: tl.constexpr, BLOCK: tl.constexpr):
+    """Items [b, min(b + BLOCK, count)) of a row's head merged into the running (max lse, sum, weighted output)."""
+    j = tl.arange(0, BLOCK)
+    d = tl.arange(0, D)
+    keep = b + j < count
+    t = first + b + j
+    lse = tl.load(lse_ptr + t * lse_stride_item + head, mask=keep, other=float("-inf"))
+    o = tl.load(o_ptr + t[:, None] * o_stride_item + head * o_stride_head + d[None, :], mask=keep[:, None],
+                other=0.0)
+    m_new = tl.maximum(m, tl.max(lse, 0))
+    alpha = tl.exp(m - m_new)        # 0 on the first block: exp(-inf), never exp(-inf - -inf)
+    w = tl.where(keep, tl.exp(lse - m_new), 0.0)
+    return m_new, total * alpha + tl.sum(w, 0), acc * alpha + tl.sum(w[:, None] * o, 0)
+
+
+@triton.jit
+def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, o_stride_item, o_stride_head,
+                  lse_stride_item, out_stride_row, out_stride_head, D: tl.constexpr, MAX_COUNT: tl.constexpr,
+                  STATIC_LOOP: tl.constexpr):
+    """Each row's items merged, a program per (row, query head) (a one-item row is copied)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    res = combine_head(o_ptr, lse_ptr, tl.load(first_ptr + row), tl.load(count_ptr + row), head, o_stride_item,
+                       o_stride_head, lse_stride_item, D, MAX_COUNT, STATIC_LOOP)
+    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + tl.arange(0, D),
+             res.to(out_ptr.dtype.element_ty))

@@ -258,8 +258,8 @@ def test_a_triton_that_does_not_import_makes_flash_unavailable_and_says_how_to_o
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
-@pytest.mark.parametrize("append", [True, False])
-def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append):
+@pytest.mark.parametrize("append,one_page", [(True, True), (False, True), (True, False)])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
     """The kernels as the GPU runs them (the pipelined key loop, not the interpreter's static one), compiled through
     Triton's CUDA backend to PTX for the H200's sm_90: a GPU-only type or syntax error fails here, on CPU."""
     from triton.backends.compiler import GPUTarget
@@ -272,17 +272,20 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append):
     ints = ["num_rows", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
             "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
             "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item"]
-    consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False)
+    consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False,
+                  ONE_PAGE=one_page)
     target = GPUTarget("cuda", 90, 32)
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     attend = triton.compile(ASTSource(fn=k.attend_items, signature=sig, constexprs=consts), target=target)
-    assert ".target sm_90" in attend.asm["ptx"] and "mma" in attend.asm["ptx"], "no tensor-core dot in the PTX"
+    ptx = attend.asm["ptx"]
+    assert ".target sm_90" in ptx and "mma" in ptx, "no tensor-core dot in the PTX"
     sig_c = dict(o_ptr="*fp32", lse_ptr="*fp32", first_ptr="*i32", count_ptr="*i32", out_ptr="*fp16",
                  **dict.fromkeys(["o_stride_item", "o_stride_head", "lse_stride_item", "out_stride_row",
-                                  "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr")
-    consts_c = dict(D=128, MAX_COUNT=td.combine_bound(4114, 256))
-    combine = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c), target=target)
-    assert ".target sm_90" in combine.asm["ptx"]
+                                  "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr",
+                 STATIC_LOOP="constexpr")
+    consts_c = dict(D=128, MAX_COUNT=td.ITEM_BLOCK, STATIC_LOOP=False)
+    combine_k = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c), target=target)
+    assert ".target sm_90" in combine_k.asm["ptx"]
 
 
 def test_table_widths_share_compiled_kernels():

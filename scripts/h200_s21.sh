@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 37 on one H200, session 21 (2026-12-03): the decode's combine inside attend_items and the GEMM library
+# choice, measured against the tree before them, then the GPU gate suite from an empty compile cache. PARTS (default:
+# all, in this order):
+#   tests    tests/test_triton_decode.py natively on the GPU (the in-launch combine against the combine kernel)
+#   blas     scripts/probes/blas_choice.py: the projections under cuBLAS / cuBLASLt, two weight layouts
+#   ab       gates.ab, head (this tree) against BASE_TREE (.device/base: the tree before), pure decode and loaded,
+#            5 process pairs: the change's figure, both sides in this call
+#   psteps   bench/profile_steps.py at 32 rows (pure decode, loaded): where the device time goes now
+#   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
+#   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), --durations=40
+#   gates_n4 the same with -n 4, from an empty compile cache again
+#   nanoprep c512 nano32 r512 nano512   scripts/h200_loaded.sh's parts of those names (closed 200 beside nano-vllm
+#            in this call), run after steps when named in PARTS
+# carry: .device/fa_built (flash-attn built by an earlier call), .device/base (the base tree of ab)
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
+M15=qwen2.5-1.5b-random
+export STEPGATE_FLASH_ATTN_PATH=$PWD/.device/fa_built/src:$PWD/.device/fa_built/ext
+want() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
+part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status.txt
+  local name=$1 max=$2; shift 2
+  want "$name" || return 0
+  local left=$(( DEADLINE - $(date +%s) ))
+  (( left < max )) && max=$left
+  if (( max < 15 )); then echo "$name: not run (deadline)" >> "$OUT/logs/status.txt"; return; fi
+  local t0=$(date +%s)
+  timeout -s INT -k 15 "$max" "$@" > "$OUT/logs/$name.log" 2>&1
+  echo "$name: rc=$? in $(( $(date +%s) - t0 ))s (limit ${max}s)" >> "$OUT/logs/status.txt"
+}
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
+part tests 120 python3 -m pytest tests/test_triton_decode.py -q -p no:cacheprovider -rfEs
+part blas 90 python3 -m scripts.probes.blas_choice --rows 1,32,64 --out "$OUT/blas.json"
+part ab ${AB_S:-170} python3 -m gates.ab --base-tree .device/base --device cuda --kinds pure-decode,loaded \
+  --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/ab" --no-plot
+part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pure-decode,loaded --steps 30 \
+  --out "$OUT/psteps.json"
+part steps 120 python3 -m pytest gates/test_step_timings.py --device cuda --model $M15 -k "flash and not fused" \
+  -p no:cacheprovider -q --benchmark-json="$OUT/steps.json" --benchmark-columns=median,iqr,rounds
+LOADED=""
+for p in c512 nano32 r512 nano512; do want $p && LOADED="$LOADED $p"; done
+if [ -n "$LOADED" ]; then   # nanoprep: nano-vllm's model files and compile cache, before its timed cold pass
+  left=$(( DEADLINE - $(date +%s) - ${AFTER_LOADED_S:-10} ))
+  OUT="$OUT/loaded" PARTS="nanoprep$LOADED" BUDGET_S=$left bash scripts/h200_loaded.sh > "$OUT/logs/loaded.log" 2>&1
+  echo "loaded ($LOADED): rc=$?" >> "$OUT/logs/status.txt"
+fi
+gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
+  local name=$1; shift
+  rm -rf /tmp/sg-cache-$name
+  part "$name" ${GATES_S:-330} env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-$name python3 -m pytest gates/ --device cuda \
+    --model small-trained -p no:cacheprovider -q -rfEs --durations=40 "$@"
+}
+gates gates
+gates gates_n4 -n 4
+cat "$OUT/logs/status.txt"
+tar czf "$OUT/s21.tgz" -C "$OUT" logs ab loaded $(cd "$OUT" && ls *.json 2>/dev/null) 2>/dev/null
+grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/logs/tests.log "$OUT"/logs/gates*.log 2>/dev/null | tail -20
+grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
+grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
+grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
+grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
+cat "$OUT/loaded/table.md" 2>/dev/null | head -40

@@ -207,11 +207,15 @@ class Attention(nn.Module):
         T = x.shape[0]
         s = self.s
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
-        qk = OPS["rope"](qkv[:, :s.num_heads + s.num_kv_heads], cos, sin)   # queries and keys rotated at once
+        # a pure decode step over a backend that appends K/V in its kernel writes nothing here, and one whose kernel
+        # also rotates (rotates_decode) gets the queries and keys unrotated, with cos and sin: no rotary kernel
+        append = ctx.prefill is None and ctx.lead is None and ctx.decode is not None and ctx.backend.appends_decode_kv
+        rotate_in_kernel = append and ctx.backend.rotates_decode
+        qk = qkv[:, :s.num_heads + s.num_kv_heads]
+        if not rotate_in_kernel:
+            qk = OPS["rope"](qk, cos, sin)      # queries and keys rotated at once
         q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
         v = qkv[:, s.num_heads + s.num_kv_heads:]
-        # a pure decode step over a backend that appends K/V in its kernel writes nothing here
-        append = ctx.prefill is None and ctx.lead is None and ctx.decode is not None and ctx.backend.appends_decode_kv
         if not append:
             # write this forward's K/V first: both kernels then read history and new positions from the pages alone
             k_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = k
@@ -222,6 +226,8 @@ class Attention(nn.Module):
             outs.append(ctx.backend.prefill(q[:n], k_cache, v_cache, ctx.prefill, self.scale))
         if ctx.decode is not None:
             kw = {"new_kv": (k, v)} if append else {}     # other backends' decode takes no new_kv
+            if rotate_in_kernel:
+                kw["rope"] = (cos, sin)         # a pure decode step: row i's position is packed position i
             outs.append(ctx.backend.decode(q[n:], k_cache, v_cache, ctx.decode, self.scale, **kw))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         if ctx.lead is not None:

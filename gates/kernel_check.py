@@ -9,7 +9,7 @@ absolute epsilon, for fp32 where both errors are ~0).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -37,6 +37,7 @@ PREFILL_LENS = {
     "long": [(512, 4096), (512, 8192), (300, 1000), (1, 8192), (256, 256)],
 }
 CPU_FLEX_SHAPE = (4, 2, 64)      # the one FlexAttention shape compiled in the default CPU run
+ROPE_THETA = 1e6                 # Qwen2's rotary base: a kernel that rotates (rotates_decode) is checked with it
 
 
 # -- the paged case ---------------------------------------------------------------------------------------------
@@ -142,13 +143,15 @@ def _lens_str(xs, limit=12) -> str:
 
 
 def run_kernel(backend: AttentionBackend, kind: str, case: PagedCase, scale: float,
-               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     batch = case.batch()
     with torch.inference_mode():
         backend.prepare(batch, kind)
         if kind == "decode":
             return backend.decode(case.q, case.k_cache, case.v_cache, batch, scale,
-                                  **({"new_kv": new_kv} if new_kv is not None else {}))
+                                  **({"new_kv": new_kv} if new_kv is not None else {}),
+                                  **({"rope": rope} if rope is not None else {}))
         return backend.prefill(case.q, case.k_cache, case.v_cache, batch, scale)
 
 
@@ -157,6 +160,26 @@ def last_slots(case: PagedCase) -> torch.Tensor:
     P = case.page_size
     return torch.tensor([t[(k - 1) // P] * P + (k - 1) % P for t, k in zip(case.tables, case.kv_lens)],
                         device=case.k_cache.device)
+
+
+def rotary_case(case: PagedCase):
+    """For a decode kernel that appends and rotates (rotates_decode), as the model calls it: the case's queries and
+    its rows' last keys are taken as unrotated, with cos and sin at each row's new position (its last one). Returns
+    (the case the reference attends: queries and last keys rotated as the model's rope does it, in fp32 rounded
+    once; (cos, sin) for the kernel; the rotation)."""
+    from engine.model import Rotary, rope
+    kvh, d = case.k_cache.shape[2], case.k_cache.shape[3]
+    dtype, dev = case.k_cache.dtype, case.k_cache.device
+    pos = torch.tensor([n - 1 for n in case.kv_lens], device=dev)
+    cos, sin = Rotary(d, ROPE_THETA).to(dev)(pos, dtype)
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        return rope(x.float(), cos.float(), sin.float()).to(dtype)
+
+    k = case.k_cache.clone()
+    flat, slots = k.view(-1, kvh, d), last_slots(case)
+    flat[slots] = rot(flat[slots])
+    return replace(case, q=rot(case.q), k_cache=k), (cos, sin), rot
 
 
 def take_appended(case: PagedCase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,14 +240,21 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
     name = getattr(be, "name", type(be).__name__)
     scale = case.q.shape[2] ** -0.5
     what = describe(name, kind, case, dtype) + (", the rows' own keys appended by the kernel" if append else "")
-    ref = reference_attention(case, scale, torch.float32)
-    base = 0.0 if dtype == torch.float32 else float((reference_attention(case, scale, dtype).float() - ref).abs().max())
+    ref_case, rope, rot = case, None, None
+    if append and getattr(be, "rotates_decode", False):
+        ref_case, rope, rot = rotary_case(case)
+        what += ", queries and keys unrotated with cos and sin (the kernel rotates them)"
+    ref = reference_attention(ref_case, scale, torch.float32)
+    base = 0.0 if dtype == torch.float32 else float(
+        (reference_attention(ref_case, scale, dtype).float() - ref).abs().max())
     new_kv = take_appended(case) if append else None
-    out = run_kernel(be, kind, case, scale, new_kv)
+    out = run_kernel(be, kind, case, scale, new_kv, rope)
     if tuple(out.shape) != tuple(case.q.shape):
         raise GateFailure(f"{what}: output shape {tuple(out.shape)}, expected {tuple(case.q.shape)}")
     if append:
-        check_appended(what, case, new_kv)
+        # a rotated key is the rope's fp32 result rounded once: to an ulp or two of the kernel's own rounding
+        check_appended(what, case, new_kv if rot is None else (rot(new_kv[0]), new_kv[1]),
+                       key_ulps=0 if rot is None else 2)
     tol = 2 * base + EPS
     err_t = (out.float() - ref).abs()
     bad = int((~torch.isfinite(out)).sum())
@@ -239,13 +269,17 @@ def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_h
     return {"err": err, "base": base, "tol": tol}
 
 
-def check_appended(what: str, case: PagedCase, new_kv) -> None:
-    """An appending decode kernel wrote each row's own key and value at its last slot, exactly."""
+def check_appended(what: str, case: PagedCase, new_kv, key_ulps: int = 0) -> None:
+    """An appending decode kernel wrote each row's own key and value at its last slot: exactly, or the key within
+    `key_ulps` of the dtype's epsilon (relative) where the kernel computed it (rotated it)."""
     kvh, d = case.k_cache.shape[2], case.k_cache.shape[3]
     slots = last_slots(case)
+    eps = torch.finfo(case.k_cache.dtype).eps
     for name, cache, want in (("key", case.k_cache, new_kv[0]), ("value", case.v_cache, new_kv[1])):
         got = cache.view(-1, kvh, d)[slots]
-        bad = ~(got == want).all(-1).all(-1)
+        tol = key_ulps * eps if name == "key" else 0.0
+        same = torch.isclose(got.float(), want.float(), rtol=tol, atol=tol) if tol else got == want
+        bad = ~same.all(-1).all(-1)
         if bool(bad.any()):
             row = int(bad.nonzero()[0])
             raise GateFailure(f"{what}: sequence {row}'s own {name} is not in the cache at its last slot "

@@ -84,6 +84,10 @@ class AttentionBackend:
     # position (kv_lens - 1), before it attends: a pure decode step then launches no separate cache writes. An
     # instance's `appends_decode_kv` is what it does (EngineConfig.decode_append; this class value is its default).
     appends_decode_kv: bool = False
+    # True when, appending, decode also applies the rotary embedding (decode(..., rope=(cos, sin))): the model then
+    # hands it the rows' queries and new keys unrotated and launches no rotary kernel in a pure decode step. An
+    # instance's value says what it does (flash: its Triton decode with the append)
+    rotates_decode: bool = False
     # the decode kernels this backend can run (EngineConfig.decode_kernel); the first is its default
     decode_kernels: tuple[str, ...] = ("default",)
     prefill_kernel: str = "default"
@@ -194,7 +198,10 @@ class AttentionBackend:
         raise NotImplementedError
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
-               scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """q: [num_seqs, heads, head_dim], one row per request -> same shape. new_kv: the rows' own keys and values
-        ([num_seqs, kv_heads, head_dim] each), not yet in the cache; given only where appends_decode_kv."""
+        ([num_seqs, kv_heads, head_dim] each), not yet in the cache; given only where appends_decode_kv. rope:
+        (cos, sin) [num_seqs, head_dim], given only with new_kv where rotates_decode: q and the new keys are then
+        unrotated, and the kernel rotates them."""
         raise NotImplementedError

@@ -126,6 +126,8 @@ class FlashBackend(AttentionBackend):
         if self.decode_kernel == "triton":
             from . import triton_decode
             self.triton_chunk = triton_decode.CHUNK
+            # the Triton decode's append also rotates (flash-attn's split-KV gets its keys rotated by the model)
+            self.rotates_decode = self.appends_decode_kv
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)
@@ -192,11 +194,14 @@ class FlashBackend(AttentionBackend):
         cu_k[1:] = torch.cumsum(seqlens, 0)
         batch.prepared[kind] = ("prefill", bt, batch.cu_q_t.to(torch.int32).contiguous(), cu_k)
 
-    def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None):
+    def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None, rope=None):
         self._check(q, k_cache)
         tag, bt, seqlens, before = batch.prepared["decode"]
+        if rope is not None and not self.rotates_decode:
+            raise ValueError(f"the flash backend's {self.decode_kernel} decode (decode_append="
+                             f"{self.appends_decode_kv}) does not rotate: rope must not be passed to it")
         if self.triton_chunk is not None:
-            return self._decode_triton(q, k_cache, v_cache, batch, scale, new_kv)
+            return self._decode_triton(q, k_cache, v_cache, batch, scale, new_kv, rope)
         self.took("decode", "flash", new_kv is not None)
         splits = self.decode_splits
         if splits is None:
@@ -211,7 +216,7 @@ class FlashBackend(AttentionBackend):
                                  softmax_scale=scale, causal=True, num_splits=splits, **append)
         return out.squeeze(1)
 
-    def _decode_triton(self, q, k_cache, v_cache, batch, scale, new_kv):
+    def _decode_triton(self, q, k_cache, v_cache, batch, scale, new_kv, rope=None):
         """kernels/triton_decode.py's decode; its work items are made by the step's first layer and kept in the
         batch for the others (inside a captured step they are made in the graph, from the device lengths)."""
         from . import triton_decode as td
@@ -225,7 +230,7 @@ class FlashBackend(AttentionBackend):
             grid = td.max_items(q.shape[0], bt.shape[1] * page_size, pages * page_size, self.triton_chunk)
             items = batch.prepared[key] = td.work_items(cached, grid, self.triton_chunk)
         return td.paged_decode(q, k_cache, v_cache, bt, cached, scale, new_kv, chunk=self.triton_chunk,
-                               items=items)
+                               items=items, rope=rope)
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
         if self._fallback is not None:

@@ -78,11 +78,13 @@ def _kernels():
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  chunk: int | None = None, items=None, block_n: int | None = None,
-                 launch: dict | None = None) -> torch.Tensor:
+                 launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q [rows, heads, d]; caches [pages, page_size, kv_heads, d]; block_table int32 [rows, width]; cached int32
     [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
     position `cached`). `items`: work_items(...) made once per step (else made here). `block_n`, `launch`
-    (num_warps, num_stages): attend_items' tiling, BLOCK_N and LAUNCH unless given. -> [rows, heads, d]."""
+    (num_warps, num_stages): attend_items' tiling, BLOCK_N and LAUNCH unless given. `rope`: (cos, sin) [rows, d],
+    each row's rotary embedding, with new_kv only: q and the new key are then given unrotated, and rotated here
+    (the new key as it is written to the cache). -> [rows, heads, d]."""
     attend_items, combine_items = _kernels()
     chunk = chunk or CHUNK
     block_n = block_n or BLOCK_N
@@ -91,6 +93,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if page_size % block_n or chunk % block_n or heads % kv_heads or d & (d - 1):
         raise ValueError(f"triton decode: page size {page_size} and item {chunk} (multiples of {block_n}), heads "
                          f"{heads} over {kv_heads} key/value heads, head dim {d} (a power of two)")
+    if rope is not None and new_kv is None:
+        raise ValueError("triton decode: rope (cos, sin) only with new_kv: a key written to the cache elsewhere "
+                         "must have been rotated there")
     group = heads // kv_heads
     if items is None:
         items = work_items(cached, max_items(rows, block_table.shape[1] * page_size, pages * page_size, chunk),
@@ -100,18 +105,21 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     o_part = torch.empty(n_items, heads, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(n_items, heads, device=q.device, dtype=torch.float32)
     new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)     # unread without the append
+    cos, sin = rope if rope is not None else (q, q)                           # unread without rope
+    if rope is not None and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     # the combine's static trip count, for the interpreter only: on the GPU it loops to each row's count, so no
     # table width compiles a kernel of its own (one block of ITEM_BLOCK items a trip)
     max_count = combine_bound(block_table.shape[1] * page_size, chunk) if not q.is_cuda else ITEM_BLOCK
     attend_items[(n_items, kv_heads)](
         q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, new_k, new_v, o_part, lse,
-        scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
+        cos, sin, scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
-        o_part.stride(0), o_part.stride(1), lse.stride(0),
+        o_part.stride(0), o_part.stride(1), lse.stride(0), cos.stride(0) if rope is not None else 0,
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
         BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
-        **(LAUNCH if launch is None else launch))
+        ROPE=rope is not None, **(LAUNCH if launch is None else launch))
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
                                  lse.stride(0), out.stride(0), out.stride(1), D=d, MAX_COUNT=max_count,

@@ -26,6 +26,21 @@ def key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page, kv_st
 
 
 @triton.jit
+def partner(D: tl.constexpr):
+    """rotate_half's source of each element: element d + D/2 for the first half, d - D/2 for the second."""
+    d = tl.arange(0, D)
+    return (d + D // 2) % D
+
+
+@triton.jit
+def rotate(x, x_partner, cos, sin, D: tl.constexpr):
+    """x cos + rotate_half(x) sin in fp32 (rotate_half(x) = [-x2, x1]); x_partner: x at partner(D). The last
+    dimension is D; cos and sin [D] fp32."""
+    sign = tl.where(tl.arange(0, D) < D // 2, -1.0, 1.0)
+    return x.to(tl.float32) * cos + sign * x_partner.to(tl.float32) * sin
+
+
+@triton.jit
 def page_of(bt_ptr, row, bt_stride, b, page_size):
     """The page holding key position b of `row` (int64: a large pool passes 2**31 elements)."""
     return tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)
@@ -35,14 +50,15 @@ def page_of(bt_ptr, row, bt_stride, b, page_size):
 # for a value divisible by 16, and one for 1), each would compile the kernel again for nothing (they only index rows)
 @triton.jit(do_not_specialize=["num_rows", "bt_stride"])
 def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
-                 new_k_ptr, new_v_ptr, o_ptr, lse_ptr, scale,
+                 new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                  num_rows, bt_stride, page_size,
                  q_stride_row, q_stride_head,
                  kv_stride_page, kv_stride_slot, kv_stride_head,
                  new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
-                 o_stride_item, o_stride_head, lse_stride_item,
+                 o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
+                 ROPE: tl.constexpr):
     item = tl.program_id(0)
     g = tl.program_id(1)                       # key/value head
     row = tl.load(item_row_ptr + item)
@@ -56,6 +72,15 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
         heads = g * GROUP + h
         q = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + d[None, :],
                     mask=hmask[:, None], other=0.0)
+        if ROPE:
+            # the step's rotary embedding, here instead of a kernel of its own a layer: the queries come unrotated
+            # (as the QKV projection left them) with the row's cos and sin, and are rotated as the model's rope
+            # does it (x cos + rotate_half(x) sin, in fp32, rounded once to the cache's dtype)
+            c = tl.load(cos_ptr + row * rope_stride_row + d).to(tl.float32)
+            sn = tl.load(sin_ptr + row * rope_stride_row + d).to(tl.float32)
+            half = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + partner(D)[None, :],
+                           mask=hmask[:, None], other=0.0)
+            q = rotate(q, half, c, sn, D).to(q_ptr.dtype.element_ty)
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
@@ -85,6 +110,9 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                 # the step's own key and value: attended from registers, written to the row's next slot
                 nk = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + d)
                 nv = tl.load(new_v_ptr + row * new_v_stride_row + g * new_v_stride_head + d)
+                if ROPE:    # the new key comes unrotated too: rotated before it is attended and written
+                    nk_half = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + partner(D))
+                    nk = rotate(nk, nk_half, c, sn, D).to(new_k_ptr.dtype.element_ty)
                 s1 = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1) * scale
                 m_new = tl.maximum(m_i, s1)
                 alpha = tl.exp(m_i - m_new)

@@ -3,6 +3,7 @@
 # choice, measured against the tree before them, then the GPU gate suite from an empty compile cache. PARTS (default:
 # all, in this order):
 #   tests    tests/test_triton_decode.py natively on the GPU (the in-launch combine against the combine kernel)
+#   flashgates  the flash configuration's kernel, token, graph and smoke gates (-n 4, from an empty compile cache)
 #   blas     scripts/probes/blas_choice.py: the projections under cuBLAS / cuBLASLt, two weight layouts
 #   ab       gates.ab, head (this tree) against BASE_TREE (.device/base: the tree before), pure decode and loaded,
 #            5 process pairs: the change's figure, both sides in this call
@@ -32,8 +33,12 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
 part tests 120 python3 -m pytest tests/test_triton_decode.py -q -p no:cacheprovider -rfEs
+rm -rf /tmp/sg-cache-flashgates
+part flashgates 150 env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-flashgates python3 -m pytest gates/test_kernels.py \
+  gates/test_tokens.py gates/test_graphs.py gates/test_smoke.py gates/test_page_safety.py --device cuda \
+  --model small-trained -k flash -n 4 -p no:cacheprovider -q -rfEs
 part blas 90 python3 -m scripts.probes.blas_choice --rows 1,32,64 --out "$OUT/blas.json"
-part ab ${AB_S:-170} python3 -m gates.ab --base-tree .device/base --device cuda --kinds pure-decode,loaded \
+part ab ${AB_S:-170} python3 -m gates.ab --base-tree .device/base --device cuda --kinds ${AB_KINDS:-pure-decode,loaded} \
   --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/ab" --no-plot
 part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pure-decode,loaded --steps 30 \
   --out "$OUT/psteps.json"
@@ -56,7 +61,7 @@ gates gates
 gates gates_n4 -n 4
 cat "$OUT/logs/status.txt"
 tar czf "$OUT/s21.tgz" -C "$OUT" logs ab loaded $(cd "$OUT" && ls *.json 2>/dev/null) 2>/dev/null
-grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/logs/tests.log "$OUT"/logs/gates*.log 2>/dev/null | tail -20
+grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/logs/tests.log "$OUT"/logs/flashgates.log "$OUT"/logs/gates*.log 2>/dev/null | tail -20
 grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
 grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8

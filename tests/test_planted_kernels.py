@@ -109,3 +109,25 @@ def test_decode_comparison_catches_the_plant():
     with pytest.raises(AssertionError, match=r"planted-reads-past-length' decode kernel.*differs from the torch "
                                              r"decode kernel"):
         compare_decode_kernels([ReadsPastLength()], case)
+
+
+def test_the_gate_hands_a_rotating_decode_unrotated_rows_and_catches_what_it_gets_wrong():
+    """An appending decode that rotates (rotates_decode: the flash backend's Triton decode as served) is checked as
+    the model calls it: queries and new keys unrotated, with cos and sin. A correct one passes; one that writes its
+    new keys unrotated, or attends unrotated queries, fails naming what went wrong."""
+    from tests.test_runner import AppendingTorch, RotatingTorch
+    shape = dict(num_heads=4, kv_heads=2, head_dim=64, page_size=64)
+    check_kernel(RotatingTorch(), "decode", kv_lens=DECODE_LENS, append=True, **shape)
+
+    class KeysUnrotated(RotatingTorch):
+        rotate_keys = False
+    with pytest.raises(AssertionError, match=r"unrotated with cos and sin.*own key is not in the cache"):
+        check_kernel(KeysUnrotated(), "decode", kv_lens=DECODE_LENS, append=True, **shape)
+
+    class QueriesUnrotated(RotatingTorch):
+        def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None, rope=None):
+            from engine.model import rope as rotate
+            k, v = new_kv
+            return AppendingTorch.decode(self, q, k_cache, v_cache, batch, scale, (rotate(k, *rope), v))
+    with pytest.raises(AssertionError, match=r"unrotated with cos and sin.*wrong values"):
+        check_kernel(QueriesUnrotated(), "decode", kv_lens=DECODE_LENS, append=True, **shape)

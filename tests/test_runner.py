@@ -76,6 +76,7 @@ class AppendingTorch(TorchBackend):
     them (cache_seqlens = kv_lens - 1, through the block table): the model's path for backends that append."""
     appends_decode_kv = True
     offset = 1      # a planted bug sets 0: the new K/V lands one slot past the row's last position
+    appended = 0
 
     def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None):
         if new_kv is not None:
@@ -87,6 +88,25 @@ class AppendingTorch(TorchBackend):
             v_cache.view(-1, kvh, d)[slots] = new_kv[1]
             self.appended += len(slots)
         return super().decode(q, k_cache, v_cache, batch, scale)
+
+
+class RotatingTorch(AppendingTorch):
+    """AppendingTorch whose decode also applies the rotary embedding (rotates_decode, as the flash backend's Triton
+    decode with the append): the model hands it the queries and new keys unrotated, with cos and sin."""
+    rotates_decode = True
+    rotate_keys = True      # a planted bug sets False: the new key lands in the cache unrotated
+    rotated_calls = 0
+
+    def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None, rope=None):
+        from engine.model import rope as rotate
+        if rope is None:        # a loaded step's decode rows: the model rotated them and wrote their keys
+            assert new_kv is None, "an appending decode got its new keys without cos and sin"
+            return super().decode(q, k_cache, v_cache, batch, scale)
+        cos, sin = rope
+        RotatingTorch.rotated_calls += 1
+        k, v = new_kv
+        return super().decode(rotate(q, cos, sin), k_cache, v_cache, batch, scale,
+                              (rotate(k, cos, sin) if self.rotate_keys else k, v))
 
 
 def _serve_logged(monkeypatch, backend_cls):
@@ -114,3 +134,20 @@ def test_a_backend_that_appends_decode_kv_gets_the_same_tokens_and_logits(monkey
         offset = 0
     planted, _ = _serve_logged(monkeypatch, OffByOne)
     assert planted != ref, "a K/V append one slot off went unnoticed"
+
+
+def test_a_backend_that_rotates_in_its_decode_gets_the_same_tokens_and_logits(monkeypatch):
+    """Pure decode steps over a backend with rotates_decode launch no rotary kernel: the model hands its decode the
+    queries and new keys unrotated, with each row's cos and sin, and the decode rotates them (the flash backend's
+    Triton decode does it in the kernel). The same tokens and top logits as the reference; a decode that writes
+    its new keys unrotated (planted) changes them."""
+    ref, _ = _serve_logged(monkeypatch, TorchBackend)
+    monkeypatch.setattr(RotatingTorch, "rotated_calls", 0)
+    got, appended = _serve_logged(monkeypatch, RotatingTorch)
+    assert appended > 0 and RotatingTorch.rotated_calls > 0, "no pure decode step handed its rotation to the backend"
+    assert got == ref
+
+    class KeysUnrotated(RotatingTorch):
+        rotate_keys = False
+    planted, _ = _serve_logged(monkeypatch, KeysUnrotated)
+    assert planted != ref, "new keys written unrotated went unnoticed"

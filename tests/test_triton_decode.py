@@ -132,6 +132,38 @@ def test_the_append_attends_the_new_key_and_writes_it_to_its_slot():
     assert same(k_after, before_k) and same(v_after, before_v), "the append wrote elsewhere, or not at all"
 
 
+@kernel_test
+def test_the_append_with_rope_rotates_the_queries_and_the_new_key_as_the_model_does():
+    """rope=(cos, sin): q and the new key come unrotated (as the QKV projection leaves them) and the kernel rotates
+    both as the model's rope does (fp32, rounded once): the output is attention with rotated queries over the
+    history and the rotated new key, and the key written to the cache is the rotated one (to an fp16 ulp)."""
+    from engine.model import Rotary, rope
+    lengths = [0, 255, 256, 600]
+    full = [n + 1 for n in lengths]
+    q, k, v, table, keys, values = paged_case(full, seed=4)
+    cos, sin = Rotary(128, 1e6)(torch.tensor(lengths), torch.float16)         # each row's new position
+    rot = lambda x: rope(x.float(), cos.float(), sin.float()).half()  # noqa: E731 (the compiled rope's rounding)
+    raw_k = torch.stack([kr[-1] for kr in keys])                       # the new keys, unrotated
+    new_v = torch.stack([vr[-1] for vr in values])
+    want_k = rot(raw_k)
+    for r, n in enumerate(lengths):             # the new position's slot: not yet written
+        page = table[r, n // PAGE]
+        k[page, n % PAGE] = float("nan")
+        v[page, n % PAGE] = float("nan")
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    kd, vd = dev(k), dev(v)
+    out = td.paged_decode(dev(q), kd, vd, dev(table), dev(torch.tensor(lengths, dtype=torch.int32)), 0.1,
+                          (dev(raw_k), dev(new_v)), rope=(dev(cos), dev(sin))).float().cpu()
+    keys_rotated = [torch.cat([kr[:-1], want_k[r:r + 1]]) for r, kr in enumerate(keys)]
+    torch.testing.assert_close(out, dense(rot(q), keys_rotated, values, 0.1), atol=2e-3, rtol=2e-3)
+    for r, n in enumerate(lengths):
+        page = int(table[r, n // PAGE])
+        torch.testing.assert_close(kd[page, n % PAGE].cpu(), want_k[r], atol=2e-3, rtol=1e-3)
+    with pytest.raises(ValueError, match="only with new_kv"):
+        td.paged_decode(dev(q), kd, vd, dev(table), dev(torch.tensor(full, dtype=torch.int32)), 0.1,
+                        rope=(dev(cos), dev(sin)))
+
+
 def test_work_items_cover_each_rows_keys_once_and_the_rest_of_the_grid_is_idle():
     cached = torch.tensor([0, 1, 256, 257, 4114], dtype=torch.int32)
     grid = td.max_items(5, 17 * PAGE, 100 * PAGE, 256)
@@ -268,12 +300,12 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
     from kernels import triton_decode_kernels as k
     ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", cached_ptr="*i32", item_row_ptr="*i32",
                 item_start_ptr="*i32", item_last_ptr="*i32", new_k_ptr="*fp16", new_v_ptr="*fp16", o_ptr="*fp32",
-                lse_ptr="*fp32", scale="fp32")
+                lse_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16", scale="fp32")
     ints = ["num_rows", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
             "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
-            "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item"]
+            "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item", "rope_stride_row"]
     consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False,
-                  ONE_PAGE=one_page)
+                  ONE_PAGE=one_page, ROPE=append)
     target = GPUTarget("cuda", 90, 32)
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     attend = triton.compile(ASTSource(fn=k.attend_items, signature=sig, constexprs=consts), target=target)

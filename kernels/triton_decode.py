@@ -16,6 +16,11 @@ fixed by the batch's shape and the pool's size; items past the step's last one e
 The step's new key and value (new_kv, the append) are attended from registers by each row's last item, which also
 writes them to their cache slot; no program reads that slot, so no ordering between programs is needed.
 
+With the append, the step's rotary embedding is applied here too (rope=(cos, sin); the flash backend's
+rotates_decode): every item rotates its row's queries as it loads them and the row's last item the new key before it
+attends and writes it, so a pure decode step launches no rotary kernel (28 fewer on the 1.5B shape; measured on the
+H200 in session 21: 0.998x [0.969, 1.031] of the step before, no measurable gain, docs/RESULTS.md k16).
+
 The combine stays a kernel of its own. Merging in attend_items' launch instead (each row's last item to arrive, by
 an atomic count, combining the row) was measured on the H200 in session 21 and was slower: the 32-row pure decode
 step 1.088x [1.061, 1.117] (gates.ab, 5 process pairs), its attention 0.70 ms against 0.51, as the longest row's

@@ -22,7 +22,8 @@
 #   nano32     nano-vllm, 32 sequences, 200 requests, 128 new tokens (cold pass, then warm)
 #   c8192      the same as c512 at chunk 8192
 #   c8192-serial   c8192 with --overlap off: no step launched ahead (the overlap's A/B, in the same call)
-#   r512       the same at 512 rows and chunk 16384 (nano-vllm's batched-token budget)
+#   r512       the same at 512 rows and chunk 16384 (nano-vllm's batched-token budget); its limit allows for a
+#              graph capture of 35 s an engine (session 21: 95 s cut the measured run)
 #   nano512    nano-vllm, 512 sequences
 #   profile    scripts/probes/profile_decode.py: where a 32-row pure decode step's time goes (host parts, device kernels)
 #   steps      gates/test_step_timings.py on the 1.5B shape, flash: every step kind graphed and eager, ratio gates
@@ -101,7 +102,7 @@ bench c512 100 --chunk-tokens 512 --warmups 1 --reps "$REPS"
 nano nano32 80 32 200 128
 bench c8192 80 --chunk-tokens 8192 --warmups 1 --reps 1
 bench c8192-serial 80 --chunk-tokens 8192 --overlap off --warmups 1 --reps 1
-bench r512 $(( 75 + 20 * REPS_R512 )) --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps "$REPS_R512"
+bench r512 $(( 120 + 20 * REPS_R512 )) --chunk-tokens 16384 --max-batch 512 --warmups 1 --reps "$REPS_R512"
 nano nano512 80 512 200 128
 part psteps512 90 python3 -m bench.profile_steps --model $M15 --rows 512 --chunk 16384 --kinds loaded,chunk-only \
   --steps 10 --out "$RES/profile_steps_512.json"

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from . import errors, foresight, inputs
+from . import build_cost, errors, foresight, inputs
 from .config import EngineConfig
 from .dtypes import torch_dtype
 from .heap import gc_frozen
@@ -74,6 +74,7 @@ class Engine:
         self.config = config
         dtype = torch_dtype(config.dtype)
         self.model, self.hf_config, self.model_name = loaded or load_model(model, dtype, config.device)
+        built_from = time.perf_counter()        # the build's cost past the model's load (engine/build_cost.py)
         self.shape = self.model.shape
         self.max_model_len = min(config.max_model_len or self.shape.max_positions, self.shape.max_positions)
         # checks tp against the model's heads first
@@ -101,6 +102,10 @@ class Engine:
         # what this engine serves: every None of the config decided (golden meta, the gate summary, bench rows)
         self.served = config.resolved(graphs=self.runner.graphs is not None, overlap=self.overlap).with_(
             num_pages=num_pages, max_model_len=self.max_model_len)
+        captured = [g for g in (getattr(self.runner, "graphs", None), getattr(self.runner, "step_graphs", None))
+                    if g is not None]
+        self.build_cost = build_cost.record(self.served.key(), getattr(self.runner, "build_cost", {}),
+                                            sum(len(g.graphs) for g in captured), time.perf_counter() - built_from)
         self._ahead: tuple[Foresight, object] | None = None   # the step launched ahead, its samples
         self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
         self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match

@@ -16,11 +16,13 @@ the pool never hands out), so a padded row never touches a request's page and is
 mode. A row's block table lists the pages its cache length reaches, then the pad page up to W: kernels stop at the
 cache length, so the tail is never read.
 
-Graphs are captured per (rows, table width): widths 16, 24, 32, 64, ... up to W (width_ladder). A step replays the narrowest width
-that holds its longest row, reading the first w columns of the table in place (a strided view). flash-attn's
-split-KV decode divides the table's width, not each row's length, among its splits, so a table as wide as the
-longest admissible request makes every step pay for it (kernels/flash_backend.py says why); the Triton decode (the
-flash backend's default) splits by length, and for it the width bounds the step's work items and its combine loop.
+Graphs are captured per (rows, table width). For flash-attn's split-KV decode the widths are a ladder, 16, 24, 32,
+64, ... up to W (width_ladder), and a step replays the narrowest width that holds its longest row, reading the first
+w columns of the table in place (a strided view): split-KV divides the table's width, not each row's length, among
+its splits, so a table as wide as the longest admissible request would make every step pay for it
+(kernels/flash_backend.py says why). The Triton decode (the flash backend's default) splits by length over a
+persistent grid, so its cost does not follow the width (the backend's width_free_decode): one width, W, is captured
+(captured_widths), five times fewer graphs at the 1.5B shape's 128-page tables.
 
 Captured graphs read the runner's KV cache tensors and the model's weights in place (their addresses are fixed
 for the engine's life) and write their logits into one static buffer per graph set. Sampling (argmax, the poison
@@ -73,6 +75,12 @@ def width_ladder(width: int) -> list[int]:
     return out + [width]
 
 
+def captured_widths(backend, width: int) -> list[int]:
+    """The block-table widths a graph set captures: the whole width where the backend's decode costs follow the
+    rows' lengths (width_free_decode: the Triton decode), else width_ladder(width) (flash-attn's split-KV)."""
+    return [width] if backend.width_free_decode else width_ladder(width)
+
+
 def gather_tokens(tokens: torch.Tensor, source: torch.Tensor) -> None:
     """tokens[i] = source[tokens[i]]: rows packed with their index in the step before's samples (NextRow.output)
     get their input tokens on the device. A gather into a new tensor, then the copy: no overlap of the two."""
@@ -121,7 +129,8 @@ class CapturedSteps:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.replays = 0
         self.last_key: tuple | None = None
-        self.capture_s = 0.0
+        self.capture_s = 0.0            # the whole capture: warm-up forwards and the captures
+        self.warm_s = 0.0               # of it, the warm-up forwards (one a key, synchronised)
         self.pool_bytes = 0
 
     def upload(self, upto: int | None = None) -> None:
@@ -172,6 +181,7 @@ class CapturedSteps:
                 stream.synchronize()      # the next prime rewrites the pinned buffer this one's copy reads
         torch.cuda.current_stream(r.device).wait_stream(stream)
         torch.cuda.synchronize(r.device)
+        self.warm_s = time.perf_counter() - t0
         torch.cuda.empty_cache()          # what the warm-ups cached is not the graphs' memory
         before = torch.cuda.memory_reserved(r.device)
         # capture_begin/capture_end on a side stream is what `torch.cuda.graph` does, less its gc.collect() and
@@ -219,13 +229,14 @@ class CapturedSteps:
         keys = getattr(self, "keys", [])
         est = max((self.estimate_pool_bytes(k) for k in keys), default=0)
         return dict(kind=self.kind, graphs=len(self.graphs), keys=len(keys), captured=self.capture_graphs,
-                    capture_s=round(self.capture_s, 3), static_bytes=self.host.numel() * 4,
+                    capture_s=round(self.capture_s, 3), warm_s=round(self.warm_s, 3), static_bytes=self.host.numel() * 4,
                     logits_bytes=self.logits.numel() * 4 if self.owns_logits else 0, pool_bytes=self.pool_bytes,
                     pool_estimate_bytes=est)
 
     def describe(self) -> str:
         r = self.report()
-        done = (f"{r['graphs']} {self.kind} graphs captured in {r['capture_s']:.2f} s" if r["captured"] else
+        done = (f"{r['graphs']} {self.kind} graphs captured in {r['capture_s']:.2f} s (warm-up forwards "
+                f"{r['warm_s']:.2f} s)" if r["captured"] else
                 f"{r['keys']} {self.kind} step shapes emulated (off CUDA: nothing captured)")
         pool = (f"graph pool +{r['pool_bytes'] / MIB:.1f} MiB" if r["captured"] else
                 f"graph pool about {r['pool_estimate_bytes'] / MIB:.1f} MiB (estimate)")
@@ -252,7 +263,7 @@ class DecodeGraphs(CapturedSteps):
             raise RuntimeError(f"the {runner.backend.name!r} backend's decode cannot be captured in a CUDA graph "
                                f"(its per-step tensors change shape); use a backend with graph_safe_decode")
         self.sizes = ladder(max_batch)
-        self.widths = width_ladder(width)
+        self.widths = captured_widths(runner.backend, width)
         self.B = B = self.sizes[-1]
         self.W = width
         super().__init__(runner, [(name, (B,)) for name in SECTIONS] + [("table", (B, width))], logit_rows=B,
@@ -346,4 +357,5 @@ class DecodeGraphs(CapturedSteps):
         return self.replay_key((b, w), n)
 
 
-__all__ = ["CapturedSteps", "DecodeGraphs", "activation_bytes", "gather_tokens", "ladder", "width_ladder"]
+__all__ = ["CapturedSteps", "DecodeGraphs", "activation_bytes", "captured_widths", "gather_tokens", "ladder",
+           "width_ladder"]

@@ -17,6 +17,7 @@ import torch
 from kernels import AttnBatch, Unavailable, get_backend
 from kernels.base import AttentionBackend
 
+from .build_cost import timed
 from .census import StepPath, kernel_paths, step_kind
 from .model import ForwardContext, Qwen2
 from .poisoned_reads import poisoned_reads
@@ -304,10 +305,12 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     s = model.shape
     on_cuda = torch.device(config.device).type == "cuda"
     compiled = False
+    cost: dict[str, float] = {}         # where the build's time goes (engine/build_cost.py)
     if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
         from .model import try_compile_elementwise
         # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's
-        why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch)
+        with timed(cost, "compile_s"):
+            why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch)
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
         compiled = not why
@@ -315,12 +318,14 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
                         poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
                         backend_options=config.backend_options(), **runner_kw)
     runner.compiled_elementwise = compiled      # what this build did, for the gates to hold against Engine.served
+    runner.build_cost = cost
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile
-        runner.backend.warmup(s.num_heads, s.num_kv_heads, s.head_dim, dtype, config.device, max_kv=max_kv,
-                              max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
-                              page_size=config.page_size)
+        with timed(cost, "warmup_s"):
+            runner.backend.warmup(s.num_heads, s.num_kv_heads, s.head_dim, dtype, config.device, max_kv=max_kv,
+                                  max_prefill_tokens=config.chunk_tokens, max_rows=config.max_batch,
+                                  page_size=config.page_size)
     if graphs:   # after the backend's warm-up: a capture must not include a compile
         # off CUDA nothing can be captured: the captured steps' path (static buffers, steps launched ahead) runs
         # uncaptured, for a backend whose kernels allow it (engine.config.graphs_problem)
@@ -331,4 +336,8 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
             # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
             runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
                                        progress=config.progress, capture=capture)
+        for g in (runner.graphs, runner.step_graphs):
+            if g is not None:
+                cost["graph_warm_s"] = cost.get("graph_warm_s", 0.0) + g.warm_s
+                cost["capture_s"] = cost.get("capture_s", 0.0) + g.capture_s - g.warm_s
     return runner

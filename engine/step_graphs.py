@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from kernels import AttnBatch
-from .graphs import CapturedSteps, activation_bytes, gather_tokens, width_ladder
+from .graphs import CapturedSteps, activation_bytes, captured_widths, gather_tokens
 from .model import ForwardContext
 from .packing import logit_row_count, pack, page_rows
 
@@ -104,10 +104,10 @@ class StepGraphs(CapturedSteps):
         self.lead_cu = torch.arange(R + 1, dtype=torch.int32, device=runner.device)
         self.prime((T,))
         # per bucket, loaded graphs by the decode call's table width (flash-attn's split-KV divides the width, not a
-        # row's length, among its splits; the Triton decode's items are bounded by it: engine/graphs.py's DecodeGraphs
-        # has the same ladder), and a chunk-only one
-        # (width 0: no decode call, which over rows that hold no decode row cost a tenth of the step)
-        self.widths = width_ladder(width)
+        # row's length, among its splits: a ladder of widths; the Triton decode: one. captured_widths, as
+        # engine/graphs.py's DecodeGraphs), and a chunk-only one (width 0: no decode call, which over rows that hold
+        # no decode row cost a tenth of the step)
+        self.widths = captured_widths(runner.backend, width)
         self.capture([(b, w) for b in reversed(self.sizes) for w in [*reversed(self.widths), 0]], progress,
                      "capturing loaded/chunk-only step graphs")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from . import build_cost
 from .options import GateOptions, gate_options, is_gate_file
 from .runs import Runs
 
@@ -24,6 +25,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if short:
         terminalreporter.write_line(f"stepgate: not run on {torch.cuda.device_count()} GPU(s), deselected: "
                                     f"{', '.join(short)}", yellow=True)
+    built = build_cost.report(config)
+    if built:
+        terminalreporter.write_line(f"stepgate: {built}")
+
+
+def pytest_sessionfinish(session):
+    build_cost.finish_worker(session.config)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    build_cost.node_down(node)
 
 
 # Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file

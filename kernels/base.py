@@ -88,6 +88,10 @@ class AttentionBackend:
     # hands it the rows' queries and new keys unrotated and launches no rotary kernel in a pure decode step. An
     # instance's value says what it does (flash: its Triton decode with the append)
     rotates_decode: bool = False
+    # True when decode's cost follows the rows' lengths, not the block table's width (its grid and loops stop at each
+    # row's length): captured steps then need one table width, not a ladder of them (engine/graphs.py). An
+    # instance's value says what its decode kernel does (flash: the Triton decode; flash-attn's split-KV is not)
+    width_free_decode: bool = False
     # the decode kernels this backend can run (EngineConfig.decode_kernel); the first is its default
     decode_kernels: tuple[str, ...] = ("default",)
     prefill_kernel: str = "default"

@@ -128,6 +128,8 @@ class FlashBackend(AttentionBackend):
             self.triton_chunk = triton_decode.CHUNK
             # the Triton decode's append also rotates (flash-attn's split-KV gets its keys rotated by the model)
             self.rotates_decode = self.appends_decode_kv
+            # its persistent grid loops to the step's last item: a table's width costs nothing past the rows' pages
+            self.width_free_decode = True
         fa, reason = _import_flash()
         if fa is None:
             raise Unavailable(reason)

@@ -33,6 +33,7 @@ it, and the 32-row pure decode step's attention took 0.63 ms of device time agai
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -45,6 +46,10 @@ MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a gr
 # tilings on the H200 (docs/RESULTS.md, k14): these are within 6% of the fastest (21.3 against 20.0 us a layer), so
 # the attention's third-of-bandwidth is not its tiling
 LAUNCH: dict = {}
+# attend_items' persistent grid: programs a multiprocessor (over all key/value heads; its three stages of K and V
+# tiles leave room for about two resident at D 128). A 32-row step of the mixed draw has about 150 items a key/value
+# head, fewer than 132 x 4 / 2 programs: one trip each, as with a program an item; a 512-row step loops
+PROGRAMS_PER_SM = 4
 
 
 def max_items(rows: int, width_slots: int, pool_slots: int, chunk: int) -> int:
@@ -83,13 +88,15 @@ def _kernels():
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  chunk: int | None = None, items=None, block_n: int | None = None,
-                 launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 programs: int | None = None) -> torch.Tensor:
     """q [rows, heads, d]; caches [pages, page_size, kv_heads, d]; block_table int32 [rows, width]; cached int32
     [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
     position `cached`). `items`: work_items(...) made once per step (else made here). `block_n`, `launch`
     (num_warps, num_stages): attend_items' tiling, BLOCK_N and LAUNCH unless given. `rope`: (cos, sin) [rows, d],
     each row's rotary embedding, with new_kv only: q and the new key are then given unrotated, and rotated here
-    (the new key as it is written to the cache). -> [rows, heads, d]."""
+    (the new key as it is written to the cache). `programs`: attend_items' persistent programs a key/value head
+    (None: persistent_programs). -> [rows, heads, d]."""
     attend_items, combine_items = _kernels()
     chunk = chunk or CHUNK
     block_n = block_n or BLOCK_N
@@ -116,20 +123,39 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # the combine's static trip count, for the interpreter only: on the GPU it loops to each row's count, so no
     # table width compiles a kernel of its own (one block of ITEM_BLOCK items a trip)
     max_count = combine_bound(block_table.shape[1] * page_size, chunk) if not q.is_cuda else ITEM_BLOCK
-    attend_items[(n_items, kv_heads)](
-        q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, new_k, new_v, o_part, lse,
-        cos, sin, scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
+    if programs is None:
+        programs = persistent_programs(q.device, kv_heads)
+    programs = max(1, min(programs, n_items))
+    attend_items[(programs, kv_heads)](
+        q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, firsts, counts, new_k, new_v,
+        o_part, lse, cos, sin, scale, rows, n_items, block_table.stride(0), page_size, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0), cos.stride(0) if rope is not None else 0,
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
         BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
-        ROPE=rope is not None, **(LAUNCH if launch is None else launch))
+        ROPE=rope is not None, ITERS=-(-n_items // programs) if not q.is_cuda else 1,
+        **(LAUNCH if launch is None else launch))
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
                                  lse.stride(0), out.stride(0), out.stride(1), D=d, MAX_COUNT=max_count,
                                  STATIC_LOOP=not q.is_cuda)
     return out
+
+
+def persistent_programs(device: torch.device, kv_heads: int) -> int:
+    """attend_items' programs a key/value head: PROGRAMS_PER_SM a multiprocessor over all key/value heads (on the
+    GPU), each looping over the items; off the GPU (Triton's interpreter) one an item (the grid is cut to the
+    items)."""
+    if device.type != "cuda":
+        return 1 << 30
+    return max(1, -(-multiprocessors(device.index) * PROGRAMS_PER_SM // kv_heads))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index if index is not None else torch.cuda.current_device()
+                                            ).multi_processor_count
 
 
 def combine_bound(width_slots: int, chunk: int) -> int:

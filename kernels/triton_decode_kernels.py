@@ -46,22 +46,64 @@ def page_of(bt_ptr, row, bt_stride, b, page_size):
     return tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)
 
 
-# the row count and the table's width change with every captured width: specialised on (Triton compiles a variant
-# for a value divisible by 16, and one for 1), each would compile the kernel again for nothing (they only index rows)
-@triton.jit(do_not_specialize=["num_rows", "bt_stride"])
+# the row count, the item count and the table's width change with every captured shape: specialised on (Triton
+# compiles a variant for a value divisible by 16, and one for 1), each would compile the kernel again for nothing
+# (they only index rows and items)
+@triton.jit(do_not_specialize=["num_rows", "num_items", "bt_stride"])
 def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
-                 new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
-                 num_rows, bt_stride, page_size,
+                 first_ptr, count_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                 num_rows, num_items, bt_stride, page_size,
                  q_stride_row, q_stride_head,
                  kv_stride_page, kv_stride_slot, kv_stride_head,
                  new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                  o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
-                 ROPE: tl.constexpr):
-    item = tl.program_id(0)
+                 ROPE: tl.constexpr, ITERS: tl.constexpr):
+    """A persistent grid over the step's items: program p of a key/value head attends items p, p + P, p + 2P, ...
+    up to the step's last item (P: the grid's first dimension), so the grid is sized by the GPU, not by the items
+    a table's width could hold: a captured step's table is as wide as the longest admissible request, and a grid of
+    one program an item there launched thousands that exit at once (kernels/triton_decode.py)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     g = tl.program_id(1)                       # key/value head
-    row = tl.load(item_row_ptr + item)
+    if STATIC_LOOP:
+        # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: ITERS trips of the grid,
+        # items past the array skipped
+        for j in range(ITERS):
+            attend_item(pid + j * nprog, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
+                        item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale, num_rows,
+                        num_items, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page,
+                        kv_stride_slot, kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row,
+                        new_v_stride_head, o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
+    else:
+        # the step's items end at its last row's last item (the items past it belong to no row)
+        total = tl.load(first_ptr + num_rows - 1) + tl.load(count_ptr + num_rows - 1)
+        for item in range(pid, total, nprog):
+            attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
+                        item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale, num_rows,
+                        num_items, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page,
+                        kv_stride_slot, kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row,
+                        new_v_stride_head, o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
+
+
+@triton.jit
+def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
+                new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                num_rows, num_items, bt_stride, page_size,
+                q_stride_row, q_stride_head,
+                kv_stride_page, kv_stride_slot, kv_stride_head,
+                new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
+                o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
+                ROPE: tl.constexpr):
+    """One item: a key/value head's query heads of its row over the item's keys (and, for a row's last item with
+    APPEND, the step's new key and value) -> its partial output and log-sum-exp. An item past the array, or one of
+    no row (past the step's last), does nothing."""
+    row = tl.load(item_row_ptr + item, mask=item < num_items, other=num_rows)
     if row < num_rows:
         start = tl.load(item_start_ptr + item)
         cached = tl.load(cached_ptr + row)

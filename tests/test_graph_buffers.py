@@ -138,6 +138,24 @@ def test_graph_path_matches_eager(mode):
     assert ref.last_engine.pool.num_free == ref.last_engine.pool.capacity
 
 
+def test_a_width_free_decode_captures_one_table_width(mode, monkeypatch):
+    """A backend whose decode costs follow the rows' lengths (width_free_decode: the Triton decode, the flash
+    backend's default) gets one captured width, the whole table, and every replay reads it; its tokens are the
+    eager engine's. On CPU the torch backend stands in (its decode is correct over any width)."""
+    if mode["device"] == "cpu":
+        from kernels.torch_backend import TorchBackend
+        monkeypatch.setattr(TorchBackend, "width_free_decode", True)
+    eager_ref, eager = run(mode, False)
+    ref, graphed = run(mode, True)
+    e = ref.last_engine
+    g = e.runner.graphs
+    assert e.runner.backend.width_free_decode
+    assert g.widths == [g.W] and {w for _, w in g.keys} == {g.W}, g.widths
+    assert g.replays > 0 and g.last_key[1] == g.W
+    report = compare("one width vs eager", eager, graphed, eager_ref.score, 0.02, 3, check_steps=True)
+    assert report.ok, report.problems()
+
+
 def test_padding_rows_touch_only_the_pad_page(mode):
     ref, _ = run(mode, True)
     e = ref.last_engine

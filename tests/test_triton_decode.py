@@ -70,7 +70,7 @@ def dense(q, keys, values, scale):
     return torch.stack(out)
 
 
-def run(q, k, v, table, cached, scale, new_kv=None, chunk=256):
+def run(q, k, v, table, cached, scale, new_kv=None, chunk=256, programs=None):
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     kd, vd = dev(k), dev(v)
     nk = None
@@ -78,7 +78,7 @@ def run(q, k, v, table, cached, scale, new_kv=None, chunk=256):
         nk = tuple(dev(t._base if t._base is not None else t).as_strided(t.shape, t.stride(), t.storage_offset())
                    for t in new_kv)
     out = td.paged_decode(dev(q), kd, vd, dev(table), dev(torch.tensor(cached, dtype=torch.int32)), scale, nk,
-                          chunk=chunk)
+                          chunk=chunk, programs=programs)
     return out.float().cpu(), kd.cpu(), vd.cpu()
 
 
@@ -98,6 +98,25 @@ def test_matches_a_dense_reference_and_reads_no_slot_it_does_not_own(name, chunk
     out, _, _ = run(q, k, v, table, lengths, scale, chunk=chunk)
     assert torch.isfinite(out).all(), "a NaN slot (free page or page tail) was read"
     torch.testing.assert_close(out, dense(q, keys, values, scale), atol=2e-3, rtol=2e-3)
+
+
+@kernel_test
+@pytest.mark.parametrize("programs", [1, 3, 7])
+def test_fewer_programs_than_items_attend_every_item_once(programs):
+    """The persistent grid: each program loops over the items p, p + P, ... With fewer programs than the step's
+    items (24 here, the 4,114-position row's 17 among them), every item is attended once and the append is done
+    once: the same output and the same caches as a program an item."""
+    lengths = [4114, 200, 37, 1030, 9]
+    full = [n + 1 for n in lengths]
+    q, k, v, table, keys, values = paged_case(full, seed=4)
+    new_k = torch.stack([kr[-1] for kr in keys])
+    new_v = torch.stack([vr[-1] for vr in values])
+    one_each = run(q, k.clone(), v.clone(), table, lengths, 0.1, new_kv=(new_k, new_v))
+    looped = run(q, k.clone(), v.clone(), table, lengths, 0.1, new_kv=(new_k, new_v), programs=programs)
+    torch.testing.assert_close(looped[0], dense(q, keys, values, 0.1), atol=2e-3, rtol=2e-3)
+    assert torch.equal(looped[0], one_each[0]), "an item was attended twice, or not at all"
+    same = lambda a, b: torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))  # noqa: E731
+    assert same(looped[1], one_each[1]) and same(looped[2], one_each[2])
 
 
 @kernel_test
@@ -299,13 +318,13 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
 
     from kernels import triton_decode_kernels as k
     ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", cached_ptr="*i32", item_row_ptr="*i32",
-                item_start_ptr="*i32", item_last_ptr="*i32", new_k_ptr="*fp16", new_v_ptr="*fp16", o_ptr="*fp32",
+                item_start_ptr="*i32", item_last_ptr="*i32", first_ptr="*i32", count_ptr="*i32", new_k_ptr="*fp16", new_v_ptr="*fp16", o_ptr="*fp32",
                 lse_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16", scale="fp32")
-    ints = ["num_rows", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
+    ints = ["num_rows", "num_items", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
             "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
             "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item", "rope_stride_row"]
     consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False,
-                  ONE_PAGE=one_page, ROPE=append)
+                  ONE_PAGE=one_page, ROPE=append, ITERS=1)
     target = GPUTarget("cuda", 90, 32)
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     attend = triton.compile(ASTSource(fn=k.attend_items, signature=sig, constexprs=consts), target=target)
@@ -326,7 +345,7 @@ def test_table_widths_share_compiled_kernels():
     specialised on; combine's trip count is rounded to a power of two and still covers every item."""
     from kernels import triton_decode_kernels as k
     if not INTERPRETING:       # the interpreter wraps the kernels without Triton's compile options
-        assert {"num_rows", "bt_stride"} <= set(k.attend_items.do_not_specialize)
+        assert {"num_rows", "num_items", "bt_stride"} <= set(k.attend_items.do_not_specialize)
     widths = range(256, 32768 + 1, 256)                 # every table width of the 1.5B shape, in slots
     bounds = [td.combine_bound(w, 256) for w in widths]
     assert len(set(bounds)) == 8 and all(b >= -(-w // 256) for b, w in zip(bounds, widths))

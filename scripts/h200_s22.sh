@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 37 on one H200, session 21 (2026-12-03): the decode's combine inside attend_items and the GEMM library
-# choice, measured against the tree before them, then the GPU gate suite from an empty compile cache. PARTS (default:
-# all, in this order):
-#   tests    tests/test_triton_decode.py natively on the GPU (the in-launch combine against the combine kernel)
+# Issue 37 on one H200 (sessions 21-22): a change measured against the tree before it, the GPU gate suite from an empty
+# compile cache, and the serving figures beside nano-vllm. PARTS (default: all, in this order):
+#   tests    tests/test_triton_decode.py natively on the GPU (runs while flash-attn builds, if it must)
+#   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
 #   flashgates  the flash configuration's kernel, token, graph and smoke gates (-n 4, from an empty compile cache)
 #   blas     scripts/probes/blas_choice.py: the projections under cuBLAS / cuBLASLt, two weight layouts
 #   ab       gates.ab, head (this tree) against BASE_TREE (.device/base: the tree before), pure decode and loaded,
@@ -13,13 +13,28 @@
 #   gates_n4 the same with -n 4, from an empty compile cache again
 #   nanoprep c512 nano32 r512 nano512   scripts/h200_loaded.sh's parts of those names (closed 200 beside nano-vllm
 #            in this call), run after steps when named in PARTS
-# carry: .device/fa_built (flash-attn built by an earlier call), .device/base (the base tree of ab)
+#   pass32 pass512   closed mixed 200 served twice on one engine, the second pass timed (the prefix cache warm): 32
+#            rows at chunk 512, 512 rows at chunk 16384 (nano-vllm's warm passes come with nano32 / nano512)
+#   open     the open-loop capacity at chunk 512 (flash; s5's command, fewer rates and arrivals)
+#   disturb  the short prompt's first token behind a 32k prompt at prefill share 0.5, chunk 512 (bench.disturbance)
+# carry: .device/fa_built (flash-attn built by an earlier call; else .device/flash_attn, built here in the
+# background and brought back as $OUT/fa_built.tgz), .device/base (the base tree of ab), .device/nano-vllm
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
 DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
 M15=qwen2.5-1.5b-random
-export STEPGATE_FLASH_ATTN_PATH=$PWD/.device/fa_built/src:$PWD/.device/fa_built/ext
+if ls .device/fa_built/ext/*.so > /dev/null 2>&1; then
+  FA=$PWD/.device/fa_built; BUILD=""
+else      # build flash-attn (about 2 minutes) beside the parts that do not need it; its files come back for later calls
+  FA=/tmp/fa
+  ( python3 .device/flash_attn/build_flash_attn.py .device/flash_attn/flash_attn-2.8.3.post2.tar.gz --arch 90 \
+      --workdir /tmp/fa > "$OUT/logs/flash_build.log" 2>&1; echo "flash_build: rc=$?" >> "$OUT/logs/status.txt"
+    tar czhf "$OUT/fa_built.tgz" -C /tmp/fa ext src/flash_attn ) &
+  BUILD=$!
+fi
+export STEPGATE_FLASH_ATTN_PATH=$FA/src:$FA/ext
+need_flash() { [ -n "$BUILD" ] && { wait "$BUILD"; BUILD=""; }; return 0; }
 want() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status.txt
   local name=$1 max=$2; shift 2
@@ -33,6 +48,9 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
 part tests 120 python3 -m pytest tests/test_triton_decode.py -q -p no:cacheprovider -rfEs
+need_flash
+part gputests 200 python3 -m pytest tests/test_graph_buffers.py tests/test_step_graphs.py tests/test_overlap.py \
+  --device cuda -q -p no:cacheprovider -rfEs
 rm -rf /tmp/sg-cache-flashgates
 part flashgates 150 env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-flashgates python3 -m pytest gates/test_kernels.py \
   gates/test_tokens.py gates/test_graphs.py gates/test_smoke.py gates/test_page_safety.py --device cuda \
@@ -51,6 +69,17 @@ if [ -n "$LOADED" ]; then   # nanoprep: nano-vllm's model files and compile cach
   OUT="$OUT/loaded" PARTS="nanoprep$LOADED" BUDGET_S=$left bash scripts/h200_loaded.sh > "$OUT/logs/loaded.log" 2>&1
   echo "loaded ($LOADED): rc=$?" >> "$OUT/logs/status.txt"
 fi
+serve() {  # serve NAME MAX_SECONDS ARGS...: bench.serving flash on the 1.5B shape, results in $OUT/serve/NAME
+  part "$1" "$2" python3 -m bench.serving --model $M15 --device cuda --engine flash --out "$OUT/serve/$1" \
+    --no-progress "${@:3}"
+}
+serve pass32 110 --closed --batches 200 --uniform "" --new-tokens 128 --chunk-tokens 512 --passes 2 --warmups 0 --reps 2
+serve pass512 110 --closed --batches 200 --uniform "" --new-tokens 128 --chunk-tokens 16384 --max-batch 512 \
+  --passes 2 --warmups 0 --reps 2
+serve open 200 --closed --open --batches 32 --uniform "" --new-tokens 128 --chunk-tokens 512 --warmups 0 --reps 1 \
+  --arrivals 100 --rates 6,9,12,18 --max-rates 4
+part disturb 150 python3 -m bench.disturbance --model $M15 --device cuda --dtype float16 --chunk-tokens 512 \
+  --shares 1,0.5 --alone-reps 1 --out "$OUT/serve/disturb" --no-progress
 gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
   local name=$1; shift
   rm -rf /tmp/sg-cache-$name
@@ -60,10 +89,13 @@ gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
 gates gates
 gates gates_n4 -n 4
 cat "$OUT/logs/status.txt"
-tar czf "$OUT/s21.tgz" -C "$OUT" logs ab loaded $(cd "$OUT" && ls *.json 2>/dev/null) 2>/dev/null
-grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)" "$OUT"/logs/tests.log "$OUT"/logs/flashgates.log "$OUT"/logs/gates*.log 2>/dev/null | tail -20
+need_flash
+tar czf "$OUT/s22.tgz" -C "$OUT" logs $(cd "$OUT" && ls -d ab loaded serve *.json 2>/dev/null) 2>/dev/null
+grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)|engines built" "$OUT"/logs/tests.log "$OUT"/logs/gputests.log \
+  "$OUT"/logs/flashgates.log "$OUT"/logs/gates*.log 2>/dev/null | tail -24
 grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
 grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/loaded/table.md" 2>/dev/null | head -40
+for f in pass32 pass512 open disturb; do [ -f "$OUT/logs/$f.log" ] && { echo "-- $f"; tail -12 "$OUT/logs/$f.log"; }; done

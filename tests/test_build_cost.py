@@ -1,0 +1,42 @@
+"""engine/build_cost.py and its gate-run line (gates/build_cost.py): each engine built leaves one record of where its
+construction time went, and the run's totals add up across processes (xdist workers)."""
+from __future__ import annotations
+
+from engine import Engine, EngineConfig, build_cost
+from gates import build_cost as gate_cost
+
+
+def test_each_engine_built_records_its_cost(loaded):
+    before = len(build_cost.BUILDS)
+    e = Engine(EngineConfig(cuda_graphs=True, progress=False, max_model_len=512), loaded=loaded)
+    assert len(build_cost.BUILDS) == before + 1
+    rec = build_cost.BUILDS[-1]
+    assert rec is e.build_cost and rec["config"] == e.served.key()
+    # on a CPU the captured steps' path is emulated: shapes set up, nothing captured, no compile or warm-up
+    assert rec["graphs"] == 0 and e.runner.graphs is not None and e.runner.graphs.keys
+    assert rec["total_s"] > 0 and all(rec[k] >= 0 for k in build_cost.PARTS)
+    assert sum(rec[k] for k in build_cost.PARTS) <= rec["total_s"]
+
+
+def test_totals_and_the_line_add_up_across_workers():
+    a = [dict(config="x", graphs=10, total_s=3.0, compile_s=1.0, warmup_s=0.5, graph_warm_s=0.25, capture_s=1.0),
+         dict(config="y", graphs=5, total_s=1.0, compile_s=0.0, warmup_s=0.0, graph_warm_s=0.5, capture_s=0.25)]
+    t = build_cost.totals(a)
+    assert t == dict(engines=2, graphs=15, total_s=4.0, compile_s=1.0, warmup_s=0.5, graph_warm_s=0.75,
+                     capture_s=1.25)
+    both = gate_cost.add(gate_cost.add(None, t), build_cost.totals(a[:1]))
+    assert both["engines"] == 3 and both["graphs"] == 25 and both["total_s"] == 7.0
+    assert gate_cost.line(t) == ("2 engines built in 4.0 s: compile 1.0 s, backend warm-up 0.5 s, captured steps "
+                                 "2.0 s (15 graphs; warm-up forwards 0.8 s, captures 1.2 s)")
+
+
+def test_timed_adds_a_blocks_time_even_when_it_raises():
+    parts = {}
+    try:
+        with build_cost.timed(parts, "compile_s"):
+            raise ValueError("compile failed")
+    except ValueError:
+        pass
+    with build_cost.timed(parts, "compile_s"):
+        pass
+    assert set(parts) == {"compile_s"} and parts["compile_s"] >= 0

@@ -185,12 +185,12 @@ class CapturedSteps:
         torch.cuda.empty_cache()          # what the warm-ups cached is not the graphs' memory
         before = torch.cuda.memory_reserved(r.device)
         # capture_begin/capture_end on a side stream is what `torch.cuda.graph` does, less its gc.collect() and
-        # empty_cache() per graph: a full collection of a process that holds torch, dynamo and hypothesis takes
-        # about 0.2 s, and an engine captures tens of graphs (the memory was settled once, above). One collection
-        # here, and none during the captures: a collection inside one frees whatever garbage holds (an earlier
-        # engine's graphs, its events), calls that a global-mode capture forbids, and the capture is invalidated
-        # ("operation failed due to a previous error during capture": the flash gate suite, session 20)
-        gc.collect()
+        # empty_cache() per graph (the memory was settled once, above). No collection during the captures: one
+        # inside a capture frees whatever garbage holds (an earlier engine's graphs, its events), calls that a
+        # global-mode capture forbids, and the capture is invalidated ("operation failed due to a previous error
+        # during capture": the flash gate suite, session 20); the garbage waits for the first collection after
+        # them. Nor one before them: a full collection of the gate suite's process took about a second (46.6 s
+        # of the serial GPU suite's captures, 118 engines; session 22), and disabling the collector is enough
         collecting = gc.isenabled()
         gc.disable()
         stream.wait_stream(torch.cuda.current_stream(r.device))

@@ -86,8 +86,8 @@ def test_replay_uses_the_narrowest_table_that_holds_its_rows(mode, monkeypatch):
     replay = DecodeGraphs.replay
     keys = []
 
-    def recording_replay(self, decodes, pages_of):
-        out = replay(self, decodes, pages_of)
+    def recording_replay(self, decodes, pages_of, *source):     # source: a step launched ahead (overlap, CUDA)
+        out = replay(self, decodes, pages_of, *source)
         keys.append(self.last_key)
         return out
 

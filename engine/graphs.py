@@ -189,8 +189,9 @@ class CapturedSteps:
         # inside a capture frees whatever garbage holds (an earlier engine's graphs, its events), calls that a
         # global-mode capture forbids, and the capture is invalidated ("operation failed due to a previous error
         # during capture": the flash gate suite, session 20); the garbage waits for the first collection after
-        # them. Nor one before them: a full collection of the gate suite's process took about a second (46.6 s
-        # of the serial GPU suite's captures, 118 engines; session 22), and disabling the collector is enough
+        # them. Nor one before them: disabling the collector is enough, and a full collection of a process that
+        # holds the gate suite is slow (session 22: the serial GPU suite's captures took 46.6 s for 524 graphs, 89 ms
+        # a graph, beside 5.3 s of warm-up forwards; the collection before each graph set was the suspect)
         collecting = gc.isenabled()
         gc.disable()
         stream.wait_stream(torch.cuda.current_stream(r.device))

@@ -26,6 +26,15 @@ def totals(builds: list[dict] | None = None) -> dict:
     return out
 
 
+def add_graph_sets(parts: dict[str, float], graph_sets) -> None:
+    """A build's captured steps into `parts`: each set's warm-up forwards, and the rest of its capture time (a set
+    times both together; None: a set not built)."""
+    for g in graph_sets:
+        if g is not None:
+            parts["graph_warm_s"] = parts.get("graph_warm_s", 0.0) + g.warm_s
+            parts["capture_s"] = parts.get("capture_s", 0.0) + g.capture_s - g.warm_s
+
+
 @contextmanager
 def timed(parts: dict[str, float], name: str):
     """Add the block's wall time to parts[name]."""

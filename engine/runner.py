@@ -17,7 +17,7 @@ import torch
 from kernels import AttnBatch, Unavailable, get_backend
 from kernels.base import AttentionBackend
 
-from .build_cost import timed
+from .build_cost import add_graph_sets, timed
 from .census import StepPath, kernel_paths, step_kind
 from .model import ForwardContext, Qwen2
 from .poisoned_reads import poisoned_reads
@@ -336,8 +336,5 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
             # a step's prompt positions are at most chunk_tokens, beside at most max_batch decode tokens
             runner.capture_step_graphs(config.chunk_tokens + config.max_batch, config.max_batch, table_width,
                                        progress=config.progress, capture=capture)
-        for g in (runner.graphs, runner.step_graphs):
-            if g is not None:
-                cost["graph_warm_s"] = cost.get("graph_warm_s", 0.0) + g.warm_s
-                cost["capture_s"] = cost.get("capture_s", 0.0) + g.capture_s - g.warm_s
+        add_graph_sets(cost, [runner.graphs, runner.step_graphs])
     return runner

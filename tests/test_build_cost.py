@@ -30,6 +30,13 @@ def test_totals_and_the_line_add_up_across_workers():
                                  "2.0 s (15 graphs; warm-up forwards 0.8 s, captures 1.2 s)")
 
 
+def test_graph_sets_split_warm_up_forwards_from_captures():
+    from types import SimpleNamespace as Set
+    parts = {"compile_s": 1.0}
+    build_cost.add_graph_sets(parts, [Set(warm_s=0.5, capture_s=2.0), None, Set(warm_s=0.25, capture_s=1.0)])
+    assert parts == {"compile_s": 1.0, "graph_warm_s": 0.75, "capture_s": 2.25}
+
+
 def test_timed_adds_a_blocks_time_even_when_it_raises():
     parts = {}
     try:

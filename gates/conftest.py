@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from . import build_cost
+from . import build_cost, prewarm
 from .options import GateOptions, gate_options, is_gate_file
 from .runs import Runs
 
@@ -25,12 +25,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if short:
         terminalreporter.write_line(f"stepgate: not run on {torch.cuda.device_count()} GPU(s), deselected: "
                                     f"{', '.join(short)}", yellow=True)
-    built = build_cost.report(config)
-    if built:
-        terminalreporter.write_line(f"stepgate: {built}")
+    for line in (build_cost.report(config), prewarm.report(config)):
+        if line:
+            terminalreporter.write_line(f"stepgate: {line}")
+
+
+def pytest_collection_finish(session):
+    prewarm.begin(session)
 
 
 def pytest_sessionfinish(session):
+    prewarm.end(session)
     build_cost.finish_worker(session.config)
 
 

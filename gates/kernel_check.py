@@ -219,6 +219,21 @@ def locate(case: PagedCase, err: torch.Tensor) -> str:
     return f"row {row}, head {head}"
 
 
+def check_gate_case(path, heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                    lens_name: str, device) -> dict:
+    """One case of the kernel gate's grid (gates/test_kernels.py): `path` (a kernels.declared_paths() entry) on
+    that shape, page size, dtype and history set, its backend built with the path's options. The gate and the
+    compile prewarm (gates/prewarm.py) both run this."""
+    if path.op == "decode":
+        kv_lens, q_lens = DECODE_LENS[lens_name], None
+    else:
+        q_lens, kv_lens = zip(*PREFILL_LENS[lens_name])
+    backend = kernels.get_backend(path.backend, device, page_size, **path.options())
+    return check_kernel(backend, path.op, device=device, dtype=dtype, num_heads=heads, kv_heads=kv_heads,
+                        head_dim=head_dim, page_size=page_size, kv_lens=kv_lens, q_lens=q_lens,
+                        seed=heads * 1000 + head_dim + page_size, append=path.append)
+
+
 def check_kernel(backend, kind: str, *, device="cpu", dtype=torch.float32, num_heads=4, kv_heads=2, head_dim=64,
                  page_size=64, kv_lens=(1, 65, 257), q_lens=None, seed=0, num_pages=None, high_pages=False,
                  poison=True, case: PagedCase | None = None, append: bool = False) -> dict:

@@ -92,6 +92,9 @@ def pytest_addoption(parser):
     g.addoption("--order-as-given", action="store_true",
                 help="run the gates in the command line's order, not the suite's (smoke first): a mutation suite "
                 "names first the gates most likely to fail for its module (gates/mutation.toml)")
+    g.addoption("--no-prewarm", action="store_true",
+                help="on CUDA, do not compile the compile-heavy kernel-gate cases (FlexAttention's) ahead in parallel "
+                "processes (gates/prewarm.py)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
 

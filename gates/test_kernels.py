@@ -38,7 +38,7 @@ import kernels
 
 from . import coverage
 from .kernel_check import (CPU_FLEX_SHAPE, DECODE_LENS, LONG_SHAPES, PAGE_SIZES, PREFILL_LENS, SHAPES, SHORT,
-                           check_kernel, compare_decode_kernels, make_case, run_kernel)
+                           check_gate_case, check_kernel, compare_decode_kernels, make_case, run_kernel)
 from .options import gate_options
 
 PATHS = {p.name: p for p in kernels.declared_paths()}
@@ -153,14 +153,7 @@ def test_kernel_gate(path, heads, kv_heads, head_dim, page_size, dtype, lens_nam
     reason = kernels.backend_class(p.backend).why_unsupported(head_dim, dtype, heads, kv_heads)
     if reason:
         pytest.skip(f"{p.backend} refuses this shape (test_unsupported_shapes_are_refused shows it): {reason}")
-    if p.op == "decode":
-        kv_lens, q_lens = DECODE_LENS[lens_name], None
-    else:
-        q_lens, kv_lens = zip(*PREFILL_LENS[lens_name])
-    backend = kernels.get_backend(p.backend, device, page_size, **p.options())
-    check_kernel(backend, p.op, device=device, dtype=dtype, num_heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-                 page_size=page_size, kv_lens=kv_lens, q_lens=q_lens, seed=heads * 1000 + head_dim + page_size,
-                 append=p.append)
+    check_gate_case(p, heads, kv_heads, head_dim, page_size, dtype, lens_name, device)
     coverage.checked(p)
 
 

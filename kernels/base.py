@@ -92,6 +92,9 @@ class AttentionBackend:
     # row's length): captured steps then need one table width, not a ladder of them (engine/graphs.py). An
     # instance's value says what its decode kernel does (flash: the Triton decode; flash-attn's split-KV is not)
     width_free_decode: bool = False
+    # True when the backend compiles a kernel for each head shape and dtype it meets (FlexAttention): the GPU gate run
+    # compiles those of its kernel gate ahead, in parallel processes (gates/prewarm.py)
+    compiles_per_shape: bool = False
     # the decode kernels this backend can run (EngineConfig.decode_kernel); the first is its default
     decode_kernels: tuple[str, ...] = ("default",)
     prefill_kernel: str = "default"

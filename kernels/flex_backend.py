@@ -113,6 +113,7 @@ class FlexBackend(AttentionBackend):
     decode_kernels = DECODE_LAYOUTS
     prefill_kernel = "packed"
     head_dims = (64, 128)       # what the kernel gate compiles and checks (each head dim compiles its own kernels)
+    compiles_per_shape = True   # torch.compile'd flex_attention: a kernel per head shape and dtype
 
     def __init__(self, decode_kernel: str | None = None, decode_splits: int | None = None,
                  decode_append: bool | None = None, dynamic: bool | None = None):

@@ -24,7 +24,7 @@ LAYERS = {
                     "engine.prefill_share", "engine.schedule_log", "engine.census", "engine.foresight",
                     "engine.errors"},
     "execution": {"engine.runner", "engine.readback", "engine.poisoned_reads", "engine.model", "engine.packing",
-                  "engine.graphs", "engine.step_graphs", "engine.loader", "engine.dtypes", "engine.tp",
+                  "engine.graphs", "engine.step_graphs", "engine.loader", "engine.dtypes", "engine.build_cost", "engine.tp",
                   "engine.tp.runner", "engine.tp.shard", "engine.tp.worker", "engine.tp.layers"},
     "facade": {"engine", "engine.engine", "engine.served", "engine.sigint", "engine.config", "engine.inputs",
                "engine.workload", "engine.poison_report", "engine.heap"},

@@ -1,0 +1,165 @@
+"""The compile-heavy kernel-gate cases compiled ahead, in parallel processes, while the gates before them run.
+
+A backend that compiles a kernel per shape (FlexAttention: `compiles_per_shape`) makes the GPU kernel gate compile
+one kernel per (path, head shape, dtype): 30 on CUDA, 2-7 s each, one after another in a gate process (most of the
+serial GPU suite's FlexAttention time from a cold compile cache; session 22). Inductor keeps compiled graphs in its
+on-disk cache, shared by the processes of one user and cache folder (STEPGATE_COMPILE_CACHE where set): a second
+process loads a flex_attention graph instead of compiling it (on CPU, 13.7 s cold against 2.0 s from the cache).
+So at the start of a CUDA gate run, a few processes run one case of each such kernel, each through the gate's own
+check (kernel_check.check_gate_case), and the gate, reaching those cases later, loads what they compiled. Their
+results are ignored: the gate judges every case itself, and a case the prewarm has not reached yet is compiled by
+the gate as before (both write the cache atomically). `--no-prewarm` turns it off; on a CPU it never runs (two CI
+cores would only compile slower side by side).
+
+    python -m gates.prewarm --device cuda CASES.json     (what a prewarm process runs; CASES: a list of cases)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+GATE = "test_kernel_gate"
+CASE_KEYS = ("path", "heads", "kv_heads", "head_dim", "page_size", "dtype", "lens_name")
+MAX_PROCESSES = 6
+REPO = Path(__file__).resolve().parent.parent
+
+
+def compile_key(case: dict) -> tuple:
+    """What a compiled kernel is specialised on: the path, the head shape and the dtype (not the page size or the
+    histories, which reuse it: the gate's page-256 and long cases took 0.02-0.12 s after its page-64 case)."""
+    return case["path"], case["heads"], case["kv_heads"], case["head_dim"], case["dtype"]
+
+
+def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
+    """The first kernel-gate case of each compiled kernel among `items` (collected pytest items), for the declared
+    paths whose backend is in `compiling`, in the run's order."""
+    import kernels
+    paths = {p.name: p for p in kernels.declared_paths()}
+    out, seen = [], set()
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if getattr(item, "originalname", None) != GATE or spec is None:
+            continue
+        case = {k: spec.params[k] for k in CASE_KEYS}
+        path = paths.get(case["path"])
+        if path is None or path.backend not in compiling:
+            continue
+        case["dtype"] = str(case["dtype"]).removeprefix("torch.")
+        if compile_key(case) not in seen:
+            seen.add(compile_key(case))
+            out.append(case)
+    return out
+
+
+def compiling_backends(backends) -> set[str]:
+    """The selected backends that compile a kernel per shape."""
+    import kernels
+    return {b for b in backends if getattr(kernels.backend_class(b), "compiles_per_shape", False)}
+
+
+def start(cases: list[dict], device: str, processes: int | None = None, log_dir: str | None = None):
+    """Prewarm processes over `cases` (dealt round-robin), started in the background; [] when there is none."""
+    if not cases:
+        return []
+    n = min(len(cases), processes or max(1, min(MAX_PROCESSES, (os.cpu_count() or 2) // 2)))
+    log_dir = log_dir or tempfile.mkdtemp(prefix="stepgate-prewarm-")
+    procs = []
+    for i in range(n):
+        spec = Path(log_dir, f"cases-{i}.json")
+        spec.write_text(json.dumps(cases[i::n]))
+        log = open(Path(log_dir, f"prewarm-{i}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "gates.prewarm", "--device", device, str(spec)],
+                                      cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        log.close()
+    return procs
+
+
+def stop(procs) -> None:
+    """End the prewarm processes still running (the gates are done: what they would compile is not needed)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def run_cases(cases: list[dict], device: str, out=sys.stdout) -> int:
+    """Each case through the gate's check; a failure is reported and passed over (the gate judges it). Returns
+    the cases whose check ran to the end, passing or failing."""
+    import torch
+
+    import kernels
+
+    from .kernel_check import check_gate_case
+    paths = {p.name: p for p in kernels.declared_paths()}
+    done = 0
+    for case in cases:
+        t0 = time.perf_counter()
+        try:
+            check_gate_case(paths[case["path"]], case["heads"], case["kv_heads"], case["head_dim"],
+                            case["page_size"], getattr(torch, case["dtype"]), case["lens_name"], device)
+            verdict = "passed"
+        except Exception as e:  # noqa: BLE001 (the gate reports it, with its own message)
+            verdict = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        done += 1
+        print(f"prewarm {compile_key(case)}: {time.perf_counter() - t0:.2f} s, {verdict}", file=out, flush=True)
+    return done
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="compile kernel-gate cases into the shared compile cache")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("cases", help="a JSON file: a list of cases (gates.prewarm.CASE_KEYS)")
+    a = ap.parse_args(argv)
+    from kernels.compile_cache import use_compile_cache
+    use_compile_cache()
+    run_cases(json.loads(Path(a.cases).read_text()), a.device)
+    return 0
+
+
+# -- the gate run's hooks (gates/conftest.py) ---------------------------------------------------------------------
+_PROCS = pytest.StashKey[list]()
+
+
+def begin(session) -> None:
+    """After collection: on CUDA, with compiling backends selected and --no-prewarm not given, start the prewarm
+    (under xdist on the first worker only: the cache is shared, and every worker collects every case)."""
+    from .options import gate_options
+    config = session.config
+    o = gate_options(config)
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if not o.is_cuda or config.getoption("--no-prewarm") or worker not in (None, "gw0"):
+        return
+    compiling = compiling_backends(o.backends)
+    if compiling:
+        config.stash[_PROCS] = start(cases_to_prewarm(getattr(session, "items", []), compiling), o.device)
+
+
+def end(session) -> None:
+    stop(session.config.stash.get(_PROCS, []))
+
+
+def report(config) -> str | None:
+    """The terminal line of a run that prewarmed: its processes and how they ended."""
+    procs = config.stash.get(_PROCS, [])
+    if not procs:
+        return None
+    codes = [p.returncode for p in procs]
+    return (f"prewarm: {len(procs)} processes compiled the kernel gate's compile-heavy cases ahead "
+            f"({sum(c == 0 for c in codes)} finished, {sum(c != 0 for c in codes)} stopped at the run's end or failed; "
+            f"--no-prewarm turns it off)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""gates/prewarm.py: the compile-heavy kernel-gate cases (FlexAttention's) compiled ahead in parallel processes on a
+GPU gate run. Which cases (one per compiled kernel, only a compiling backend's), when (CUDA only, the first xdist
+worker only, never with --no-prewarm), and the processes themselves: each runs the gate's own check on its cases,
+reports a failing case and goes on, and a run's end stops those still running."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels
+from gates import options, prewarm
+
+PATHS = {p.name: p for p in kernels.declared_paths()}
+FLEX = sorted(n for n, p in PATHS.items() if p.backend == "flex")
+TORCH = sorted(n for n, p in PATHS.items() if p.backend == "torch")
+
+
+def item(path, heads=4, kv_heads=2, head_dim=64, page_size=64, dtype=torch.float16, lens_name="edges",
+         name="test_kernel_gate"):
+    params = dict(path=path, heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=dtype,
+                  lens_name=lens_name)
+    return SimpleNamespace(originalname=name, callspec=SimpleNamespace(params=params))
+
+
+def test_one_case_per_compiled_kernel_of_the_compiling_backends_only():
+    items = [item(TORCH[0]),                                       # torch compiles nothing
+             item(FLEX[0]), item(FLEX[0], page_size=256), item(FLEX[0], lens_name="long"),   # one kernel
+             item(FLEX[0], dtype=torch.bfloat16), item(FLEX[0], head_dim=128),             # two more
+             item(FLEX[1]),
+             item(FLEX[0], heads=8, kv_heads=8, name="test_kernel_cache_over_2g_elements"),  # another gate
+             SimpleNamespace(originalname="test_kernel_gate")]                            # not parametrised
+    assert prewarm.compiling_backends(["torch", "flex", "flash"]) == {"flex"}
+    cases = prewarm.cases_to_prewarm(items, {"flex"})
+    assert [(c["path"], c["head_dim"], c["dtype"], c["page_size"]) for c in cases] == [
+        (FLEX[0], 64, "float16", 64), (FLEX[0], 64, "bfloat16", 64), (FLEX[0], 128, "float16", 64),
+        (FLEX[1], 64, "float16", 64)]
+    json.dumps(cases)           # what a prewarm process is handed
+
+
+def test_a_prewarm_process_runs_the_gates_check_and_passes_over_a_failing_case():
+    ok = dict(path=TORCH[0], heads=4, kv_heads=2, head_dim=64, page_size=64, dtype="float32", lens_name="edges")
+    bad = dict(ok, path=next(n for n, p in PATHS.items() if p.backend == "flash"), page_size=256)   # no GPU here
+    out = io.StringIO()
+    assert prewarm.run_cases([bad, ok], "cpu", out=out) == 2
+    lines = out.getvalue().splitlines()
+    assert "Unavailable" in lines[0] and lines[1].endswith("passed"), lines
+
+
+def test_the_processes_run_their_cases_and_a_runs_end_stops_the_rest(tmp_path):
+    case = dict(path=TORCH[0], heads=4, kv_heads=2, head_dim=64, page_size=64, dtype="float32", lens_name="edges")
+    procs = prewarm.start([case, dict(case, head_dim=128)], "cpu", processes=2, log_dir=str(tmp_path))
+    assert len(procs) == 2
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    logs = sorted(tmp_path.glob("prewarm-*.log"))
+    assert len(logs) == 2 and all("passed" in f.read_text() for f in logs), [f.read_text() for f in logs]
+    import subprocess
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    t0 = time.perf_counter()
+    prewarm.stop([sleeper])
+    assert sleeper.poll() is not None and time.perf_counter() - t0 < 15
+    assert prewarm.start([], "cuda") == []
+
+
+@pytest.mark.parametrize("device,no_prewarm,worker,backends,starts", [
+    ("cuda", False, None, ("torch", "flex", "flash"), True),      # a serial GPU run
+    ("cuda", False, "gw0", ("flex",), True),                       # the first xdist worker
+    ("cuda", False, "gw1", ("flex",), False),                      # the others share its cache
+    ("cuda", True, None, ("flex",), False),                        # --no-prewarm
+    ("cpu", False, None, ("torch", "flex"), False),                # never on a CPU
+    ("cuda", False, None, ("torch", "flash"), False),              # no compiling backend selected
+])
+def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, starts):
+    o = SimpleNamespace(is_cuda=device == "cuda", backends=backends, device=device)
+    monkeypatch.setattr(options, "gate_options", lambda config: o)
+    started = []
+    monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append((cases, dev)) or ["proc"])
+    config = SimpleNamespace(getoption=lambda name: no_prewarm, stash={},
+                             **({"workerinput": {"workerid": worker}} if worker else {}))
+    session = SimpleNamespace(config=config, items=[item(FLEX[0]), item(TORCH[0])])
+    prewarm.begin(session)
+    assert bool(started) == starts
+    if starts:
+        assert started[0][1] == device and [c["path"] for c in started[0][0]] == [FLEX[0]]
+        assert config.stash[prewarm._PROCS] == ["proc"]
+        config.stash[prewarm._PROCS] = [SimpleNamespace(returncode=0), SimpleNamespace(returncode=-15)]
+        assert "2 processes" in prewarm.report(config) and "1 finished, 1 stopped" in prewarm.report(config)
+    else:
+        assert prewarm.report(config) is None

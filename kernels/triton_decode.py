@@ -10,8 +10,10 @@ items are as many as the keys need (a 4,114-position row makes 17 of 256, a 200-
 program per key/value head that attends all of that head's query heads (GQA) over its keys, and a combine reduces
 each row's own items only (a one-item row is copied).
 
-Graph-safe: the item list is made on the device from the cache lengths with torch ops (no host sync), over a grid
-fixed by the batch's shape and the pool's size; items past the step's last one exit at once.
+Graph-safe: the item list is made on the device from the cache lengths with torch ops (no host sync), in arrays
+sized by the batch's shape and the pool's size; attend_items is a persistent grid (PROGRAMS_PER_SM a multiprocessor)
+whose programs loop over the step's items up to its last one, read on the device, so neither the table's width nor
+the pool's size adds programs that only exit.
 
 The step's new key and value (new_kv, the append) are attended from registers by each row's last item, which also
 writes them to their cache slot; no program reads that slot, so no ordering between programs is needed.
@@ -128,7 +130,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     programs = max(1, min(programs, n_items))
     attend_items[(programs, kv_heads)](
         q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, firsts, counts, new_k, new_v,
-        o_part, lse, cos, sin, scale, rows, n_items, block_table.stride(0), page_size, q.stride(0), q.stride(1),
+        o_part, lse, cos, sin, scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0), cos.stride(0) if rope is not None else 0,

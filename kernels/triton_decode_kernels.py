@@ -46,13 +46,12 @@ def page_of(bt_ptr, row, bt_stride, b, page_size):
     return tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)
 
 
-# the row count, the item count and the table's width change with every captured shape: specialised on (Triton
-# compiles a variant for a value divisible by 16, and one for 1), each would compile the kernel again for nothing
-# (they only index rows and items)
-@triton.jit(do_not_specialize=["num_rows", "num_items", "bt_stride"])
+# the row count and the table's width change with every captured shape: specialised on (Triton compiles a variant
+# for a value divisible by 16, and one for 1), each would compile the kernel again for nothing (they only index rows)
+@triton.jit(do_not_specialize=["num_rows", "bt_stride"])
 def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
                  first_ptr, count_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
-                 num_rows, num_items, bt_stride, page_size,
+                 num_rows, bt_stride, page_size,
                  q_stride_row, q_stride_head,
                  kv_stride_page, kv_stride_slot, kv_stride_head,
                  new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
@@ -67,32 +66,34 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     g = tl.program_id(1)                       # key/value head
+    # the step's items end at its last row's last item (the grid's items past it belong to no row)
+    total = tl.load(first_ptr + num_rows - 1) + tl.load(count_ptr + num_rows - 1)
     if STATIC_LOOP:
         # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: ITERS trips of the grid,
-        # items past the array skipped
+        # the items past the step's last skipped
         for j in range(ITERS):
-            attend_item(pid + j * nprog, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                        item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale, num_rows,
-                        num_items, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page,
-                        kv_stride_slot, kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row,
-                        new_v_stride_head, o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
+            item = pid + j * nprog
+            if item < total:
+                attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
+                            item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                            bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
+                            kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
+                            o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
     else:
-        # the step's items end at its last row's last item (the items past it belong to no row)
-        total = tl.load(first_ptr + num_rows - 1) + tl.load(count_ptr + num_rows - 1)
         for item in range(pid, total, nprog):
             attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                        item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale, num_rows,
-                        num_items, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page,
-                        kv_stride_slot, kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row,
-                        new_v_stride_head, o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                        item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                        bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
+                        kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
+                        o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                         GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
 
 
 @triton.jit
 def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
                 new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
-                num_rows, num_items, bt_stride, page_size,
+                bt_stride, page_size,
                 q_stride_row, q_stride_head,
                 kv_stride_page, kv_stride_slot, kv_stride_head,
                 new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
@@ -101,75 +102,74 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
                 ROPE: tl.constexpr):
     """One item: a key/value head's query heads of its row over the item's keys (and, for a row's last item with
-    APPEND, the step's new key and value) -> its partial output and log-sum-exp. An item past the array, or one of
-    no row (past the step's last), does nothing."""
-    row = tl.load(item_row_ptr + item, mask=item < num_items, other=num_rows)
-    if row < num_rows:
-        start = tl.load(item_start_ptr + item)
-        cached = tl.load(cached_ptr + row)
-        end = tl.minimum(start + CHUNK, cached)
-        h = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, D)
-        hmask = h < GROUP
-        heads = g * GROUP + h
-        q = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + d[None, :],
-                    mask=hmask[:, None], other=0.0)
-        if ROPE:
-            # the step's rotary embedding, here instead of a kernel of its own a layer: the queries come unrotated
-            # (as the QKV projection left them) with the row's cos and sin, and are rotated as the model's rope
-            # does it (x cos + rotate_half(x) sin, in fp32, rounded once to the cache's dtype)
-            c = tl.load(cos_ptr + row * rope_stride_row + d).to(tl.float32)
-            sn = tl.load(sin_ptr + row * rope_stride_row + d).to(tl.float32)
-            half = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + partner(D)[None, :],
-                           mask=hmask[:, None], other=0.0)
-            q = rotate(q, half, c, sn, D).to(q_ptr.dtype.element_ty)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        # ONE_PAGE (the item divides the page size, so an item lies in one page): its page is looked up once, and
-        # every key block's address is known before the loop, with no table load in the chain of each block
-        page = page_of(bt_ptr, row, bt_stride, start, page_size)
-        if STATIC_LOOP:
-            # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: a static trip count
-            # whose blocks past the item's keys are skipped
-            for j in range(CHUNK // BLOCK_N):
-                b = start + j * BLOCK_N
-                if b < end:
-                    if not ONE_PAGE:
-                        page = page_of(bt_ptr, row, bt_stride, b, page_size)
-                    m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
-                                              kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
-        else:
-            # on the GPU a loop over the item's key blocks, which the compiler pipelines (the next block's loads
-            # under this block's math)
-            for b in range(start, end, BLOCK_N):
+    APPEND, the step's new key and value) -> its partial output and log-sum-exp. The callers pass only the step's
+    items (each of a row)."""
+    row = tl.load(item_row_ptr + item)
+    start = tl.load(item_start_ptr + item)
+    cached = tl.load(cached_ptr + row)
+    end = tl.minimum(start + CHUNK, cached)
+    h = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    hmask = h < GROUP
+    heads = g * GROUP + h
+    q = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + d[None, :],
+                mask=hmask[:, None], other=0.0)
+    if ROPE:
+        # the step's rotary embedding, here instead of a kernel of its own a layer: the queries come unrotated
+        # (as the QKV projection left them) with the row's cos and sin, and are rotated as the model's rope
+        # does it (x cos + rotate_half(x) sin, in fp32, rounded once to the cache's dtype)
+        c = tl.load(cos_ptr + row * rope_stride_row + d).to(tl.float32)
+        sn = tl.load(sin_ptr + row * rope_stride_row + d).to(tl.float32)
+        half = tl.load(q_ptr + row * q_stride_row + heads[:, None] * q_stride_head + partner(D)[None, :],
+                       mask=hmask[:, None], other=0.0)
+        q = rotate(q, half, c, sn, D).to(q_ptr.dtype.element_ty)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    # ONE_PAGE (the item divides the page size, so an item lies in one page): its page is looked up once, and
+    # every key block's address is known before the loop, with no table load in the chain of each block
+    page = page_of(bt_ptr, row, bt_stride, start, page_size)
+    if STATIC_LOOP:
+        # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: a static trip count
+        # whose blocks past the item's keys are skipped
+        for j in range(CHUNK // BLOCK_N):
+            b = start + j * BLOCK_N
+            if b < end:
                 if not ONE_PAGE:
                     page = page_of(bt_ptr, row, bt_stride, b, page_size)
                 m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
                                           kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
-        if APPEND:
-            if tl.load(item_last_ptr + item) != 0:
-                # the step's own key and value: attended from registers, written to the row's next slot
-                nk = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + d)
-                nv = tl.load(new_v_ptr + row * new_v_stride_row + g * new_v_stride_head + d)
-                if ROPE:    # the new key comes unrotated too: rotated before it is attended and written
-                    nk_half = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + partner(D))
-                    nk = rotate(nk, nk_half, c, sn, D).to(new_k_ptr.dtype.element_ty)
-                s1 = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1) * scale
-                m_new = tl.maximum(m_i, s1)
-                alpha = tl.exp(m_i - m_new)
-                p1 = tl.exp(s1 - m_new)
-                acc = acc * alpha[:, None] + p1[:, None] * nv.to(tl.float32)[None, :]
-                l_i = l_i * alpha + p1
-                m_i = m_new
-                page = page_of(bt_ptr, row, bt_stride, cached, page_size)
-                slot = page * kv_stride_page + (cached % page_size) * kv_stride_slot + g * kv_stride_head
-                tl.store(k_ptr + slot + d, nk)
-                tl.store(v_ptr + slot + d, nv)
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + item * o_stride_item + heads[:, None] * o_stride_head + d[None, :], out,
-                 mask=hmask[:, None])
-        tl.store(lse_ptr + item * lse_stride_item + heads, m_i + tl.log(l_i), mask=hmask)
+    else:
+        # on the GPU a loop over the item's key blocks, which the compiler pipelines (the next block's loads
+        # under this block's math)
+        for b in range(start, end, BLOCK_N):
+            if not ONE_PAGE:
+                page = page_of(bt_ptr, row, bt_stride, b, page_size)
+            m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
+                                      kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
+    if APPEND:
+        if tl.load(item_last_ptr + item) != 0:
+            # the step's own key and value: attended from registers, written to the row's next slot
+            nk = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + d)
+            nv = tl.load(new_v_ptr + row * new_v_stride_row + g * new_v_stride_head + d)
+            if ROPE:    # the new key comes unrotated too: rotated before it is attended and written
+                nk_half = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + partner(D))
+                nk = rotate(nk, nk_half, c, sn, D).to(new_k_ptr.dtype.element_ty)
+            s1 = tl.sum(q.to(tl.float32) * nk.to(tl.float32)[None, :], 1) * scale
+            m_new = tl.maximum(m_i, s1)
+            alpha = tl.exp(m_i - m_new)
+            p1 = tl.exp(s1 - m_new)
+            acc = acc * alpha[:, None] + p1[:, None] * nv.to(tl.float32)[None, :]
+            l_i = l_i * alpha + p1
+            m_i = m_new
+            page = page_of(bt_ptr, row, bt_stride, cached, page_size)
+            slot = page * kv_stride_page + (cached % page_size) * kv_stride_slot + g * kv_stride_head
+            tl.store(k_ptr + slot + d, nk)
+            tl.store(v_ptr + slot + d, nv)
+    out = acc / l_i[:, None]
+    tl.store(o_ptr + item * o_stride_item + heads[:, None] * o_stride_head + d[None, :], out,
+             mask=hmask[:, None])
+    tl.store(lse_ptr + item * lse_stride_item + heads, m_i + tl.log(l_i), mask=hmask)
 
 
 # combine_head's items at a time: a row of up to 32 items (a table up to 8,192 slots at CHUNK 256) is one block; a

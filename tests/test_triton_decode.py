@@ -320,7 +320,7 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
     ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", cached_ptr="*i32", item_row_ptr="*i32",
                 item_start_ptr="*i32", item_last_ptr="*i32", first_ptr="*i32", count_ptr="*i32", new_k_ptr="*fp16", new_v_ptr="*fp16", o_ptr="*fp32",
                 lse_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16", scale="fp32")
-    ints = ["num_rows", "num_items", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
+    ints = ["num_rows", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
             "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
             "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item", "rope_stride_row"]
     consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False,
@@ -345,7 +345,7 @@ def test_table_widths_share_compiled_kernels():
     specialised on; combine's trip count is rounded to a power of two and still covers every item."""
     from kernels import triton_decode_kernels as k
     if not INTERPRETING:       # the interpreter wraps the kernels without Triton's compile options
-        assert {"num_rows", "num_items", "bt_stride"} <= set(k.attend_items.do_not_specialize)
+        assert {"num_rows", "bt_stride"} <= set(k.attend_items.do_not_specialize)
     widths = range(256, 32768 + 1, 256)                 # every table width of the 1.5B shape, in slots
     bounds = [td.combine_bound(w, 256) for w in widths]
     assert len(set(bounds)) == 8 and all(b >= -(-w // 256) for b, w in zip(bounds, widths))

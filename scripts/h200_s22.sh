@@ -11,11 +11,13 @@
 #   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
 #   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), --durations=40
 #   gates_n4 the same with -n 4, from an empty compile cache again
+#   gates_noprewarm  the serial one with --no-prewarm (the FlexAttention prewarm's own figure, gates/prewarm.py)
 #   nanoprep c512 nano32 r512 nano512   scripts/h200_loaded.sh's parts of those names (closed 200 beside nano-vllm
 #            in this call), run after steps when named in PARTS
 #   pass32 pass512   closed mixed 200 served twice on one engine, the second pass timed (the prefix cache warm): 32
 #            rows at chunk 512, 512 rows at chunk 16384 (nano-vllm's warm passes come with nano32 / nano512)
-#   open     the open-loop capacity at chunk 512 (flash; s5's command, fewer rates and arrivals)
+#   open     the open-loop capacity at chunk 512 (flash; s5's command, fewer rates and arrivals; OPEN_RATES: session
+#            22's 6,9,12,18 did not saturate it at 20.4 req/s served)
 #   disturb  the short prompt's first token behind a 32k prompt at prefill share 0.5, chunk 512 (bench.disturbance)
 # carry: .device/fa_built (flash-attn built by an earlier call; else .device/flash_attn, built here in the
 # background and brought back as $OUT/fa_built.tgz), .device/base (the base tree of ab), .device/nano-vllm
@@ -77,7 +79,7 @@ serve pass32 110 --closed --batches 200 --uniform "" --new-tokens 128 --chunk-to
 serve pass512 110 --closed --batches 200 --uniform "" --new-tokens 128 --chunk-tokens 16384 --max-batch 512 \
   --passes 2 --warmups 0 --reps 2
 serve open 200 --closed --open --batches 32 --uniform "" --new-tokens 128 --chunk-tokens 512 --warmups 0 --reps 1 \
-  --arrivals 100 --rates 6,9,12,18 --max-rates 4
+  --arrivals 100 --rates ${OPEN_RATES:-20,26,32,40} --max-rates 4
 part disturb 150 python3 -m bench.disturbance --model $M15 --device cuda --dtype float16 --chunk-tokens 512 \
   --shares 1,0.5 --alone-reps 1 --out "$OUT/serve/disturb" --no-progress
 gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
@@ -88,6 +90,7 @@ gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
 }
 gates gates
 gates gates_n4 -n 4
+gates gates_noprewarm --no-prewarm
 cat "$OUT/logs/status.txt"
 need_flash
 tar czf "$OUT/s22.tgz" -C "$OUT" logs $(cd "$OUT" && ls -d ab loaded serve *.json 2>/dev/null) 2>/dev/null

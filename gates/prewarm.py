@@ -139,7 +139,8 @@ def begin(session) -> None:
     config = session.config
     o = gate_options(config)
     worker = getattr(config, "workerinput", {}).get("workerid")
-    if not o.is_cuda or config.getoption("--no-prewarm") or worker not in (None, "gw0"):
+    if (not o.is_cuda or config.getoption("--no-prewarm") or worker not in (None, "gw0")
+            or config.getoption("collectonly")):
         return
     compiling = compiling_backends(o.backends)
     if compiling:

@@ -74,13 +74,15 @@ def test_the_processes_run_their_cases_and_a_runs_end_stops_the_rest(tmp_path):
     ("cuda", True, None, ("flex",), False),                        # --no-prewarm
     ("cpu", False, None, ("torch", "flex"), False),                # never on a CPU
     ("cuda", False, None, ("torch", "flash"), False),              # no compiling backend selected
+    ("cuda", "collectonly", None, ("flex",), False),               # --collect-only runs nothing
 ])
 def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, starts):
     o = SimpleNamespace(is_cuda=device == "cuda", backends=backends, device=device)
     monkeypatch.setattr(options, "gate_options", lambda config: o)
     started = []
     monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append((cases, dev)) or ["proc"])
-    config = SimpleNamespace(getoption=lambda name: no_prewarm, stash={},
+    flags = {"--no-prewarm": no_prewarm is True, "collectonly": no_prewarm == "collectonly"}
+    config = SimpleNamespace(getoption=flags.get, stash={},
                              **({"workerinput": {"workerid": worker}} if worker else {}))
     session = SimpleNamespace(config=config, items=[item(FLEX[0]), item(TORCH[0])])
     prewarm.begin(session)

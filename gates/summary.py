@@ -148,6 +148,15 @@ class Run:
     def slowest(self, n: int = 10) -> list[tuple[str, float]]:
         return sorted(self.durations.items(), key=lambda kv: -kv[1])[:n]
 
+    def by_file(self) -> list[tuple[str, int, float]]:
+        """(gate file, gates, seconds in all phases), the most seconds first: where a run's time went."""
+        files: dict[str, list] = {}
+        for nodeid, seconds in self.durations.items():
+            f = files.setdefault(nodeid.split("::")[0], [0, 0.0])
+            f[0] += 1
+            f[1] += seconds
+        return sorted(((name, n, secs) for name, (n, secs) in files.items()), key=lambda r: -r[2])
+
 
 @dataclass
 class Span:
@@ -279,6 +288,9 @@ class GateSummary:
         tr.section("stepgate gate summary")
         for line in lines(self.run.gates):
             tr.write_line(line)
+        if self.run.durations:
+            tr.write_line("gate time by file (s, all phases): " + ", ".join(
+                f"{name.rsplit('/', 1)[-1]} {secs:.1f}" for name, _, secs in self.run.by_file()))
         if self.run.workers:
             tr.write_line("workers (gates, busy s, first gate began at s): " + ", ".join(
                 f"{wid} {gates}/{busy:.1f}/{first:.1f}" for wid, gates, busy, first, _, _ in self.run.worker_rows()))

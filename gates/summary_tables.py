@@ -111,5 +111,7 @@ def markdown(run: Run, about: str, slowest: int = 10) -> str:
     if run.durations:
         out += [f"### Slowest gates ({min(slowest, len(run.durations))} of {len(run.durations)})", "", "| gate | seconds |", "|---|---:|"]
         out += [f"| `{cell(nodeid)}` | {seconds:.1f} |" for nodeid, seconds in run.slowest(slowest)]
+        out += ["", "### Time by gate file", "", "| file | gates | seconds |", "|---|---:|---:|"]
+        out += [f"| `{cell(name)}` | {n} | {secs:.1f} |" for name, n, secs in run.by_file()]
         out.append("")
     return "\n".join(out)

@@ -323,7 +323,8 @@ def test_a_run_over_two_workers_is_summarised_as_a_plain_run(gate_dir):
                  "- flipped: flip site r@1: 8->9 gaps ref 0.0050 cand 0.0100",
                  "#### `gates/test_synthetic.py::test_planted_failure`", "```text\nAssertionError: gate planted failed:\n"
                  "r position 0: reference token 7, candidate token 9;",
-                 "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 11)"):
+                 "**triage verdict:** only when batched with r2", "### Slowest gates (10 of 11)",
+                 "### Time by gate file", "| `gates/test_synthetic.py` | 6 |", "| `gates/test_nothing.py` | 4 |"):
         assert part in md, f"{part!r} not in the Markdown summary:\n{md}"
     assert "test_timing" not in md and "assert False" not in md
     workers_table = re.findall(r"^\| (gw\d) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", md, re.M)

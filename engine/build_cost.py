@@ -10,9 +10,11 @@ BUILDS: list[dict] = []
 PARTS = ("compile_s", "warmup_s", "graph_warm_s", "capture_s")
 
 
-def record(config_key: str, parts: dict[str, float], graphs: int, total_s: float) -> dict:
-    """One engine's build: `parts` (seconds, PARTS' names), its captured graphs and its whole construction."""
-    entry = dict(config=config_key, graphs=graphs, total_s=total_s, **{k: parts.get(k, 0.0) for k in PARTS})
+def record(config_key: str, parts: dict[str, float], total_s: float) -> dict:
+    """One engine's build: `parts` (seconds, PARTS' names; "graphs": its captured graphs) and its whole
+    construction."""
+    entry = dict(config=config_key, graphs=int(parts.get("graphs", 0)), total_s=total_s,
+                 **{k: parts.get(k, 0.0) for k in PARTS})
     BUILDS.append(entry)
     return entry
 
@@ -27,10 +29,11 @@ def totals(builds: list[dict] | None = None) -> dict:
 
 
 def add_graph_sets(parts: dict[str, float], graph_sets) -> None:
-    """A build's captured steps into `parts`: each set's warm-up forwards, and the rest of its capture time (a set
-    times both together; None: a set not built)."""
+    """A build's captured steps into `parts`: each set's graphs, its warm-up forwards, and the rest of its capture
+    time (a set times both together; None: a set not built)."""
     for g in graph_sets:
         if g is not None:
+            parts["graphs"] = parts.get("graphs", 0) + len(g.graphs)
             parts["graph_warm_s"] = parts.get("graph_warm_s", 0.0) + g.warm_s
             parts["capture_s"] = parts.get("capture_s", 0.0) + g.capture_s - g.warm_s
 

@@ -102,10 +102,8 @@ class Engine:
         # what this engine serves: every None of the config decided (golden meta, the gate summary, bench rows)
         self.served = config.resolved(graphs=self.runner.graphs is not None, overlap=self.overlap).with_(
             num_pages=num_pages, max_model_len=self.max_model_len)
-        captured = [g for g in (getattr(self.runner, "graphs", None), getattr(self.runner, "step_graphs", None))
-                    if g is not None]
         self.build_cost = build_cost.record(self.served.key(), getattr(self.runner, "build_cost", {}),
-                                            sum(len(g.graphs) for g in captured), time.perf_counter() - built_from)
+                                            time.perf_counter() - built_from)    # tp > 1: no runner of its own
         self._ahead: tuple[Foresight, object] | None = None   # the step launched ahead, its samples
         self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
         self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match

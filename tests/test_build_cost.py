@@ -33,8 +33,11 @@ def test_totals_and_the_line_add_up_across_workers():
 def test_graph_sets_split_warm_up_forwards_from_captures():
     from types import SimpleNamespace as Set
     parts = {"compile_s": 1.0}
-    build_cost.add_graph_sets(parts, [Set(warm_s=0.5, capture_s=2.0), None, Set(warm_s=0.25, capture_s=1.0)])
-    assert parts == {"compile_s": 1.0, "graph_warm_s": 0.75, "capture_s": 2.25}
+    build_cost.add_graph_sets(parts, [Set(warm_s=0.5, capture_s=2.0, graphs={1: 0, 2: 0}), None,
+                                      Set(warm_s=0.25, capture_s=1.0, graphs={3: 0})])
+    assert parts == {"compile_s": 1.0, "graph_warm_s": 0.75, "capture_s": 2.25, "graphs": 3}
+    assert build_cost.record("k", parts, 5.0)["graphs"] == 3
+    build_cost.BUILDS.pop()
 
 
 def test_timed_adds_a_blocks_time_even_when_it_raises():

@@ -24,7 +24,16 @@ def pages_freed_by(scheduler: Scheduler, plan: StepPlan) -> list[int]:
     """The pages that the end of `plan`'s step will free, before its tokens are known: its bookkeeping run on a
     copy of the scheduler (which retires what finishes by its budget, caches full pages and frees the rest);
     which pages it frees does not depend on the tokens. A cancel during the step frees more; the step launched
-    ahead is then dropped (matches), and those pages are poisoned at the step's end as usual."""
-    scheduler, copied = copy.deepcopy((scheduler, plan))
+    ahead is then dropped (matches), and those pages are poisoned at the step's end as usual.
+
+    The copy leaves out what the bookkeeping only reads or only records: the schedule log (a gate run's log holds
+    every event of the run, so copying it each step made the copies grow with the run: 25 ms a step on average at
+    94 steps, 37 ms in the GPU gate suite's 690 foresights) becomes one that records nothing, and the requests'
+    prompts (never written) are shared, not copied."""
+    from .schedule_log import ScheduleLog
+    memo = {id(scheduler.log): ScheduleLog(keep=False)}
+    for r in (*scheduler.running, *scheduler.waiting):
+        memo[id(r.prompt)] = r.prompt
+    scheduler, copied = copy.deepcopy((scheduler, plan), memo)
     copied.apply([0] * len(copied.sampled), 0.0)
     return scheduler.finish_step()

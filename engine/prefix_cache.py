@@ -27,6 +27,11 @@ class CachedPage:
     key: bytes
     hashed: tuple             # (parent key, token ids): what the key was computed from, compared on a hit
 
+    def __deepcopy__(self, memo) -> "CachedPage":
+        """Immutable all the way down, so a copy of the cache shares it (engine/foresight.py copies the scheduler
+        every step it launches ahead in poison mode; a page's token ids made most of that copy)."""
+        return self
+
 
 @dataclass
 class Chain:

@@ -243,7 +243,9 @@ class AdmissionMachine(SteppingMachine):
         n = 0
         for m in self.model.values():
             if not m.done:
-                n += -(-(m.prompt_len - m.cached) // self.chunk_tokens) + m.budget - m.emitted + 1
+                # a decoding request has cached past its prompt: no prompt chunks left (not a negative count,
+                # which at chunk_tokens 1 cancelled its decode steps and made the bound 0: a false hang)
+                n += -(-max(0, m.prompt_len - m.cached) // self.chunk_tokens) + m.budget - m.emitted + 1
         return n + 2
 
     def check_drained(self, bound: int):

@@ -18,7 +18,7 @@ the same buffers, so the gather of the tokens and the launch order are those of 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import event, given, settings, strategies as st
 
 from engine import Engine
 from engine.config import EngineConfig, lineage_config
@@ -65,6 +65,35 @@ def test_next_step_foresees_the_next_schedule(reqs, max_batch, chunk, pages, cac
         sched.finish_step()
         for row in (foreseen.rows if foreseen else []):
             assert before[row.source] is row.request and row.output == (row.source,)
+    assert not sched.has_work
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 90), st.integers(1, 12)), min_size=1, max_size=14),
+       st.integers(1, 5), st.sampled_from([16, 32, 64]), st.integers(6, 30), st.booleans())
+def test_pages_freed_by_is_the_steps_own_end(reqs, max_batch, chunk, pages, cache):
+    """engine/foresight.pages_freed_by (poison mode's foresight of the pages a step frees) is what the step's own
+    finish_step returns, for any workload, pool and chunk budget, with the prefix cache on or off and the schedule
+    log kept (as in every gate run); and foreseeing changes nothing: the log records no event of the copy's."""
+    from engine import foresight
+    from engine.schedule_log import ScheduleLog
+    pool = PagePool(pages, 16, prefix_cache=cache)
+    sched = Scheduler(pool, max_batch=max_batch, chunk_tokens=chunk, log=ScheduleLog())
+    for i, (n, budget) in enumerate(reqs):
+        if pool.pages_needed(n + budget) <= pool.capacity:
+            # shared first tokens: cached pages, and hits, when the cache is on
+            sched.add(Request(f"r{i}", [1 + (j * 5 + (i % 2) * (j > 20)) % 7 for j in range(n)], budget))
+    for _ in range(400):
+        if not sched.has_work:
+            break
+        plan = sched.schedule()
+        log = sched.log
+        events = (len(log.admissions), len(log.releases), len(log.ends))
+        foreseen = foresight.pages_freed_by(sched, plan)
+        assert (len(log.admissions), len(log.releases), len(log.ends)) == events
+        plan.apply([2] * len(plan.sampled), 0.0)
+        assert foreseen == sched.finish_step()
+        event("pages freed" if foreseen else "none freed")
     assert not sched.has_work
 
 

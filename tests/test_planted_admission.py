@@ -49,3 +49,19 @@ def test_gate_fails_on_planted_bug(bug, page_size):
     machine = make_machine(pool_cls, scheduler_cls, page_size)
     with pytest.raises(AssertionError, match=message):
         run_state_machine_as_test(machine, settings=FIND)
+
+
+def test_the_drain_bound_counts_a_decoding_requests_steps():
+    """The correct engine passes the example hypothesis found on the H200 (session 23): at chunk_tokens 1 a decoding
+    request's cached positions run past its prompt, and the gate's bound on the steps left counted that as negative
+    prompt chunks, which cancelled its decode steps: a bound of 0 and a false 'a hang'."""
+    machine = make_machine(PagePool, Scheduler, page_size=1)()
+    machine.setup(num_pages=8, max_batch=1, chunk_tokens=1)
+    machine.submit(budget=6, k=7, offset=0)
+    for _ in range(5):
+        machine.end_step()
+        machine.check_all()
+    assert machine.outstanding_steps() >= 2     # one decode step left, and the step that finds nothing
+    machine.drain()
+    machine.teardown()
+    assert all(m.done for m in machine.model.values())

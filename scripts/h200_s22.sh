@@ -12,6 +12,8 @@
 #   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), --durations=40
 #   gates_n4 the same with -n 4, from an empty compile cache again
 #   gates_noprewarm  the serial one with --no-prewarm (the FlexAttention prewarm's own figure, gates/prewarm.py)
+#   eagerprof  scripts/probes/gate_run_profile.py: each lineage configuration's gate run (small-trained, mixed-cpu,
+#            poison mode) under cProfile: where the eager reference engines' host time goes (session 23's next step)
 #   nanoprep c512 nano32 r512 nano512   scripts/h200_loaded.sh's parts of those names (closed 200 beside nano-vllm
 #            in this call), run after steps when named in PARTS
 #   pass32 pass512   closed mixed 200 served twice on one engine, the second pass timed (the prefix cache warm): 32
@@ -91,6 +93,7 @@ gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
 gates gates
 gates gates_n4 -n 4
 gates gates_noprewarm --no-prewarm
+part eagerprof 150 python3 -m scripts.probes.gate_run_profile --device cuda --model small-trained
 cat "$OUT/logs/status.txt"
 need_flash
 tar czf "$OUT/s22.tgz" -C "$OUT" logs $(cd "$OUT" && ls -d ab loaded serve *.json 2>/dev/null) 2>/dev/null

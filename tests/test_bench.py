@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIS = ["bench.serving", "bench.disturbance", "bench.chunk_sweep", "bench.kernel_bench", "bench.tp_bench",
         "bench.profile_steps", "scripts.probes.profile_decode", "scripts.probes.flash_splits",
         "scripts.probes.host_step_time", "scripts.probes.compile_cost", "scripts.probes.loaded_table",
-        "scripts.probes.sdpa_probe", "scripts.probes.flash_prefill", "scripts.probes.elementwise"]
+        "scripts.probes.sdpa_probe", "scripts.probes.flash_prefill", "scripts.probes.elementwise",
+        "scripts.probes.gate_run_profile"]
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,18 @@ def test_profile_trace_profiles_each_step_of_a_served_workload(tmp_path):
         assert s["families_ms"]["gemm"] > 0 and sum(s["families_ms"].values()) == pytest.approx(s["device_ms"])
     assert {k: v["steps"] for k, v in r["kinds"].items()} == {
         kind: sum(s["kind"] == kind for s in steps) for kind in {s["kind"] for s in steps}}
+
+
+def test_gate_run_profile_profiles_a_gate_run(small):
+    """One configuration serves a gate workload as the gates do, warmed up, then profiled: its steps, the time per
+    step and the model's functions among the top ones by own time."""
+    import re
+    from scripts.probes.gate_run_profile import profile_run
+    text = profile_run("fused", "torch", "smoke-cpu", "cpu", "float32", small, top=30)
+    m = re.match(r"fused\[torch\] on smoke-cpu \(cpu, float32\): first run [\d.]+ s; profiled run [\d.]+ s, (\d+) "
+                 r"steps, [\d.]+ ms a step", text)
+    assert m and int(m.group(1)) > 0, text.splitlines()[0]
+    assert "engine/model.py" in text and "tottime" in text
 
 
 def test_profile_steps_chunk_option(tmp_path):

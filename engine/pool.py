@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
+from .copying import copy_fields
 from .errors import NeverFitsError, PoolInvariantError
 from .prefix_cache import PrefixCache, short
 
@@ -46,6 +47,8 @@ class PagePool:
         self.in_step = False
         self.step = 0       # the open (or next) step: begin_step/end_step pairs, so the scheduler's step index
         self.last_owner: dict[int, tuple[str, int]] = {}   # page -> (owner, step at whose end it was freed)
+
+    __deepcopy__ = copy_fields      # engine/copying.py: its page lists copied at C speed
 
     @property
     def capacity(self) -> int:

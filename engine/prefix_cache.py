@@ -15,6 +15,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from .copying import copy_fields
 from .errors import PoolInvariantError
 
 KEY_BYTES = 16
@@ -39,6 +40,8 @@ class Chain:
     keys: list[bytes] = field(default_factory=list)
     registered: int = 0
 
+    __deepcopy__ = copy_fields      # engine/copying.py
+
 
 def short(key: bytes | None) -> str:
     """A key as failure messages print it."""
@@ -46,6 +49,8 @@ def short(key: bytes | None) -> str:
 
 
 class PrefixCache:
+    __deepcopy__ = copy_fields      # engine/copying.py: its maps rebuilt at C speed, its entries shared
+
     def __init__(self):
         self.by_key: dict[bytes, CachedPage] = {}
         self.by_page: dict[int, CachedPage] = {}

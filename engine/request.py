@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 import enum
 from dataclasses import dataclass, field
 
+from .copying import copy_fields
+
 if TYPE_CHECKING:
     from .prefix_cache import Chain
 
@@ -45,6 +47,8 @@ class Request:
     pages: list[int] = field(default_factory=list)   # reserved on admit; kept after release, for failure reports
     # its pages' hash chain in the prefix cache (engine/kv_cache.py), from its first lookup until it retires
     chain: "Chain | None" = field(default=None, compare=False, repr=False)
+
+    __deepcopy__ = copy_fields      # engine/copying.py: its token lists copied at C speed
 
     @property
     def prompt_len(self) -> int:

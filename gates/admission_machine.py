@@ -15,7 +15,8 @@ a plain-Python model of what must be true. After every rule it checks (see docs/
   of the step that retires it (the free count never rises between schedule() and finish_step(), release() never
   grows the free list, and finish_step() returns exactly the retired requests' pages, which the runner poisons);
 - never fits: a request larger than the whole pool is refused at submit with NeverFitsError, never left to hang;
-- the step foreseen is the step scheduled (gates/foresight_check.py): Scheduler.next_step, exact and complete;
+- the step foreseen is the step scheduled (gates/foresight_check.py): Scheduler.next_step, exact and complete; and
+  the pages foreseen freed (engine/foresight.pages_freed_by, on a copy of the scheduler) are the step's own;
 - every request completes when steps keep running, and then no page has leaked.
 
 A step is advanced exactly as engine/engine.py's Engine.step does: each prompt chunk adds its length to num_cached
@@ -227,6 +228,7 @@ class AdmissionMachine(SteppingMachine):
         retiring = [rid for rid in self.running if self.model[rid].done]
         expected = sorted(p for rid in retiring for p in self.model[rid].page_ids)
         freed = self.sched.finish_step()
+        self.foresight.check_freed(i, freed)
         check(sorted(freed) == expected, EVICTION,
               lambda: f"finish_step() of step {i} returned {sorted(freed)} as the pages that just became free "
                       f"(the runner poisons them), but the requests it retired ({retiring}) held {expected}")

@@ -10,12 +10,28 @@ foresees the step after the one in flight so that the engine can launch it befor
 
 Compared field by field here, not through the engine's own Foresight matcher (engine/foresight.py), so that a bug
 there cannot hide one in next_step.
+
+- The pages foreseen freed are the step's own: engine/foresight.pages_freed_by (which poison mode poisons before the
+  step launched ahead reads anything) runs the step's end on a copy of the scheduler; what it returns must be what
+  the step's real finish_step frees, and the copy must change nothing real (a copy sharing a list with the pool frees
+  the pages twice, or never). Unless a cancel landed during the step (that frees more; the engine drops the launch).
 """
 from __future__ import annotations
+
+from engine import foresight
 
 from .stepping import check
 
 FORESIGHT = "the step foreseen is the step scheduled"
+FREED = "the pages foreseen freed are the step's own"
+
+
+def pool_state(pool) -> tuple:
+    """What a step's end changes in the pool: its free list, owners, holder counts, pending releases and, with the
+    prefix cache, the cached pages and their LRU order."""
+    cache = pool.cache
+    return (list(pool.free), {o: list(p) for o, p in pool.owned.items()}, dict(pool.refs),
+            [(o, list(p)) for o, p in pool.pending], cache and sorted(cache.by_page), cache and list(cache.lru))
 
 
 def described(chunks, rows) -> tuple[list, list]:
@@ -35,6 +51,20 @@ class ForesightWatch:
     def foresee(self, sched, plan) -> None:
         """Right after schedule(), before the plan's bookkeeping, as the engine calls it."""
         self.foreseen, self.at, self.disturbed = sched.next_step(plan), plan.index, False
+        pool, before = sched.kv.pool, pool_state(sched.kv.pool)
+        self.freed = foresight.pages_freed_by(sched, plan)
+        after = pool_state(pool)
+        check(after == before, FREED,
+              lambda: f"step {plan.index}: pages_freed_by() changed the real pool, not a copy of it: (free list, "
+                      f"owners, holders, pending, cached pages, LRU) {before} before, {after} after")
+
+    def check_freed(self, index: int, freed: list[int]) -> None:
+        """`freed`: what step `index`'s finish_step() returned."""
+        if self.disturbed or self.at != index:
+            return
+        check(sorted(self.freed) == sorted(freed), FREED,
+              lambda: f"step {index}: pages_freed_by() foresaw {sorted(self.freed)} freed at the step's end, its "
+                      f"finish_step() freed {sorted(freed)} (nothing submitted or cancelled during the step)")
 
     def check(self, plan, waiting_before: int, rows_before: int, prefill_share: float) -> None:
         """`plan`: the step just scheduled; waiting_before, rows_before: the queue and the rows held before that

@@ -15,7 +15,9 @@ After every rule (docs/DESIGN.md, "Prefix cache"):
   from free pages, then from evictions;
 - strict FCFS unchanged: arrival order, the head blocks the rest and waits only when rows or pages are short;
 - the statistics: lookups = each admitted prompt's whole pages but its last position's, hits = the pages found;
-- every request completes; afterwards nobody holds a page.
+- every request completes; afterwards nobody holds a page;
+- the pages foreseen freed (engine/foresight.pages_freed_by, poison mode's look ahead, on a copy of the scheduler
+  with its prefix cache) are the step's own, and the copy changes nothing real (gates/foresight_check.py).
 A step's tokens are a function of the request's tokens so far, as a model's would be, so that equal prefixes
 continue alike. `make_prefix_machine(pool_cls, scheduler_cls, page_size)` builds it for any classes, so that
 tests/test_planted_prefix.py runs this very gate against planted bugs.
@@ -31,6 +33,7 @@ from engine.prefix_cache import short
 from engine.request import Request
 from engine.scheduler import Scheduler
 
+from .foresight_check import ForesightWatch
 from .prefix import stats_problems
 from .prefix_model import (BLOCKS, COMPLETES, COUNT, EXACT, FCFS, LRU, ONE_PER_HASH, PLAN, REFERENCED, RESERVE,
                            RETURN, STATE, STATS, TOTAL, WRITTEN, Model, next_token)
@@ -108,6 +111,7 @@ class PrefixCacheMachine(SteppingMachine):
             rid = candidates[which % len(candidates)]
             m = self.model[rid]
             res = self.sched.cancel(rid, self.requests)
+            self.foresight.disturb()        # a cancel during a step frees more than its end foresaw
             check(res.cancelled == (not m.done), STATE, lambda: f"cancel({rid}) of a {m.phase} request: {res}")
             if res.cancelled:
                 event(f"cancel {m.phase}{' mid-step' if self.in_step else ''}")
@@ -191,6 +195,7 @@ class PrefixCacheMachine(SteppingMachine):
         self.check_writes(plan, i)
         self.check_plan(plan, i)
         tokens = [next_token(self.model[r.request_id].tokens) for r in plan.sampled]
+        self.foresight.foresee(self.sched, plan)      # before the plan's bookkeeping, as Engine.step does
         plan.apply(tokens, 0.0)
         for c in plan.chunks:
             self.model[c.request.request_id].cached += c.length
@@ -236,6 +241,7 @@ class PrefixCacheMachine(SteppingMachine):
     def finish_step(self):
         i = self.step_index
         freed = self.sched.finish_step()
+        self.foresight.check_freed(i, freed)
         # the model caches what the step completed, in admission order (the first page of a content wins)
         for rid in self.running:
             m = self.model[rid]
@@ -365,6 +371,7 @@ def make_prefix_machine(pool_cls=PagePool, scheduler_cls=Scheduler, page_size: i
             self.writer: dict[int, str] = {}             # cached page -> the request that computed it
             self.last_holders: dict[int, list[str]] = {}
             self.step_index = 0
+            self.foresight = ForesightWatch(max_batch)     # its freed-pages check (the prefix cache's pages kept)
             self.busy = False
 
 

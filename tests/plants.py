@@ -68,6 +68,19 @@ class EagerFreePool(PagePool):
         self.free.extend(pages)
 
 
+class SharedListsPool(PagePool):
+    """A copy of the pool (engine/copying.py's, which poison mode's foresight of the freed pages runs a step's end on)
+    that shares its free list and ownership map with the pool: the foresight's step end then frees the real pool's
+    pages, and the real step end finds them gone."""
+
+    def __deepcopy__(self, memo):
+        import copy
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new.pending, new.refs = list(self.pending), dict(self.refs)
+        return new
+
+
 class OverfullScheduler(Scheduler):
     """Admission beyond max_batch: the row check is off by one."""
 

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 LAYERS = {
     "bookkeeping": {"engine.request", "engine.pool", "engine.prefix_cache", "engine.kv_cache", "engine.scheduler",
-                    "engine.prefill_share", "engine.schedule_log", "engine.census", "engine.foresight",
+                    "engine.prefill_share", "engine.schedule_log", "engine.census", "engine.foresight", "engine.copying",
                     "engine.errors"},
     "execution": {"engine.runner", "engine.readback", "engine.poisoned_reads", "engine.model", "engine.packing",
                   "engine.graphs", "engine.step_graphs", "engine.loader", "engine.dtypes", "engine.build_cost", "engine.tp",

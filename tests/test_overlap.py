@@ -97,6 +97,32 @@ def test_pages_freed_by_is_the_steps_own_end(reqs, max_batch, chunk, pages, cach
     assert not sched.has_work
 
 
+def test_foresights_copies_share_nothing_mutable_and_keep_aliasing():
+    """engine/copying.py (the copies pages_freed_by runs a step's end on): every container rebuilt, a container two
+    holders share still shared by the copies, immutable ones shared, and the copied objects independent."""
+    import copy
+    from collections import deque
+    from engine.copying import copied
+    shared, atoms = [1, 2], (3, "a", b"k", None)
+    value = {"x": shared, "y": shared, "nested": (1, [3]), "queue": deque([4, 5]), "set": {6}, "atoms": atoms,
+             "map": {"r0": [7, 8]}}
+    c = copied(value, {})
+    assert c == value and c["x"] is c["y"] and c["x"] is not shared and c["atoms"] is atoms
+    for k in ("nested", "queue", "set", "map"):
+        assert c[k] is not value[k]
+    c["nested"][1].append(9), c["map"]["r0"].append(9), c["queue"].append(9), c["x"].append(9)
+    assert value["nested"] == (1, [3]) and value["map"] == {"r0": [7, 8]} and list(value["queue"]) == [4, 5]
+    assert shared == [1, 2]
+    pool = PagePool(12, 4, prefix_cache=True)
+    r = Request("r0", [1, 2, 3, 4, 5], 3)
+    pool.reserve("r0", 8)
+    r.pages, r.output = pool.owned["r0"], [11]
+    pool2, r2 = copy.deepcopy((pool, r))
+    assert type(pool2) is PagePool and r2 == r and r2.pages is pool2.owned["r0"] and r2.pages is not r.pages
+    pool2.release("r0"), pool2.end_step(), r2.output.append(12)
+    assert pool.owned["r0"] == r.pages and r.output == [11] and pool.num_free == pool.capacity - 2
+
+
 def test_foresight_declines_where_the_next_step_is_not_sure():
     """A step only where the next one is sure: not when a row frees for the queue's head, nor when every row
     finishes, nor with prompts still filling under a prefill share below 1 (the debt depends on this step's time).

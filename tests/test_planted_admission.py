@@ -14,7 +14,7 @@ from engine.pool import PagePool
 from engine.scheduler import Scheduler
 from gates.admission_machine import PAGE_SIZES, make_machine
 from tests.plants import (AcceptingPool, EagerFreePool, FlooringPool, OverfullScheduler, QueueJumpingScheduler,
-                          SkippingArrivalsScheduler)
+                          SharedListsPool, SkippingArrivalsScheduler)
 
 # Generation only: hypothesis stops at the first failing example and reports its message. (Shrinking is left to the
 # gate itself; here it would only cost time.) Derandomized, so the search is the same on every run; each bug is found
@@ -39,6 +39,9 @@ PLANTED = {
     "free-during-step": (EagerFreePool, Scheduler,
                          r"^eviction at the end of the step violated: release\('r\d+'\) put pages straight back"),
     "beyond-max-batch": (PagePool, OverfullScheduler, r"^max batch violated: .* requests now hold rows, max_batch is"),
+    "foresight-copy-shares-lists": (SharedListsPool, Scheduler,
+                                    r"^the pages foreseen freed are the step's own violated: step \d+: "
+                                    r"pages_freed_by\(\) changed the real pool"),
 }
 
 
@@ -65,3 +68,15 @@ def test_the_drain_bound_counts_a_decoding_requests_steps():
     machine.drain()
     machine.teardown()
     assert all(m.done for m in machine.model.values())
+
+
+def test_gate_fails_on_a_foresight_that_misses_a_freed_page(monkeypatch):
+    """Planted in engine/foresight.py itself: pages_freed_by() leaves out the last page it finds; the admission gate
+    compares what it foresaw with what the step's end freed."""
+    from engine import foresight
+    real = foresight.pages_freed_by
+    monkeypatch.setattr(foresight, "pages_freed_by", lambda sched, plan: real(sched, plan)[:-1])
+    with pytest.raises(AssertionError, match=r"^the pages foreseen freed are the step's own violated: step \d+: "
+                                             r"pages_freed_by\(\) foresaw \[.*\] freed at the step's end, its "
+                                             r"finish_step\(\) freed \[\d"):
+        run_state_machine_as_test(make_machine(PagePool, Scheduler, 64), settings=FIND)

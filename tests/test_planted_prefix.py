@@ -70,7 +70,25 @@ class RecomputesLastCachedScheduler(Scheduler):
             r.num_cached -= 1
 
 
+class SharedCache(PrefixCache):
+    """(5) A copy of the cache (poison mode's foresight of the freed pages runs a step's end on a copy of the
+    scheduler, engine/foresight.py) that is the cache itself: the look ahead caches and evicts real pages."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class SharedCachePool(PagePool):
+    def __init__(self, num_pages, page_size, prefix_cache=False):
+        super().__init__(num_pages, page_size, prefix_cache)
+        if prefix_cache:
+            self.cache = SharedCache()
+
+
 PLANTED = {
+    "foresight-copy-shares-the-cache": (SharedCachePool, Scheduler,
+                                        r"^the pages foreseen freed are the step's own violated: step \d+: "
+                                        r"pages_freed_by\(\) changed the real pool"),
     "evicted-referenced-page": (EvictsReferencedPool, Scheduler,
                                 r"^no referenced page is evicted violated: .*page \d+ \(hash [0-9a-f]{12}; held by "
                                 r"\['r\d+'"),

@@ -1,0 +1,46 @@
+"""Copies of bookkeeping objects for a look ahead: engine/foresight.py runs a step's end on a deep copy of the
+scheduler every step launched ahead in poison mode (every flash gate run). Most of what it copies is lists, deques
+and dicts of page ids, token ids and owner names, which `copy.deepcopy` walks one element at a time in Python (on
+the H200: 3,300 objects a copy, the largest part of a flash gate run's host time under the profiler, session 23).
+`copy_fields` rebuilds such containers itself (a flat one of atoms in one C call); objects are deep-copied as before. Aliasing
+is kept: every copy is registered in deepcopy's memo, so a list two objects share is copied once and stays shared."""
+from __future__ import annotations
+
+import copy
+from collections import deque
+
+ATOMS = frozenset((int, str, bytes, float, bool, type(None)))
+FLAT = (list, deque, set)
+
+
+def copied(value, memo: dict):
+    """A deep copy of `value`: lists, deques, sets, tuples and dicts are rebuilt here (a flat one of atoms in one C
+    call), anything else by copy.deepcopy (which calls copy_fields where a class says so)."""
+    t = type(value)
+    if t in ATOMS:
+        return value
+    hit = memo.get(id(value))
+    if hit is not None:
+        return hit
+    if t in FLAT:
+        new = t(value) if all(type(x) in ATOMS for x in value) else t(copied(x, memo) for x in value)
+    elif t is dict:     # keys: atoms (page ids, owner names, keys' bytes)
+        new = dict(value) if all(type(x) in ATOMS for x in value.values()) else \
+            {k: copied(v, memo) for k, v in value.items()}
+    elif t is tuple:
+        if all(type(x) in ATOMS for x in value):
+            return value        # immutable all the way down: shared, as deepcopy shares it
+        new = tuple(copied(x, memo) for x in value)
+    else:
+        return copy.deepcopy(value, memo)
+    memo[id(value)] = new
+    return new
+
+
+def copy_fields(obj, memo: dict):
+    """`obj.__deepcopy__`: a new object of its class whose every field is `copied`."""
+    new = object.__new__(type(obj))
+    memo[id(obj)] = new
+    for name, value in vars(obj).items():
+        object.__setattr__(new, name, copied(value, memo))
+    return new

@@ -2,8 +2,9 @@
 scheduler every step launched ahead in poison mode (every flash gate run). Most of what it copies is lists, deques
 and dicts of page ids, token ids and owner names, which `copy.deepcopy` walks one element at a time in Python (on
 the H200: 3,300 objects a copy, the largest part of a flash gate run's host time under the profiler, session 23).
-`copy_fields` rebuilds such containers itself (a flat one of atoms in one C call); objects are deep-copied as before. Aliasing
-is kept: every copy is registered in deepcopy's memo, so a list two objects share is copied once and stays shared."""
+`copy_fields` rebuilds such containers itself (a flat one of atoms in one C call); objects are deep-copied as
+before. Aliasing is kept: every copy is registered in deepcopy's memo, so a list two objects share is copied once and
+stays shared."""
 from __future__ import annotations
 
 import copy

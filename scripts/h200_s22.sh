@@ -9,7 +9,8 @@
 #            5 process pairs: the change's figure, both sides in this call
 #   psteps   bench/profile_steps.py at 32 rows (pure decode, loaded): where the device time goes now
 #   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
-#   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), --durations=40
+#   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), every test's durations
+#            (scripts/probes/durations_by_file.py sums them by file and phase)
 #   gates_n4 the same with -n 4, from an empty compile cache again
 #   gates_noprewarm  the serial one with --no-prewarm (the FlexAttention prewarm's own figure, gates/prewarm.py)
 #   eagerprof  scripts/probes/gate_run_profile.py: each lineage configuration's gate run (small-trained, mixed-cpu,
@@ -88,7 +89,7 @@ gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
   local name=$1; shift
   rm -rf /tmp/sg-cache-$name
   part "$name" ${GATES_S:-330} env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-$name python3 -m pytest gates/ --device cuda \
-    --model small-trained -p no:cacheprovider -q -rfEs --durations=40 "$@"
+    --model small-trained -p no:cacheprovider -q -rfEs --durations=0 --durations-min=0 "$@"
 }
 gates gates
 gates gates_n4 -n 4
@@ -104,4 +105,5 @@ grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -1
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/loaded/table.md" 2>/dev/null | head -40
+for f in gates gates_n4; do [ -f "$OUT/logs/$f.log" ] && python3 -m scripts.probes.durations_by_file "$OUT/logs/$f.log" | head -24; done
 for f in pass32 pass512 open disturb; do [ -f "$OUT/logs/$f.log" ] && { echo "-- $f"; tail -12 "$OUT/logs/$f.log"; }; done

@@ -8,7 +8,8 @@ stays shared."""
 from __future__ import annotations
 
 import copy
-from collections import deque
+from collections import OrderedDict, deque
+from enum import Enum
 
 ATOMS = frozenset((int, str, bytes, float, bool, type(None)))
 FLAT = (list, deque, set)
@@ -25,13 +26,15 @@ def copied(value, memo: dict):
         return hit
     if t in FLAT:
         new = t(value) if all(type(x) in ATOMS for x in value) else t(copied(x, memo) for x in value)
-    elif t is dict:     # keys: atoms (page ids, owner names, keys' bytes)
-        new = dict(value) if all(type(x) in ATOMS for x in value.values()) else \
-            {k: copied(v, memo) for k, v in value.items()}
+    elif t is dict or t is OrderedDict:     # keys: atoms (page ids, owner names, keys' bytes); order kept
+        new = t(value) if all(type(x) in ATOMS for x in value.values()) else \
+            t((k, copied(v, memo)) for k, v in value.items())
     elif t is tuple:
         if all(type(x) in ATOMS for x in value):
             return value        # immutable all the way down: shared, as deepcopy shares it
         new = tuple(copied(x, memo) for x in value)
+    elif issubclass(t, Enum):
+        return value            # a member is its own copy (Enum.__deepcopy__), without deepcopy's dispatch
     else:
         return copy.deepcopy(value, memo)
     memo[id(value)] = new

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .copying import copy_fields
 from .pool import PagePool
 from .prefix_cache import Chain
 from .request import Request
@@ -16,6 +17,7 @@ if TYPE_CHECKING:      # the manager reads a step's plan; the scheduler, above i
 
 
 class KVCacheManager:
+    __deepcopy__ = copy_fields      # engine/copying.py
     def __init__(self, pool: PagePool):
         self.pool = pool
 

@@ -26,6 +26,8 @@ synthetic durations. finish_step() without a duration adds and pays off no debt.
 from __future__ import annotations
 
 import math
+
+from .copying import copy_fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # the ledger reads a step's plan and chunks; it is below the scheduler, which holds it
@@ -50,6 +52,7 @@ def normalise_share(p) -> float:
 class DebtLedger:
     """The decoders' debt and what it is computed from: an object the Scheduler holds (Scheduler.ledger; a planted
     ledger comes in as the scheduler's ledger_cls), which it asks prepay, owes, settle and forget."""
+    __deepcopy__ = copy_fields      # engine/copying.py
 
     def __init__(self, prefill_share=1.0, short_prompt_positions: int = 512):
         self.short_prompt_positions = short_prompt_positions

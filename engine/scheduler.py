@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from .copying import copy_fields
 from .errors import PoolInvariantError
 from .kv_cache import KVCacheManager
 from .pool import PagePool
@@ -43,6 +44,8 @@ class Chunk:
     start: int
     length: int
     long: bool = False      # the request had more than short_prompt_positions left when the chunk was cut
+
+    __deepcopy__ = copy_fields      # engine/copying.py: the foresight's copy (engine/foresight.py)
 
     @property
     def completes_prompt(self) -> bool:
@@ -68,6 +71,8 @@ class StepPlan:
     admitted: list[Request] = field(default_factory=list)
     long_chunks: int = 0        # chunks of long prompts (more than short_prompt_positions left when picked)
     withheld: int = 0           # long prompts whose next chunk was withheld for the decoders' debt
+
+    __deepcopy__ = copy_fields
 
     @property
     def sampled(self) -> list[Request]:
@@ -160,6 +165,7 @@ class Scheduler:
     the prefill-share debt ledger (`ledger`, of class `ledger_cls`)."""
 
     ledger_cls = DebtLedger
+    __deepcopy__ = copy_fields      # engine/copying.py: the foresight copies a scheduler every step launched ahead
 
     def __init__(self, pool: PagePool, max_batch: int = 32, chunk_tokens: int = CHUNK_TOKENS,
                  prefill_share: float = 1.0, short_prompt_positions: int = 512, log: ScheduleLog | None = None):

@@ -89,8 +89,13 @@ def test_pages_freed_by_is_the_steps_own_end(reqs, max_batch, chunk, pages, cach
         plan = sched.schedule()
         log = sched.log
         events = (len(log.admissions), len(log.releases), len(log.ends))
+        # the waiting requests are shared with the copy, not copied: its step's end must not touch them
+        held = [(r.request_id, r.state, r.num_cached, list(r.output), list(r.pages), r.chain)
+                for r in (*sched.running, *sched.waiting)]
         foreseen = foresight.pages_freed_by(sched, plan)
         assert (len(log.admissions), len(log.releases), len(log.ends)) == events
+        assert held == [(r.request_id, r.state, r.num_cached, list(r.output), list(r.pages), r.chain)
+                        for r in (*sched.running, *sched.waiting)]
         plan.apply([2] * len(plan.sampled), 0.0)
         assert foreseen == sched.finish_step()
         event("pages freed" if foreseen else "none freed")
@@ -101,14 +106,16 @@ def test_foresights_copies_share_nothing_mutable_and_keep_aliasing():
     """engine/copying.py (the copies pages_freed_by runs a step's end on): every container rebuilt, a container two
     holders share still shared by the copies, immutable ones shared, and the copied objects independent."""
     import copy
-    from collections import deque
+    from collections import OrderedDict, deque
     from engine.copying import copied
+    from engine.request import State
     shared, atoms = [1, 2], (3, "a", b"k", None)
     value = {"x": shared, "y": shared, "nested": (1, [3]), "queue": deque([4, 5]), "set": {6}, "atoms": atoms,
-             "map": {"r0": [7, 8]}}
+             "map": {"r0": [7, 8]}, "lru": OrderedDict([(9, None), (3, [1])]), "state": State.DECODE}
     c = copied(value, {})
     assert c == value and c["x"] is c["y"] and c["x"] is not shared and c["atoms"] is atoms
-    for k in ("nested", "queue", "set", "map"):
+    assert type(c["lru"]) is OrderedDict and list(c["lru"]) == [9, 3] and c["state"] is State.DECODE
+    for k in ("nested", "queue", "set", "map", "lru"):
         assert c[k] is not value[k]
     c["nested"][1].append(9), c["map"]["r0"].append(9), c["queue"].append(9), c["x"].append(9)
     assert value["nested"] == (1, [3]) and value["map"] == {"r0": [7, 8]} and list(value["queue"]) == [4, 5]

@@ -15,6 +15,12 @@ ATOMS = frozenset((int, str, bytes, float, bool, type(None)))
 FLAT = (list, deque, set)
 
 
+def atoms_only(values) -> bool:
+    """Every element an atom, checked in C (map, then issuperset stops at the first other type): a Python loop over
+    the pool's free list, thousands of page ids on a GPU, cost more than the copy itself."""
+    return ATOMS.issuperset(map(type, values))
+
+
 def copied(value, memo: dict):
     """A deep copy of `value`: lists, deques, sets, tuples and dicts are rebuilt here (a flat one of atoms in one C
     call), anything else by copy.deepcopy (which calls copy_fields where a class says so)."""
@@ -25,12 +31,12 @@ def copied(value, memo: dict):
     if hit is not None:
         return hit
     if t in FLAT:
-        new = t(value) if all(type(x) in ATOMS for x in value) else t(copied(x, memo) for x in value)
+        new = t(value) if atoms_only(value) else t(copied(x, memo) for x in value)
     elif t is dict or t is OrderedDict:     # keys: atoms (page ids, owner names, keys' bytes); order kept
-        new = t(value) if all(type(x) in ATOMS for x in value.values()) else \
+        new = t(value) if atoms_only(value.values()) else \
             t((k, copied(v, memo)) for k, v in value.items())
     elif t is tuple:
-        if all(type(x) in ATOMS for x in value):
+        if atoms_only(value):
             return value        # immutable all the way down: shared, as deepcopy shares it
         new = tuple(copied(x, memo) for x in value)
     elif issubclass(t, Enum):

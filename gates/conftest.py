@@ -25,7 +25,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if short:
         terminalreporter.write_line(f"stepgate: not run on {torch.cuda.device_count()} GPU(s), deselected: "
                                     f"{', '.join(short)}", yellow=True)
-    for line in (build_cost.report(config), prewarm.report(config)):
+    for line in (*build_cost.report(config), prewarm.report(config)):
         if line:
             terminalreporter.write_line(f"stepgate: {line}")
 

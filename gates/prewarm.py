@@ -1,8 +1,10 @@
 """The compile-heavy kernel-gate cases compiled ahead, in parallel processes, while the gates before them run.
 
-A backend that compiles a kernel per shape (FlexAttention: `compiles_per_shape`) makes the GPU kernel gate compile
-one kernel per (path, head shape, dtype): 30 on CUDA, 2-7 s each, one after another in a gate process (most of the
-serial GPU suite's FlexAttention time from a cold compile cache; session 22). Inductor keeps compiled graphs in its
+A path whose kernel is compiled per shape (AttentionBackend.compiles: FlexAttention's, the flash backend's Triton
+decode) makes the GPU kernel gate compile one kernel per (path, head shape, dtype): 30 FlexAttention ones on CUDA,
+2-7 s each, and 24 Triton decode ones, 0.3-1 s each, one after another in a gate process (most of the serial GPU
+suite's kernel-gate time from a cold compile cache; sessions 22 and 24). Triton keeps its kernels under
+TRITON_CACHE_DIR, which kernels/compile_cache.py points into the same folder. Inductor keeps compiled graphs in its
 on-disk cache, shared by the processes of one user and cache folder (STEPGATE_COMPILE_CACHE where set): a second
 process loads a flex_attention graph instead of compiling it (on CPU, 13.7 s cold against 2.0 s from the cache).
 So at the start of a CUDA gate run, a few processes run one case of each such kernel, each through the gate's own
@@ -40,7 +42,7 @@ def compile_key(case: dict) -> tuple:
 
 def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
     """The first kernel-gate case of each compiled kernel among `items` (collected pytest items), for the declared
-    paths whose backend is in `compiling`, in the run's order."""
+    paths whose backend is in `compiling` and that compile (AttentionBackend.compiles), in the run's order."""
     import kernels
     paths = {p.name: p for p in kernels.declared_paths()}
     out, seen = [], set()
@@ -50,7 +52,7 @@ def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
             continue
         case = {k: spec.params[k] for k in CASE_KEYS}
         path = paths.get(case["path"])
-        if path is None or path.backend not in compiling:
+        if path is None or path.backend not in compiling or not kernels.backend_class(path.backend).compiles(path):
             continue
         case["dtype"] = str(case["dtype"]).removeprefix("torch.")
         if compile_key(case) not in seen:
@@ -60,9 +62,9 @@ def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
 
 
 def compiling_backends(backends) -> set[str]:
-    """The selected backends that compile a kernel per shape."""
+    """The selected backends with a path whose kernel is compiled per shape."""
     import kernels
-    return {b for b in backends if getattr(kernels.backend_class(b), "compiles_per_shape", False)}
+    return {b for b in backends if any(map(kernels.backend_class(b).compiles, kernels.backend_class(b).declared_paths()))}
 
 
 def start(cases: list[dict], device: str, processes: int | None = None, log_dir: str | None = None):

@@ -4,6 +4,8 @@ under), the workload and tiny-pool sizes a model gets, the skip-or-fail rule for
 assert_gate, which records a comparison in the gate summary and fails it with provenance and triage."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import kernels
@@ -13,7 +15,7 @@ from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
 from engine.workload import get_workload
 
-from . import coverage, summary, triage
+from . import build_cost, coverage, summary, triage
 from .candidates import CANDIDATES  # noqa: F401  (re-exported: the gate modules parametrise over it)
 from .failure import GateFailure
 from .golden import GoldenError, golden_path, read_golden, regen_command, regenerate
@@ -93,6 +95,7 @@ class Runs:
         label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:
             ref = self.engine_reference(engine, backend, workload, **overrides)
+            t0 = time.perf_counter()
             try:
                 records = ref.generate(get_workload(workload).requests())
             except PoisonedLogitsError as e:     # the engine names the step, slot, page and owner; not its backend
@@ -100,6 +103,8 @@ class Runs:
                 e.add_note(f"in {label}: backend {c.backend}, forward {c.forward}, page_size {c.page_size}, "
                            f"chunk_tokens {c.chunk_tokens}, {c.device} {c.dtype}")
                 raise
+            build_cost.record_run(f"{engine}[{backend}]", ref.last_engine.scheduler.step_index,
+                                  time.perf_counter() - t0)
             self.finish(ref.last_engine)
             coverage.served(label, ref.last_engine)
             self.cache[key] = (records, ref.last_engine)

@@ -114,6 +114,12 @@ class AttentionBackend:
                 out.append(KernelPath(cls.name, "decode", kernel, append=True))
         return out
 
+    @classmethod
+    def compiles(cls, path: KernelPath) -> bool:
+        """Whether `path`'s kernel is compiled for each head shape and dtype it meets (gates/prewarm.py compiles the
+        kernel gate's cases of such paths ahead)."""
+        return cls.compiles_per_shape
+
     def path(self, op: str, append: bool = False) -> KernelPath:
         """The path this instance takes for a call."""
         return KernelPath(self.name, op, self.prefill_kernel if op == "prefill" else self.decode_kernel, append)

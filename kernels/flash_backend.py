@@ -114,6 +114,12 @@ class FlashBackend(AttentionBackend):
 
     decode_kernels = DECODE_KERNELS
 
+    @classmethod
+    def compiles(cls, path) -> bool:
+        # the Triton decode is JIT-compiled for each head shape, dtype and the append (0.3-1 s each, 24 kernels in
+        # the GPU kernel gate); flash-attn's kernels are built ahead
+        return path.kernel == "triton"
+
     def __init__(self, decode_kernel: str | None = None, decode_splits: int | None = None,
                  decode_append: bool | None = None, dynamic: bool | None = None):
         """decode_kernel: 'triton' (kernels/triton_decode.py, the default) or 'flash' (flash-attn's split-KV);

@@ -50,3 +50,24 @@ def test_timed_adds_a_blocks_time_even_when_it_raises():
     with build_cost.timed(parts, "compile_s"):
         pass
     assert set(parts) == {"compile_s"} and parts["compile_s"] >= 0
+
+
+def test_candidate_runs_are_summed_by_configuration_and_across_workers():
+    """gates/build_cost.py's run line: each candidate run adds its steps and seconds to its configuration, workers'
+    sums add up, and the line names the slowest configuration first with its mean step."""
+    saved = dict(gate_cost.RUNS)
+    gate_cost.RUNS.clear()
+    try:
+        gate_cost.record_run("fused[torch]", 100, 1.0)
+        gate_cost.record_run("fused[torch]", 50, 0.5)
+        gate_cost.record_run("flash[flash]", 200, 0.4)
+        assert gate_cost.RUNS == {"fused[torch]": [2, 150, 1.5], "flash[flash]": [1, 200, 0.4]}
+        both = gate_cost.add_runs(gate_cost.RUNS, {"flash[flash]": [1, 100, 0.2], "chunked[torch]": [1, 10, 0.1]})
+        assert both["flash[flash]"] == [2, 300, 0.6000000000000001] and both["chunked[torch]"] == [1, 10, 0.1]
+        assert gate_cost.RUNS["flash[flash]"] == [1, 200, 0.4]       # the sum is a new dict
+        assert gate_cost.runs_line(gate_cost.RUNS) == (
+            "candidate runs took 1.9 s: fused[torch] 1.5 s (2 runs, 150 steps, 10.00 ms a step); flash[flash] 0.4 s "
+            "(1 run, 200 steps, 2.00 ms a step)")
+    finally:
+        gate_cost.RUNS.clear()
+        gate_cost.RUNS.update(saved)

@@ -19,6 +19,8 @@ from gates import options, prewarm
 PATHS = {p.name: p for p in kernels.declared_paths()}
 FLEX = sorted(n for n, p in PATHS.items() if p.backend == "flex")
 TORCH = sorted(n for n, p in PATHS.items() if p.backend == "torch")
+TRITON = sorted(n for n, p in PATHS.items() if p.backend == "flash" and p.kernel == "triton")
+FLASH_ATTN = sorted(n for n, p in PATHS.items() if p.backend == "flash" and p.kernel != "triton")
 
 
 def item(path, heads=4, kv_heads=2, head_dim=64, page_size=64, dtype=torch.float16, lens_name="edges",
@@ -34,12 +36,18 @@ def test_one_case_per_compiled_kernel_of_the_compiling_backends_only():
              item(FLEX[0], dtype=torch.bfloat16), item(FLEX[0], head_dim=128),             # two more
              item(FLEX[1]),
              item(FLEX[0], heads=8, kv_heads=8, name="test_kernel_cache_over_2g_elements"),  # another gate
-             SimpleNamespace(originalname="test_kernel_gate")]                            # not parametrised
-    assert prewarm.compiling_backends(["torch", "flex", "flash"]) == {"flex"}
-    cases = prewarm.cases_to_prewarm(items, {"flex"})
+             SimpleNamespace(originalname="test_kernel_gate"),                            # not parametrised
+             item(FLASH_ATTN[0], page_size=256),                        # flash-attn's kernels are built ahead
+             item(TRITON[0], page_size=256), item(TRITON[0], page_size=256, lens_name="long"),   # the Triton decode
+             item(TRITON[1], page_size=256, dtype=torch.bfloat16)]
+    assert prewarm.compiling_backends(["torch", "flex", "flash"]) == {"flex", "flash"}
+    assert prewarm.compiling_backends(["torch"]) == set()
+    assert len(TRITON) == 2 and FLASH_ATTN
+    cases = prewarm.cases_to_prewarm(items, {"flex", "flash"})
     assert [(c["path"], c["head_dim"], c["dtype"], c["page_size"]) for c in cases] == [
         (FLEX[0], 64, "float16", 64), (FLEX[0], 64, "bfloat16", 64), (FLEX[0], 128, "float16", 64),
-        (FLEX[1], 64, "float16", 64)]
+        (FLEX[1], 64, "float16", 64), (TRITON[0], 64, "float16", 256), (TRITON[1], 64, "bfloat16", 256)]
+    assert [c["path"] for c in prewarm.cases_to_prewarm(items, {"flex"})] == [FLEX[0], FLEX[0], FLEX[0], FLEX[1]]
     json.dumps(cases)           # what a prewarm process is handed
 
 
@@ -73,7 +81,8 @@ def test_the_processes_run_their_cases_and_a_runs_end_stops_the_rest(tmp_path):
     ("cuda", False, "gw1", ("flex",), False),                      # the others share its cache
     ("cuda", True, None, ("flex",), False),                        # --no-prewarm
     ("cpu", False, None, ("torch", "flex"), False),                # never on a CPU
-    ("cuda", False, None, ("torch", "flash"), False),              # no compiling backend selected
+    ("cuda", False, None, ("torch", "flash"), True),               # flash: its Triton decode compiles
+    ("cuda", False, None, ("torch",), False),                      # no compiling backend selected
     ("cuda", "collectonly", None, ("flex",), False),               # --collect-only runs nothing
 ])
 def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, starts):
@@ -84,11 +93,12 @@ def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, 
     flags = {"--no-prewarm": no_prewarm is True, "collectonly": no_prewarm == "collectonly"}
     config = SimpleNamespace(getoption=flags.get, stash={},
                              **({"workerinput": {"workerid": worker}} if worker else {}))
-    session = SimpleNamespace(config=config, items=[item(FLEX[0]), item(TORCH[0])])
+    session = SimpleNamespace(config=config, items=[item(FLEX[0]), item(TORCH[0]), item(TRITON[0], page_size=256)])
     prewarm.begin(session)
     assert bool(started) == starts
     if starts:
-        assert started[0][1] == device and [c["path"] for c in started[0][0]] == [FLEX[0]]
+        assert started[0][1] == device and [c["path"] for c in started[0][0]] == \
+            [p for p in (FLEX[0], TRITON[0]) if PATHS[p].backend in backends]
         assert config.stash[prewarm._PROCS] == ["proc"]
         config.stash[prewarm._PROCS] = [SimpleNamespace(returncode=0), SimpleNamespace(returncode=-15)]
         assert "2 processes" in prewarm.report(config) and "1 finished, 1 stopped" in prewarm.report(config)

@@ -12,6 +12,8 @@
 #   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), every test's durations
 #            (scripts/probes/durations_by_file.py sums them by file and phase)
 #   gates_n4 the same with -n 4, from an empty compile cache again
+#   gates_mps gates_n4_mps  both, first, under NVIDIA MPS (started here, stopped at the end): the workers' and the
+#            prewarm's processes share one GPU context instead of time-slicing it
 #   gates_noprewarm  the serial one with --no-prewarm (the FlexAttention prewarm's own figure, gates/prewarm.py)
 #   eagerprof  scripts/probes/gate_run_profile.py: each lineage configuration's gate run (small-trained, mixed-cpu,
 #            poison mode) under cProfile: where the eager reference engines' host time goes (session 23's next step)
@@ -88,9 +90,25 @@ part disturb 150 python3 -m bench.disturbance --model $M15 --device cuda --dtype
 gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
   local name=$1; shift
   rm -rf /tmp/sg-cache-$name
+  rm -rf /tmp/stepgate-prewarm-*
   part "$name" ${GATES_S:-330} env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-$name python3 -m pytest gates/ --device cuda \
     --model small-trained -p no:cacheprovider -q -rfEs --durations=0 --durations-min=0 "$@"
+  cat /tmp/stepgate-prewarm-*/prewarm-*.log > "$OUT/logs/$name-prewarm.log" 2>/dev/null   # what the prewarm reached
 }
+mps() {    # mps on|off: NVIDIA's multi-process service, so that the processes of one run (xdist workers, the prewarm's)
+  # share the GPU's one context instead of time-slicing it (session 24: a step ran 2.6 times slower under -n 4)
+  if [ "$1" = on ]; then
+    nvidia-cuda-mps-control -d > "$OUT/logs/mps.log" 2>&1 && echo "mps: on" >> "$OUT/logs/status.txt"
+  else echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; fi
+}
+trap 'mps off' EXIT
+if want gates_mps || want gates_n4_mps; then   # MPS first, then without, in one call: the same host for both
+  if mps on; then
+    gates gates_mps
+    gates gates_n4_mps -n 4
+    mps off
+  else echo "mps: could not start ($(head -c 300 "$OUT/logs/mps.log"))" >> "$OUT/logs/status.txt"; fi
+fi
 gates gates
 gates gates_n4 -n 4
 gates gates_noprewarm --no-prewarm
@@ -105,5 +123,5 @@ grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -1
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/loaded/table.md" 2>/dev/null | head -40
-for f in gates gates_n4; do [ -f "$OUT/logs/$f.log" ] && python3 -m scripts.probes.durations_by_file "$OUT/logs/$f.log" | head -24; done
+for f in gates gates_n4 gates_mps gates_n4_mps; do [ -f "$OUT/logs/$f.log" ] && python3 -m scripts.probes.durations_by_file "$OUT/logs/$f.log" | head -24; done
 for f in pass32 pass512 open disturb; do [ -f "$OUT/logs/$f.log" ] && { echo "-- $f"; tail -12 "$OUT/logs/$f.log"; }; done

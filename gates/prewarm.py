@@ -41,8 +41,9 @@ def compile_key(case: dict) -> tuple:
 
 
 def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
-    """The first kernel-gate case of each compiled kernel among `items` (collected pytest items), for the declared
-    paths whose backend is in `compiling` and that compile (AttentionBackend.compiles), in the run's order."""
+    """The first kernel-gate case of each compiled kernel among `items` (collected pytest items) that its backend
+    can run (its page size: the gate skips flash's page-64 cases), for the declared paths whose backend is in
+    `compiling` and that compile (AttentionBackend.compiles), in the run's order."""
     import kernels
     paths = {p.name: p for p in kernels.declared_paths()}
     out, seen = [], set()
@@ -52,7 +53,9 @@ def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
             continue
         case = {k: spec.params[k] for k in CASE_KEYS}
         path = paths.get(case["path"])
-        if path is None or path.backend not in compiling or not kernels.backend_class(path.backend).compiles(path):
+        cls = kernels.backend_class(path.backend) if path is not None else None
+        if path is None or path.backend not in compiling or not cls.compiles(path) or \
+                not cls.takes_page_size(case["page_size"]):
             continue
         case["dtype"] = str(case["dtype"]).removeprefix("torch.")
         if compile_key(case) not in seen:

@@ -198,9 +198,13 @@ class AttentionBackend:
     def why_unavailable(cls, device: torch.device, page_size: int | None = None,
                         decode_kernel: str | None = None) -> str | None:
         """None if the backend runs here (with this decode kernel), else the reason it cannot."""
-        if page_size is not None and cls.page_sizes is not None and page_size % min(cls.page_sizes) != 0:
+        if page_size is not None and not cls.takes_page_size(page_size):
             return f"{cls.name} needs pages that are a multiple of {min(cls.page_sizes)} slots, got {page_size}"
         return None
+
+    @classmethod
+    def takes_page_size(cls, page_size: int) -> bool:
+        return cls.page_sizes is None or page_size % min(cls.page_sizes) == 0
 
     def prepare(self, batch: AttnBatch, kind: str) -> None:
         """Per-step work shared by all layers (called once per step per kind: 'prefill' or 'decode')."""

@@ -87,11 +87,12 @@ serve open 200 --closed --open --batches 32 --uniform "" --new-tokens 128 --chun
   --arrivals 100 --rates ${OPEN_RATES:-20,26,32,40} --max-rates 4
 part disturb 150 python3 -m bench.disturbance --model $M15 --device cuda --dtype float16 --chunk-tokens 512 \
   --shares 1,0.5 --alone-reps 1 --out "$OUT/serve/disturb" --no-progress
-gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
+gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache, as on a fresh CI runner (CI=1: the
+  # hypothesis profile CI loads, 40 examples; before session 24's third call these parts ran the 100 of 'dev')
   local name=$1; shift
   rm -rf /tmp/sg-cache-$name
   rm -rf /tmp/stepgate-prewarm-*
-  part "$name" ${GATES_S:-330} env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-$name python3 -m pytest gates/ --device cuda \
+  part "$name" ${GATES_S:-330} env CI=1 STEPGATE_COMPILE_CACHE=/tmp/sg-cache-$name python3 -m pytest gates/ --device cuda \
     --model small-trained -p no:cacheprovider -q -rfEs --durations=0 --durations-min=0 "$@"
   cat /tmp/stepgate-prewarm-*/prewarm-*.log > "$OUT/logs/$name-prewarm.log" 2>/dev/null   # what the prewarm reached
 }

@@ -195,10 +195,31 @@ def test_gate_run_profile_profiles_a_gate_run(small):
     import re
     from scripts.probes.gate_run_profile import profile_run
     text = profile_run("fused", "torch", "smoke-cpu", "cpu", "float32", small, top=30)
-    m = re.match(r"fused\[torch\] on smoke-cpu \(cpu, float32\): first run [\d.]+ s; profiled run [\d.]+ s, (\d+) "
-                 r"steps, [\d.]+ ms a step", text)
+    m = re.match(r"fused\[torch\] on smoke-cpu \(cpu, float32\): first run [\d.]+ s; then [\d.]+ s, [\d.]+ ms a "
+                 r"step; profiled run [\d.]+ s, (\d+) steps, [\d.]+ ms a step", text)
     assert m and int(m.group(1)) > 0, text.splitlines()[0]
     assert "engine/model.py" in text and "tottime" in text
+
+
+def test_durations_by_file_sums_a_logs_durations_by_file_and_phase(tmp_path, capsys):
+    """scripts/probes/durations_by_file.py over a pytest log's --durations=0 section: each file's setup, call and
+    teardown seconds, slowest file first, and the run's sums; other lines ignored."""
+    from scripts.probes.durations_by_file import by_file, main
+    log = tmp_path / "gates.log"
+    log.write_text("============ slowest durations ============\n"
+                   "15.03s call     gates/test_smoke.py::test_smoke[chunked-torch]\n"
+                   "2.50s setup    gates/test_kernels.py::test_kernel_gate[x-p64]\n"
+                   "1.00s call     gates/test_kernels.py::test_kernel_gate[x-p64]\n"
+                   "0.70s teardown gates/test_smoke.py::test_smoke[chunked-torch]\n"
+                   "stepgate: 3 engines built in 1.0 s\n400 passed in 151.27s\n")
+    sums = by_file(log.read_text())
+    assert sums == {"gates/test_smoke.py": {"call": 15.03, "teardown": 0.7},
+                    "gates/test_kernels.py": {"setup": 2.5, "call": 1.0}}
+    assert main([str(log)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].split() == ["gates/test_smoke.py", "0.0", "15.0", "0.7", "15.7"]
+    assert out[3].split() == ["gates/test_kernels.py", "2.5", "1.0", "0.0", "3.5"]
+    assert out[4].split() == ["(all)", "2.5", "16.0", "0.7", "19.2"]
 
 
 def test_profile_steps_chunk_option(tmp_path):

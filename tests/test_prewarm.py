@@ -38,6 +38,7 @@ def test_one_case_per_compiled_kernel_of_the_compiling_backends_only():
              item(FLEX[0], heads=8, kv_heads=8, name="test_kernel_cache_over_2g_elements"),  # another gate
              SimpleNamespace(originalname="test_kernel_gate"),                            # not parametrised
              item(FLASH_ATTN[0], page_size=256),                        # flash-attn's kernels are built ahead
+             item(TRITON[0], page_size=64),             # a case the gate skips: flash takes pages of 256
              item(TRITON[0], page_size=256), item(TRITON[0], page_size=256, lens_name="long"),   # the Triton decode
              item(TRITON[1], page_size=256, dtype=torch.bfloat16)]
     assert prewarm.compiling_backends(["torch", "flex", "flash"]) == {"flex", "flash"}

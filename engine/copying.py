@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict, deque
 from enum import Enum
+from itertools import chain
 
 ATOMS = frozenset((int, str, bytes, float, bool, type(None)))
 FLAT = (list, deque, set)
@@ -19,6 +20,13 @@ def atoms_only(values) -> bool:
     """Every element an atom, checked in C (map, then issuperset stops at the first other type): a Python loop over
     the pool's free list, thousands of page ids on a GPU, cost more than the copy itself."""
     return ATOMS.issuperset(map(type, values))
+
+
+def immutable_values(values) -> bool:
+    """Every value an atom or a tuple of atoms, which a copy shares (as deepcopy does), checked in C: the pool's
+    last owners map each page ever freed to an (owner, step) pair, thousands of them on a GPU."""
+    types = set(map(type, values))
+    return types <= ATOMS or (types == {tuple} and atoms_only(chain.from_iterable(values)))
 
 
 def copied(value, memo: dict):
@@ -33,7 +41,7 @@ def copied(value, memo: dict):
     if t in FLAT:
         new = t(value) if atoms_only(value) else t(copied(x, memo) for x in value)
     elif t is dict or t is OrderedDict:     # keys: atoms (page ids, owner names, keys' bytes); order kept
-        new = t(value) if atoms_only(value.values()) else \
+        new = t(value) if immutable_values(value.values()) else \
             t((k, copied(v, memo)) for k, v in value.items())
     elif t is tuple:
         if atoms_only(value):

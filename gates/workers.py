@@ -45,6 +45,7 @@ def pytest_configure(config):
     if worker is None:
         return
     share = share_compile_threads(int(worker["workercount"]))
+    share_intra_op_threads(int(worker["workercount"]))
     import sys
     if "torch._inductor.config" in sys.modules:     # it reads the variable at its import: set the live value too
         sys.modules["torch._inductor.config"].compile_threads = share
@@ -89,6 +90,19 @@ def share_compile_threads(workers: int, env=os.environ) -> int:
         return int(env["TORCHINDUCTOR_COMPILE_THREADS"])
     share = max(1, (os.cpu_count() or 1) // max(1, workers))
     env["TORCHINDUCTOR_COMPILE_THREADS"] = str(share)
+    return share
+
+
+def share_intra_op_threads(workers: int, env=os.environ) -> int | None:
+    """Give this worker its share of the host's cores for torch's own CPU threads: by default every process takes
+    one a core, so `-n 4` on 16 cores runs 64 of them, and an op that spreads over a worker's 16 waits on the other
+    workers' (under `-n 4` on the H200 each step of a gate run took 2.6 times its serial time, session 24: not yet
+    measured with this share). OMP_NUM_THREADS set by the user is kept (None: nothing changed)."""
+    if "OMP_NUM_THREADS" in env:
+        return None
+    import torch
+    share = max(1, (os.cpu_count() or 1) // max(1, workers))
+    torch.set_num_threads(share)
     return share
 
 

@@ -111,8 +111,12 @@ def test_foresights_copies_share_nothing_mutable_and_keep_aliasing():
     from engine.request import State
     shared, atoms = [1, 2], (3, "a", b"k", None)
     value = {"x": shared, "y": shared, "nested": (1, [3]), "queue": deque([4, 5]), "set": {6}, "atoms": atoms,
-             "map": {"r0": [7, 8]}, "lru": OrderedDict([(9, None), (3, [1])]), "state": State.DECODE}
+             "map": {"r0": [7, 8]}, "lru": OrderedDict([(9, None), (3, [1])]), "state": State.DECODE,
+             "last": {4: ("r0", 2), 5: ("r1", 3)}, "mixed": {6: ("r2", [1])}}
     c = copied(value, {})
+    # a map of immutable pairs (the pool's last owners): a new map sharing the pairs; a pair holding a list: copied
+    assert c["last"] is not value["last"] and c["last"][4] is value["last"][4]
+    assert c["mixed"][6] == ("r2", [1]) and c["mixed"][6][1] is not value["mixed"][6][1]
     assert c == value and c["x"] is c["y"] and c["x"] is not shared and c["atoms"] is atoms
     assert type(c["lru"]) is OrderedDict and list(c["lru"]) == [9, 3] and c["state"] is State.DECODE
     for k in ("nested", "queue", "set", "map", "lru"):

@@ -218,7 +218,7 @@ def mutated_scheduler(old: str, new: str) -> type:
     import engine.prefill_share as module
     source = inspect.getsource(module)
     assert source.count(old) == 1, old
-    ns = {"__name__": "planted_prefill_share"}
+    ns = {"__name__": "engine.planted_prefill_share", "__package__": "engine"}    # its relative imports resolve
     exec(compile(source.replace(old, new), "planted_prefill_share.py", "exec"), ns)
     return type("Planted", (Scheduler,), {"ledger_cls": ns["DebtLedger"]})
 

@@ -456,6 +456,19 @@ def test_each_worker_takes_its_share_of_the_compile_processes(monkeypatch):
     assert workers.share_compile_threads(4, mine) == 12 and mine["TORCH_WARM_POOL"] == "1"
 
 
+def test_each_worker_takes_its_share_of_torchs_threads(monkeypatch):
+    """-n 4 on 16 cores: 4 intra-op threads a worker, never below one; OMP_NUM_THREADS set by the user is kept."""
+    import torch
+    before = torch.get_num_threads()
+    monkeypatch.setattr(workers.os, "cpu_count", lambda: 16)
+    try:
+        assert workers.share_intra_op_threads(4, {}) == 4 and torch.get_num_threads() == 4
+        assert workers.share_intra_op_threads(32, {}) == 1 and torch.get_num_threads() == 1
+        assert workers.share_intra_op_threads(4, {"OMP_NUM_THREADS": "8"}) is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_each_process_of_a_run_profiles_itself_where_asked(gate_dir, monkeypatch, tmp_path):
     """STEPGATE_PROFILE_DIR: a cProfile of every worker and of the controller, readable by pstats, with the gates
     each ran in it."""

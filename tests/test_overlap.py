@@ -114,6 +114,11 @@ def test_foresights_copies_share_nothing_mutable_and_keep_aliasing():
              "map": {"r0": [7, 8]}, "lru": OrderedDict([(9, None), (3, [1])]), "state": State.DECODE,
              "last": {4: ("r0", 2), 5: ("r1", 3)}, "mixed": {6: ("r2", [1])}}
     c = copied(value, {})
+    from engine.copying import immutable_values
+    assert immutable_values({0: 1, 1: "a", 2: b"k", 3: 1.0, 4: True, 5: None}.values())    # all six atom types
+    assert immutable_values({1: 2}.values()) and immutable_values({1: ("a", 2)}.values()) and immutable_values([])
+    assert not immutable_values({1: [1]}.values()) and not immutable_values({1: ("a", [2])}.values())
+    assert not immutable_values([1, ("a", 2)])      # atoms and pairs mixed: the entry-by-entry path (still right)
     # a map of immutable pairs (the pool's last owners): a new map sharing the pairs; a pair holding a list: copied
     assert c["last"] is not value["last"] and c["last"][4] is value["last"][4]
     assert c["mixed"][6] == ("r2", [1]) and c["mixed"][6][1] is not value["mixed"][6][1]

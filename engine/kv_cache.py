@@ -18,6 +18,7 @@ if TYPE_CHECKING:      # the manager reads a step's plan; the scheduler, above i
 
 class KVCacheManager:
     __deepcopy__ = copy_fields      # engine/copying.py
+
     def __init__(self, pool: PagePool):
         self.pool = pool
 

@@ -26,9 +26,9 @@ synthetic durations. finish_step() without a duration adds and pays off no debt.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from .copying import copy_fields
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:       # the ledger reads a step's plan and chunks; it is below the scheduler, which holds it
     from .scheduler import Chunk, StepPlan

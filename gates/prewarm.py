@@ -53,9 +53,10 @@ def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
             continue
         case = {k: spec.params[k] for k in CASE_KEYS}
         path = paths.get(case["path"])
-        cls = kernels.backend_class(path.backend) if path is not None else None
-        if path is None or path.backend not in compiling or not cls.compiles(path) or \
-                not cls.takes_page_size(case["page_size"]):
+        if path is None or path.backend not in compiling:
+            continue
+        cls = kernels.backend_class(path.backend)
+        if not (cls.compiles(path) and cls.takes_page_size(case["page_size"])):
             continue
         case["dtype"] = str(case["dtype"]).removeprefix("torch.")
         if compile_key(case) not in seen:
@@ -67,7 +68,8 @@ def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
 def compiling_backends(backends) -> set[str]:
     """The selected backends with a path whose kernel is compiled per shape."""
     import kernels
-    return {b for b in backends if any(map(kernels.backend_class(b).compiles, kernels.backend_class(b).declared_paths()))}
+    classes = {b: kernels.backend_class(b) for b in backends}
+    return {b for b, cls in classes.items() if any(map(cls.compiles, cls.declared_paths()))}
 
 
 def start(cases: list[dict], device: str, processes: int | None = None, log_dir: str | None = None):

@@ -39,31 +39,63 @@ class TorchBackend(AttentionBackend):
         # per-sequence lengths come from the device tensors; the host gives only the shapes (sequences, query rows,
         # the longest query and history), so a captured step may pass bounds (engine/step_graphs.py)
         dev = batch.block_tables.device
-        max_q, max_kv = batch.max_q, batch.max_kv
-        if dev.type != "cuda":
-            # nothing is captured off CUDA, so reading the lengths costs no sync: the step's own longest history
-            # bounds the gather (the bound stays a cap). The captured steps' path, emulated on a CPU, passes the
-            # table's whole width for each piece: 30 times the step's attention, most of the CPU gates' time
-            max_kv = max(1, min(max_kv, int(batch.kv_lens_t.max())))
-        slots = gather_slots(batch.block_tables, batch.kv_lens_t, max_kv, batch.page_size)
         cu = batch.cu_q_t.long()
         q_lens = cu[1:] - cu[:-1]
         kv_lens = batch.kv_lens_t.long()
-        i = torch.arange(max_q, device=dev)
-        j = torch.arange(max_kv, device=dev)
-        # query i of sequence b sits at history position kv_len - q_len + i and sees keys up to it (causal)
-        qpos = (kv_lens - q_lens)[:, None] + i[None, :]                              # [B, max_q]
-        mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
         # packed row -> (sequence, index in sequence), to pad queries and unpad outputs; a sequence with no query
         # row (a captured step's unused one) owns no row
         rows = torch.arange(batch.num_queries, device=dev)
         seq_of_row = torch.searchsorted(cu[1:], rows, right=True)
         idx_in_seq = rows - cu[seq_of_row]
-        batch.prepared[kind] = (slots, mask, seq_of_row, idx_in_seq)
+        if dev.type == "cuda":
+            # one tile of every sequence under the host's bounds: reading the lengths would sync (and break capture)
+            slots, mask = self.tile(batch.block_tables, q_lens, kv_lens, batch.max_q, batch.max_kv, batch.page_size)
+            batch.prepared[kind] = [(None, slots, mask, seq_of_row, idx_in_seq)]
+            return
+        # Nothing is captured off CUDA, so reading the lengths costs no sync: each tile is bounded by its own longest
+        # query and history, and single-row sequences (decode rows, a captured step's padding) are tiled apart from
+        # chunk pieces. The captured steps' path, emulated on a CPU, passes every sequence its bucket holds (26 for
+        # one chunk of 128 rows) at the longest history and the piece's 64 rows: 15 times the step's attention in
+        # one tile, most of the CPU gates' time
+        tiles = []
+        for sel in (q_lens == 1, q_lens > 1):
+            seqs = sel.nonzero().flatten()
+            if not len(seqs):
+                continue
+            slots, mask = self.tile(batch.block_tables[seqs], q_lens[seqs], kv_lens[seqs], int(q_lens[seqs].max()),
+                                    int(kv_lens[seqs].max()), batch.page_size)
+            mine = sel[seq_of_row]
+            if bool(mine.all()):
+                tiles.append((None, slots, mask, seq_of_row, idx_in_seq))
+            else:
+                r = mine.nonzero().flatten()
+                tiles.append((r, slots, mask, torch.searchsorted(seqs, seq_of_row[r]), idx_in_seq[r]))
+        batch.prepared[kind] = tiles
+
+    @staticmethod
+    def tile(tables, q_lens, kv_lens, max_q: int, max_kv: int, page_size: int):
+        """The gather of a tile's history slots and its causal mask [B, max_q, max_kv]: query i of sequence b sits
+        at history position kv_len - q_len + i and sees keys up to it."""
+        max_kv = max(1, max_kv)
+        slots = gather_slots(tables, kv_lens, max_kv, page_size)
+        i = torch.arange(max(1, max_q), device=tables.device)
+        j = torch.arange(max_kv, device=tables.device)
+        qpos = (kv_lens - q_lens)[:, None] + i[None, :]                              # [B, max_q]
+        mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
+        return slots, mask
 
     def attend(self, q, k_cache, v_cache, batch: AttnBatch, scale: float, kind: str) -> torch.Tensor:
-        slots, mask, seq_of_row, idx_in_seq = batch.prepared[kind]
-        B, max_q = batch.num_seqs, batch.max_q
+        tiles = batch.prepared[kind]
+        if tiles[0][0] is None:                     # one tile holds every row
+            return self.attend_tile(q, k_cache, v_cache, scale, *tiles[0][1:])
+        out = torch.full_like(q, float("nan"))      # a row no tile wrote would show
+        for rows, *tile in tiles:
+            out[rows] = self.attend_tile(q[rows], k_cache, v_cache, scale, *tile)
+        return out
+
+    @staticmethod
+    def attend_tile(q, k_cache, v_cache, scale, slots, mask, seq_of_row, idx_in_seq) -> torch.Tensor:
+        B, max_q = mask.shape[:2]
         H, d = q.shape[1], q.shape[2]
         kvh = k_cache.shape[2]
         k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)         # [B, kvh, max_kv, d]: only owned slots

@@ -290,8 +290,8 @@ def read_past_length(mp: pytest.MonkeyPatch) -> None:
 
     def padded_mask(self, batch, kind):
         prepare(self, batch, kind)
-        slots, mask, s, i = batch.prepared[kind]
-        batch.prepared[kind] = (slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
+        batch.prepared[kind] = [(rows, slots, torch.nn.functional.pad(mask, (0, 1)), s, i)
+                                for rows, slots, mask, s, i in batch.prepared[kind]]
 
     mp.setattr(TorchBackend, "prepare", padded_mask)
 

@@ -59,18 +59,48 @@ class MasksAfterLoading(TorchBackend):
         super().prepare(batch, kind)
         if kind != "decode":
             return
-        slots, mask, *rest = batch.prepared[kind]
+        (rows, slots, mask, *rest), = batch.prepared[kind]     # decode rows: one tile of every sequence
+        assert rows is None
         P = batch.page_size
         width = batch.block_tables.shape[1] * P
         j = torch.arange(width)
         whole = batch.block_tables.long().gather(1, (j // P).expand(batch.num_seqs, -1)) * P + j % P
         mask = torch.cat([mask, mask.new_zeros(*mask.shape[:-1], width - mask.shape[-1])], dim=-1)
-        batch.prepared[kind] = (whole, mask, *rest)
+        batch.prepared[kind] = [(rows, whole, mask, *rest)]
 
 
 def test_unplanted_torch_backend_passes_the_same_checks():
     check_kernel(TorchBackend(), "decode", kv_lens=DECODE_LENS, **SHAPE)
     check_kernel(TorchBackend(), "prefill", **PREFILL, **SHAPE)
+
+
+def test_torch_backend_off_cuda_tiles_a_captured_steps_bounds():
+    """Off CUDA the torch backend reads the lengths: a captured step's shape (host bounds only, sequences that own no
+    row, a table as wide as the widest request) is attended in tiles of single-row and multi-row sequences, each no
+    wider than its own longest history, and gives what the exact host lengths give (the reference's rows, in order)."""
+    from gates.kernel_check import reference_attention
+    case = make_case(**PREFILL, **SHAPE)
+    exact = case.batch()
+    be = TorchBackend()
+    be.prepare(exact, "prefill")
+    want = be.prefill(case.q, case.k_cache, case.v_cache, exact, case.q.shape[2] ** -0.5)
+    # the captured step's buffers: two unused sequences (no rows, null-page tables, length 0) and host bounds
+    n, width = exact.num_seqs, exact.block_tables.shape[1] + 3
+    tables = torch.zeros(n + 2, width, dtype=torch.int32)
+    tables[1:n + 1, :exact.block_tables.shape[1]] = exact.block_tables
+    cu = torch.cat([exact.cu_q_t[:1], exact.cu_q_t, exact.cu_q_t[-1:]])
+    kv = torch.cat([exact.kv_lens_t.new_zeros(1), exact.kv_lens_t, exact.kv_lens_t.new_zeros(1)])
+    rows = exact.num_queries
+    bounded = AttnBatch([64] * (rows // 64) + [rows % 64] + [0] * (n + 1 - rows // 64), [width * 64] * (n + 2),
+                        tables, kv, cu, 64)
+    be.prepare(bounded, "prefill")
+    tiles = bounded.prepared["prefill"]
+    assert [tuple(t[2].shape) for t in tiles] == [(1, 1, 1), (4, 64, 257)], "one tile per kind of sequence, each " \
+        "bounded by its own sequences"
+    got = be.prefill(case.q, case.k_cache, case.v_cache, bounded, case.q.shape[2] ** -0.5)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, reference_attention(case, case.q.shape[2] ** -0.5, torch.float32),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_gate_catches_decode_reading_one_slot_past_the_length():

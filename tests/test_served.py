@@ -129,15 +129,17 @@ def test_census_problems_hold_the_census_against_the_trace(loaded):
     assert any("counted as admitting a cached prefix" in p for p in problems), problems
 
 
-def test_poison_problems_name_a_free_page_that_holds_finite_values(loaded):
+def test_poison_problems_name_a_free_page_that_holds_anything_but_nan(loaded):
     from gates.dispatch import poison_problems
     e = small_engine(loaded, backend="torch", poison=True)
     assert poison_problems(e) == []
     page = next(p for p in e.pool.free if p not in e._unpoisoned)
-    e.runner.kv_caches[1][1][page] = 0.0            # a freed page left unpoisoned (its values, layer 1)
-    assert poison_problems(e) == [
-        f"poison: free page(s) [{page}] hold finite values in layer 1: freed or never-written pages must hold NaN in "
-        "poison mode, or a kernel that reads one goes unseen"]
+    e.runner.kv_caches[1][1][page, -1, 0, 0] = float("inf")     # one slot of a freed page not poison (layer 1)
+    want = [f"poison: free page(s) [{page}] hold values other than NaN in layer 1: freed or never-written pages must "
+            "hold NaN in poison mode, or a kernel that reads one goes unseen"]
+    assert poison_problems(e) == want
+    e.runner.kv_caches[1][1][page] = 0.0            # the whole page left unpoisoned
+    assert poison_problems(e) == want
     assert poison_problems(small_engine(loaded, backend="torch", poison=False)) == []
 
 

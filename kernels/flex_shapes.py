@@ -64,8 +64,11 @@ def block_mask_from_dense(dense: torch.Tensor, mask_mod, q_len: int, kv_len: int
     all_ = hi.view(B, nq, BLOCK, nk, BLOCK).all(4).all(2)
     kv_num, kv_idx = _sparse(any_ & ~all_)
     full_num, full_idx = _sparse(all_)
+    # compute_q_blocks=False: the query-side indices serve only the backward pass (none runs here); building them
+    # transposes and repacks the whole sparse map: 295 aten ops a mask instead of 73 (2.3 against 1.0 ms on a CPU),
+    # on CUDA each a launch of an eager reference step
     return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, kv_len))
+                                    seq_lengths=(q_len, kv_len), compute_q_blocks=False)
 
 
 __all__ = ["BLOCK", "MIN_BLOCKS", "ROWS", "q_bucket", "kv_bucket", "rows_bucket", "ladder", "block_mask_from_dense"]

@@ -60,25 +60,19 @@ class TorchBackend(AttentionBackend):
         tiles = []
         for sel in (q_lens == 1, q_lens > 1):
             seqs = sel.nonzero().flatten()
-            if not len(seqs):
-                continue
-            slots, mask = self.tile(batch.block_tables[seqs], q_lens[seqs], kv_lens[seqs], int(q_lens[seqs].max()),
-                                    int(kv_lens[seqs].max()), batch.page_size)
-            mine = sel[seq_of_row]
-            if bool(mine.all()):
-                tiles.append((None, slots, mask, seq_of_row, idx_in_seq))
-            else:
-                r = mine.nonzero().flatten()
-                tiles.append((r, slots, mask, torch.searchsorted(seqs, seq_of_row[r]), idx_in_seq[r]))
+            if len(seqs):
+                rows = sel[seq_of_row].nonzero().flatten()      # the tile's rows, their sequences' places in it
+                slots, mask = self.tile(batch.block_tables[seqs], q_lens[seqs], kv_lens[seqs],
+                                        int(q_lens[seqs].max()), int(kv_lens[seqs].max()), batch.page_size)
+                tiles.append((rows, slots, mask, torch.searchsorted(seqs, seq_of_row[rows]), idx_in_seq[rows]))
         batch.prepared[kind] = tiles
 
     @staticmethod
     def tile(tables, q_lens, kv_lens, max_q: int, max_kv: int, page_size: int):
         """The gather of a tile's history slots and its causal mask [B, max_q, max_kv]: query i of sequence b sits
         at history position kv_len - q_len + i and sees keys up to it."""
-        max_kv = max(1, max_kv)
         slots = gather_slots(tables, kv_lens, max_kv, page_size)
-        i = torch.arange(max(1, max_q), device=tables.device)
+        i = torch.arange(max_q, device=tables.device)
         j = torch.arange(max_kv, device=tables.device)
         qpos = (kv_lens - q_lens)[:, None] + i[None, :]                              # [B, max_q]
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
@@ -86,7 +80,7 @@ class TorchBackend(AttentionBackend):
 
     def attend(self, q, k_cache, v_cache, batch: AttnBatch, scale: float, kind: str) -> torch.Tensor:
         tiles = batch.prepared[kind]
-        if tiles[0][0] is None:                     # one tile holds every row
+        if tiles[0][0] is None:                     # on CUDA: one tile holds every row
             return self.attend_tile(q, k_cache, v_cache, scale, *tiles[0][1:])
         out = torch.full_like(q, float("nan"))      # a row no tile wrote would show
         for rows, *tile in tiles:

@@ -60,7 +60,7 @@ class MasksAfterLoading(TorchBackend):
         if kind != "decode":
             return
         (rows, slots, mask, *rest), = batch.prepared[kind]     # decode rows: one tile of every sequence
-        assert rows is None
+        assert mask.shape[0] == batch.num_seqs
         P = batch.page_size
         width = batch.block_tables.shape[1] * P
         j = torch.arange(width)
@@ -74,33 +74,48 @@ def test_unplanted_torch_backend_passes_the_same_checks():
     check_kernel(TorchBackend(), "prefill", **PREFILL, **SHAPE)
 
 
-def test_torch_backend_off_cuda_tiles_a_captured_steps_bounds():
+def _with_unused_sequences(exact: AttnBatch, at: list[int], width: int) -> AttnBatch:
+    """`exact` as a captured step passes it: sequences that own no row (null-page tables, length 0) inserted at
+    positions `at` of the result, tables `width` pages wide, and host bounds in place of the lengths."""
+    n = exact.num_seqs + len(at)
+    real = [i for i in range(n) if i not in at]
+    tables = torch.zeros(n, width, dtype=torch.int32)
+    tables[real, :exact.block_tables.shape[1]] = exact.block_tables
+    kv = exact.kv_lens_t.new_zeros(n)
+    kv[real] = exact.kv_lens_t
+    q = torch.zeros(n, dtype=exact.cu_q_t.dtype)
+    q[real] = exact.cu_q_t[1:] - exact.cu_q_t[:-1]
+    cu = torch.cat([exact.cu_q_t[:1], q.cumsum(0).to(exact.cu_q_t.dtype)])
+    rows = exact.num_queries
+    return AttnBatch([64] * (rows // 64) + [rows % 64] + [0] * (n - 1 - rows // 64),
+                     [width * exact.page_size] * n, tables, kv, cu, exact.page_size)
+
+
+@pytest.mark.parametrize("kind,lens,at,shapes", [
+    # chunk pieces and single rows: two tiles, each as wide as its own sequences' longest history
+    ("prefill", PREFILL, [0, 6], [(1, 1, 1), (4, 64, 257)]),
+    # single rows only, unused sequences between them: one tile of the used ones
+    ("decode", dict(kv_lens=[3, 65, 1, 130]), [1, 3, 6], [(4, 1, 130)]),
+])
+def test_torch_backend_off_cuda_tiles_a_captured_steps_bounds(kind, lens, at, shapes):
     """Off CUDA the torch backend reads the lengths: a captured step's shape (host bounds only, sequences that own no
-    row, a table as wide as the widest request) is attended in tiles of single-row and multi-row sequences, each no
-    wider than its own longest history, and gives what the exact host lengths give (the reference's rows, in order)."""
+    row anywhere in the batch, a table as wide as the widest request) is attended in tiles of single-row and
+    multi-row sequences, each no wider than its own longest history, and gives what the exact host lengths give and
+    the fp32 reference, row for row."""
     from gates.kernel_check import reference_attention
-    case = make_case(**PREFILL, **SHAPE)
+    case = make_case(**lens, **SHAPE)
+    scale = case.q.shape[2] ** -0.5
     exact = case.batch()
     be = TorchBackend()
-    be.prepare(exact, "prefill")
-    want = be.prefill(case.q, case.k_cache, case.v_cache, exact, case.q.shape[2] ** -0.5)
-    # the captured step's buffers: two unused sequences (no rows, null-page tables, length 0) and host bounds
-    n, width = exact.num_seqs, exact.block_tables.shape[1] + 3
-    tables = torch.zeros(n + 2, width, dtype=torch.int32)
-    tables[1:n + 1, :exact.block_tables.shape[1]] = exact.block_tables
-    cu = torch.cat([exact.cu_q_t[:1], exact.cu_q_t, exact.cu_q_t[-1:]])
-    kv = torch.cat([exact.kv_lens_t.new_zeros(1), exact.kv_lens_t, exact.kv_lens_t.new_zeros(1)])
-    rows = exact.num_queries
-    bounded = AttnBatch([64] * (rows // 64) + [rows % 64] + [0] * (n + 1 - rows // 64), [width * 64] * (n + 2),
-                        tables, kv, cu, 64)
-    be.prepare(bounded, "prefill")
-    tiles = bounded.prepared["prefill"]
-    assert [tuple(t[2].shape) for t in tiles] == [(1, 1, 1), (4, 64, 257)], "one tile per kind of sequence, each " \
-        "bounded by its own sequences"
-    got = be.prefill(case.q, case.k_cache, case.v_cache, bounded, case.q.shape[2] ** -0.5)
+    be.prepare(exact, kind)
+    want = be.attend(case.q, case.k_cache, case.v_cache, exact, scale, kind)
+    bounded = _with_unused_sequences(exact, at, exact.block_tables.shape[1] + 3)
+    be.prepare(bounded, kind)
+    assert [tuple(t[2].shape) for t in bounded.prepared[kind]] == shapes, \
+        "one tile per kind of sequence, each bounded by its own sequences"
+    got = be.attend(case.q, case.k_cache, case.v_cache, bounded, scale, kind)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-    torch.testing.assert_close(got, reference_attention(case, case.q.shape[2] ** -0.5, torch.float32),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference_attention(case, scale, torch.float32), rtol=1e-5, atol=1e-5)
 
 
 def test_gate_catches_decode_reading_one_slot_past_the_length():

@@ -60,10 +60,14 @@ class TorchBackend(AttentionBackend):
         tiles = []
         for sel in (q_lens == 1, q_lens > 1):
             seqs = sel.nonzero().flatten()
-            if len(seqs):
-                rows = sel[seq_of_row].nonzero().flatten()      # the tile's rows, their sequences' places in it
-                slots, mask = self.tile(batch.block_tables[seqs], q_lens[seqs], kv_lens[seqs],
-                                        int(q_lens[seqs].max()), int(kv_lens[seqs].max()), batch.page_size)
+            if not len(seqs):
+                continue
+            slots, mask = self.tile(batch.block_tables[seqs], q_lens[seqs], kv_lens[seqs], int(q_lens[seqs].max()),
+                                    int(kv_lens[seqs].max()), batch.page_size)
+            if len(seqs) == len(q_lens):    # the tile holds every sequence, so every row, in the batch's order
+                tiles.append((None, slots, mask, seq_of_row, idx_in_seq))
+            else:                           # its rows, and their sequences' places in the tile
+                rows = sel[seq_of_row].nonzero().flatten()
                 tiles.append((rows, slots, mask, torch.searchsorted(seqs, seq_of_row[rows]), idx_in_seq[rows]))
         batch.prepared[kind] = tiles
 
@@ -80,7 +84,7 @@ class TorchBackend(AttentionBackend):
 
     def attend(self, q, k_cache, v_cache, batch: AttnBatch, scale: float, kind: str) -> torch.Tensor:
         tiles = batch.prepared[kind]
-        if tiles[0][0] is None:                     # on CUDA: one tile holds every row
+        if tiles[0][0] is None:                     # one tile holds every row
             return self.attend_tile(q, k_cache, v_cache, scale, *tiles[0][1:])
         out = torch.full_like(q, float("nan"))      # a row no tile wrote would show
         for rows, *tile in tiles:

@@ -90,11 +90,13 @@ class Runs:
 
     def candidate(self, engine: str, backend: str, workload: str, repeat: int = 0, **overrides):
         """GenRecords of one engine configuration on a workload, in poison mode (the gate default). `repeat`
-        asks for another, independent run of the same configuration."""
-        key = (engine, backend, workload, repeat, tuple(sorted(overrides.items())))
+        asks for another, independent run of the same configuration. Runs are shared by what runs: overrides that
+        resolve to the same configuration on this device (on CUDA, flash's defaults are captured steps and overlap,
+        asked for by name or not) get one run."""
+        ref = self.engine_reference(engine, backend, workload, **overrides)
+        key = (ref.config.resolved(), workload, repeat)
         label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:
-            ref = self.engine_reference(engine, backend, workload, **overrides)
             t0 = time.perf_counter()
             try:
                 records = ref.generate(get_workload(workload).requests())

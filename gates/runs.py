@@ -13,6 +13,7 @@ from engine.config import LINEAGE, config_differences, lineage_config
 from engine.dtypes import torch_dtype
 from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
+from engine.served import use_cuda_graphs
 from engine.workload import get_workload
 
 from . import build_cost, coverage, summary, triage
@@ -94,6 +95,9 @@ class Runs:
         resolve to the same configuration on this device (on CUDA, flash's defaults are captured steps and overlap,
         asked for by name or not) get one run."""
         ref = self.engine_reference(engine, backend, workload, **overrides)
+        # a request the engine refuses (cuda_graphs=True where no captured path runs) resolves like the eager
+        # configuration it is not: it fails here, with the error its build gives, rather than take that run
+        use_cuda_graphs(ref.config)
         key = (ref.config.resolved(), workload, repeat)
         label = f"{engine}[{backend}] on {workload} {dict(overrides) or ''}".rstrip()
         if key not in self.cache:

@@ -24,3 +24,17 @@ def test_overrides_that_resolve_alike_share_one_run_and_others_do_not(request, m
     assert len(runs.cache) == 4
     assert checked[:2] == [(shared[1], "fused[torch] on smoke-cpu {'cuda_graphs': True}"),
                            (shared[1], "fused[torch] on smoke-cpu {'cuda_graphs': True, 'overlap': False}")]
+
+
+def test_a_refused_request_takes_no_run_of_the_configuration_it_falls_back_from(request):
+    """`cuda_graphs=True` where the backend runs no captured steps' path (FlexAttention off CUDA) resolves like the
+    eager configuration, but the engine refuses it: the gate gets the refusal, not a run made without graphs."""
+    import pytest
+    from engine.errors import ConfigError
+    runs = Runs(gate_options(request.config))
+    eager = runs.engine_reference("fused", "flex", "smoke-cpu", cuda_graphs=False)
+    runs.cache[(eager.config.resolved(), "smoke-cpu", 0)] = "the eager run"
+    assert runs.engine_reference("fused", "flex", "smoke-cpu", cuda_graphs=True).config.resolved() == \
+        eager.config.resolved()
+    with pytest.raises(ConfigError, match="cuda_graphs=True but"):
+        runs.candidate("fused", "flex", "smoke-cpu", cuda_graphs=True)

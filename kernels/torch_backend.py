@@ -56,7 +56,7 @@ class TorchBackend(AttentionBackend):
         # query and history, and single-row sequences (decode rows, a captured step's padding) are tiled apart from
         # chunk pieces. The captured steps' path, emulated on a CPU, passes every sequence its bucket holds (26 for
         # one chunk of 128 rows) at the longest history and the piece's 64 rows: 15 times the step's attention in
-        # one tile, most of the CPU gates' time
+        # one tile (a fused mixed-cpu gate run with cuda_graphs=True took 17 s against 5 s without)
         tiles = []
         for sel in (q_lens == 1, q_lens > 1):
             seqs = sel.nonzero().flatten()

@@ -67,8 +67,8 @@ class TorchBackend(AttentionBackend):
             if len(seqs) == len(q_lens):    # the tile holds every sequence, so every row, in the batch's order
                 tiles.append((None, slots, mask, seq_of_row, idx_in_seq))
             else:                           # its rows, and their sequences' places in the tile
-                rows = sel[seq_of_row].nonzero().flatten()
-                tiles.append((rows, slots, mask, torch.searchsorted(seqs, seq_of_row[rows]), idx_in_seq[rows]))
+                mine = sel[seq_of_row].nonzero().flatten()
+                tiles.append((mine, slots, mask, torch.searchsorted(seqs, seq_of_row[mine]), idx_in_seq[mine]))
         batch.prepared[kind] = tiles
 
     @staticmethod

@@ -1,5 +1,6 @@
-"""The mutation campaign's configuration and report (gates/mutation.py): what it selects, how it reads cosmic-ray's
-verdicts, the score and the Markdown; the configuration names only modules and gates that exist."""
+"""The mutation campaign's configuration and report (gates/mutation.py runs it, gates/mutation_results.py reads its
+sessions): what it selects, how it reads cosmic-ray's verdicts, the score and the Markdown; the configuration names
+only modules and gates that exist."""
 from __future__ import annotations
 
 import difflib
@@ -9,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from gates import mutation
+from gates import mutation, mutation_results as results
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_configured_modules_and_suites_exist():
-    cfg = mutation.load_config()
+    cfg = results.load_config()
     missing = [m for m in cfg["modules"] if not (REPO / m).is_file()]
     assert missing == [], f"gates/mutation.toml names modules that moved or went: {missing}"
     assert set(cfg["modules"].values()) <= set(cfg["suites"])
@@ -29,8 +30,8 @@ def test_the_configured_modules_and_suites_exist():
 
 
 def test_the_committed_allow_list_reads_and_gives_each_mutant_a_reason():
-    cfg = mutation.load_config()
-    for e in mutation.load_equivalent(REPO / cfg["equivalent"]):
+    cfg = results.load_config()
+    for e in results.load_equivalent(REPO / cfg["equivalent"]):
         assert e["module"] in cfg["modules"] and len(e["why"].split()) >= 5, e
         assert e["line"] in {line.strip() for line in (REPO / e["module"]).read_text().splitlines()}, (
             f"{e['module']} no longer has the line {e['line']!r}: the entry is stale")
@@ -41,30 +42,30 @@ def test_an_allow_list_entry_without_a_reason_is_refused(tmp_path):
     path.write_text('[[equivalent]]\nmodule = "engine/pool.py"\nwhere = ""\noperator = "x"\nline = "a"\n'
                     'mutant = "b"\n')
     with pytest.raises(ValueError, match="why"):
-        mutation.load_equivalent(path)
+        results.load_equivalent(path)
 
 
 def test_selective_operators():
-    assert mutation.selected("core/ReplaceBinaryOperator_Add_Sub")
-    assert not mutation.selected("core/ReplaceBinaryOperator_Add_BitXor")
-    assert mutation.selected("core/ReplaceComparisonOperator_Lt_LtE")
-    assert mutation.selected("core/ReplaceComparisonOperator_Lt_GtE")
-    assert not mutation.selected("core/ReplaceComparisonOperator_Lt_Eq")
-    assert mutation.selected("core/ReplaceComparisonOperator_IsNot_Is")
-    assert mutation.selected("core/NumberReplacer") and mutation.selected("core/ZeroIterationForLoop")
+    assert results.selected("core/ReplaceBinaryOperator_Add_Sub")
+    assert not results.selected("core/ReplaceBinaryOperator_Add_BitXor")
+    assert results.selected("core/ReplaceComparisonOperator_Lt_LtE")
+    assert results.selected("core/ReplaceComparisonOperator_Lt_GtE")
+    assert not results.selected("core/ReplaceComparisonOperator_Lt_Eq")
+    assert results.selected("core/ReplaceComparisonOperator_IsNot_Is")
+    assert results.selected("core/NumberReplacer") and results.selected("core/ZeroIterationForLoop")
 
 
 def test_equivalent_reason_matches_stripped_lines_in_their_place():
     entries = [dict(module="m.py", where="A.f", operator="op", line="x = 1", mutant="x = 2", why="nobody reads x")]
-    assert mutation.equivalent_reason(entries, "m.py", "A.f", "op", "    x = 1", "    x = 2 ") == "nobody reads x"
-    assert mutation.equivalent_reason(entries, "m.py", "A.f", "op", "x = 1", "x = 0") is None
-    assert mutation.equivalent_reason(entries, "m.py", "B.f", "op", "x = 1", "x = 2") is None
+    assert results.equivalent_reason(entries, "m.py", "A.f", "op", "    x = 1", "    x = 2 ") == "nobody reads x"
+    assert results.equivalent_reason(entries, "m.py", "A.f", "op", "x = 1", "x = 0") is None
+    assert results.equivalent_reason(entries, "m.py", "B.f", "op", "x = 1", "x = 2") is None
 
 
 def test_enclosing_names_the_class_and_function():
     source = ("X = 1\nclass A:\n    def f(self):\n        if X:\n            return 2\n    y = 3\n    @property\n"
               "    def h(self):\n        return 4\n")
-    assert [mutation.enclosing(source, n) for n in (1, 5, 6, 7, 9)] == ["", "A.f", "A", "A.h", "A.h"]
+    assert [results.enclosing(source, n) for n in (1, 5, 6, 7, 9)] == ["", "A.f", "A", "A.h", "A.h"]
 
 
 @pytest.mark.parametrize("worker,test,output,expected", [
@@ -74,10 +75,10 @@ def test_enclosing_names_the_class_and_function():
     ("normal", "incompetent", "Traceback", "incompetent"),
     ("exception", None, "Traceback", "incompetent"),
     ("skipped", None, "equivalent: never read", "equivalent"),
-    ("skipped", None, mutation.LEFT_OUT, "left out"),
+    ("skipped", None, results.LEFT_OUT, "left out"),
 ])
 def test_outcome(worker, test, output, expected):
-    assert mutation.outcome(worker, test, output) == expected
+    assert results.outcome(worker, test, output) == expected
 
 
 def mutants(*outcomes):
@@ -87,19 +88,19 @@ def mutants(*outcomes):
 
 
 def test_summarize_scores_killed_and_timeouts_over_the_non_equivalent():
-    r = mutation.summarize("engine/pool.py", mutants("killed", "killed", "timeout", "survived", "equivalent",
+    r = results.summarize("engine/pool.py", mutants("killed", "killed", "timeout", "survived", "equivalent",
                                                      "pending", "left out"), {})
     assert r["counts"] == {"killed": 2, "survived": 1, "timeout": 1, "equivalent": 1, "incompetent": 0,
                            "pending": 1, "left out": 1}
     assert r["score"] == pytest.approx(3 / 4)
     assert [m["line"] for m in r["survivors"]] == [13]
-    assert mutation.summarize("m.py", mutants("pending"), {})["score"] is None
+    assert results.summarize("m.py", mutants("pending"), {})["score"] is None
 
 
 def test_markdown_lists_every_survivor_with_its_diff():
     meta = dict(seconds=600, machine="vm, 2 cores", commit="abc1234", command="python -m pytest -x gates/x.py",
                 timeout_s=150, baseline_s=20.0)
-    text = mutation.markdown([mutation.summarize("engine/pool.py", mutants("killed", "survived", "survived"),
+    text = results.markdown([results.summarize("engine/pool.py", mutants("killed", "survived", "survived"),
                                                  meta)])
     assert "| `engine/pool.py` | 1 | 2 | 0 | 0 | 0 | 0 | 33.3% | 10.0 min | vm, 2 cores | abc1234 |" in text
     assert text.count("### survivor: `engine/pool.py`") == 2
@@ -109,9 +110,9 @@ def test_markdown_lists_every_survivor_with_its_diff():
 def test_mutant_lines_name_the_original_and_the_mutated_line():
     pytest.importorskip("cosmic_ray", reason="cosmic-ray is the mutation extra (pip install -e '.[mutation]')")
     source = "def f(a, b):\n    return a + b\n"
-    assert mutation.mutant_lines(source, "core/ReplaceBinaryOperator_Add_Sub", 0, 2) == ("return a + b",
+    assert results.mutant_lines(source, "core/ReplaceBinaryOperator_Add_Sub", 0, 2) == ("return a + b",
                                                                                          "return a - b")
-    assert mutation.mutant_lines("@d\ndef f():\n    pass\n", "core/RemoveDecorator", 0, 1) == ("@d", "(removed)")
+    assert results.mutant_lines("@d\ndef f():\n    pass\n", "core/RemoveDecorator", 0, 1) == ("@d", "(removed)")
 
 
 def test_every_allow_list_entry_names_a_mutant_the_tool_makes_today():
@@ -120,9 +121,9 @@ def test_every_allow_list_entry_names_a_mutant_the_tool_makes_today():
     pytest.importorskip("cosmic_ray", reason="cosmic-ray is the mutation extra (pip install -e '.[mutation]')")
     from cosmic_ray.mutating import mutate_code
     from cosmic_ray.plugins import get_operator
-    config = mutation.load_config()
+    config = results.load_config()
     stale = []
-    for e in mutation.load_equivalent(REPO / config["equivalent"]):
+    for e in results.load_equivalent(REPO / config["equivalent"]):
         source = (REPO / e["module"]).read_text()
         before = source.splitlines()
         made = set()
@@ -136,7 +137,7 @@ def test_every_allow_list_entry_names_a_mutant_the_tool_makes_today():
                                        .get_opcodes() if op[0] != "equal")
             i = next(k for k in range(start, end) if before[k].strip())
             mutant = "(removed)" if len(after) < len(before) else after[j + i - start].strip()
-            made.add((mutation.enclosing(source, i + 1), before[i].strip(), mutant))
+            made.add((results.enclosing(source, i + 1), before[i].strip(), mutant))
         if (e["where"], e["line"], e["mutant"]) not in made:
             stale.append(f"{e['module']} {e['where']!r} {e['operator']}: {e['line']!r} -> {e['mutant']!r}")
     assert not stale, "allow-list entries that name no mutant of today's code:\n" + "\n".join(stale)
@@ -144,7 +145,7 @@ def test_every_allow_list_entry_names_a_mutant_the_tool_makes_today():
 
 def test_the_nightly_workflow_campaigns_every_cpu_module():
     yaml = pytest.importorskip("yaml")
-    cfg = mutation.load_config()
+    cfg = results.load_config()
     cpu = [m for m, s in cfg["modules"].items() if cfg["suites"][s]["device"] == "cpu"]
     wf = yaml.safe_load((REPO / ".github/workflows/mutation.yml").read_text())
     assert wf["jobs"]["cpu"]["strategy"]["matrix"]["module"] == cpu
@@ -168,11 +169,11 @@ def test_retest_runs_the_survivors_alone_then_restores_the_rest(tmp_path):
     db = tmp_path / "s.sqlite"
     session(db, {"k": ("NORMAL", "KILLED"), "s1": ("NORMAL", "SURVIVED"), "s2": ("NORMAL", "SURVIVED"),
                  "p1": None, "p2": None, "p3": None})
-    assert mutation.pending(db) == 3
-    mutation.retest_survivors(db)
-    assert mutation.pending(db) == 2            # s1 and s2 alone: what cosmic-ray exec would run now
-    mutation.restore_deferred(db)
-    assert mutation.pending(db) == 5            # the never-run ones pending again (and the survivors, not rerun here)
+    assert results.pending(db) == 3
+    results.retest_survivors(db)
+    assert results.pending(db) == 2            # s1 and s2 alone: what cosmic-ray exec would run now
+    results.restore_deferred(db)
+    assert results.pending(db) == 5            # the never-run ones pending again (and the survivors, not rerun here)
 
 
 def toy_repo(tmp_path: Path) -> Path:
@@ -196,6 +197,7 @@ def test_a_survivor_its_second_suite_kills_counts_as_killed_and_is_named(tmp_pat
     pytest.importorskip("cosmic_ray")
     repo = toy_repo(tmp_path)
     monkeypatch.setattr(mutation, "REPO", repo)
+    monkeypatch.setattr(results, "REPO", repo)      # read_session reads the module there
     (repo / "test_toy.py").write_text("import toy\n\ndef test_equal():\n    assert toy.f(2, 2) == 0\n")
     cfg = {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"}, "also": {"toy.py": "cpu2"},
            "suites": {"toy": {"device": "cuda", "timeout": 60,
@@ -204,21 +206,21 @@ def test_a_survivor_its_second_suite_kills_counts_as_killed_and_is_named(tmp_pat
     work = tmp_path / "work"
     work.mkdir()
     mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300)
-    own = mutation.read_session(work / "toy.sqlite", "toy.py", [])
+    own = results.read_session(work / "toy.sqlite", "toy.py", [])
     assert [m["line"] for m in own if m["outcome"] == "survived"] == [2]      # a < b -> a <= b
     meta = mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, also=True)
     assert meta["suite"] == "cpu2" and meta["finished"]
-    also = mutation.read_session(work / "toy.also.sqlite", "toy.py", [])
+    also = results.read_session(work / "toy.also.sqlite", "toy.py", [])
     assert [m["outcome"] for m in also if m["outcome"] not in ("left out",)] == ["killed"]   # the survivor alone ran
-    [r] = mutation.report(work, [])
+    [r] = results.report(work, [])
     assert r["counts"]["survived"] == 0 and r["score"] == 1.0, r["counts"]
     assert len(r["elsewhere"]) == 1 and "cpu2 suite" in r["elsewhere"][0]["note"]
     assert "test_toy.py::test_equal" in r["elsewhere"][0]["note"]
-    assert "killed by a second suite: `toy.py` line 2" in mutation.markdown([r])
+    assert "killed by a second suite: `toy.py` line 2" in results.markdown([r])
 
     (repo / "test_toy.py").write_text("import toy\n\ndef test_nothing():\n    assert toy.f(1, 2) == 3\n")
     mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, also=True)
-    [r] = mutation.report(work, [])
+    [r] = results.report(work, [])
     assert r["counts"]["survived"] == 1 and not r["elsewhere"]                # not killed there: still a survivor
 
     (repo / "toy.py").write_text((repo / "toy.py").read_text() + "\n\ndef g():\n    return 1\n")
@@ -233,6 +235,7 @@ def test_a_campaign_with_workers_gives_the_verdicts_of_one_at_a_time(tmp_path, m
     pytest.importorskip("cosmic_ray")
     repo = toy_repo(tmp_path)
     monkeypatch.setattr(mutation, "REPO", repo)
+    monkeypatch.setattr(results, "REPO", repo)      # read_session reads the module there
     check = "python -c 'import toy; assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3'"
     cfg = {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"},
            "suites": {"toy": {"device": "cpu", "timeout": 60, "command": check}}}
@@ -241,7 +244,7 @@ def test_a_campaign_with_workers_gives_the_verdicts_of_one_at_a_time(tmp_path, m
     meta = mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300, workers=workers)
     assert meta["finished"] and meta["workers"] == workers
     verdicts = {(m["line"], m["operator"], m["occurrence"]): m["outcome"]
-                for m in mutation.read_session(work / "toy.sqlite", "toy.py", [])}
+                for m in results.read_session(work / "toy.sqlite", "toy.py", [])}
     survived = [k for k, v in verdicts.items() if v == "survived"]
     assert [k[:2] for k in survived] == [(2, "core/ReplaceComparisonOperator_Lt_LtE")], verdicts
     assert sum(v == "killed" for v in verdicts.values()) >= 3, verdicts
@@ -277,7 +280,7 @@ def test_a_session_of_an_edited_module_is_not_resumed(tmp_path):
 
 def test_statement_line_finds_the_first_line_of_a_continued_statement():
     source = "x = 1\nif x:\n    y = (x +\n         2)\n"
-    assert [mutation.statement_line(source, n) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]
+    assert [results.statement_line(source, n) for n in (1, 2, 3, 4)] == [1, 2, 3, 3]
 
 
 def test_a_reach_suite_records_mutants_on_unrun_statements_as_survivors_without_running_them(tmp_path, monkeypatch):
@@ -290,6 +293,7 @@ def test_a_reach_suite_records_mutants_on_unrun_statements_as_survivors_without_
     (repo / "test_toy.py").write_text("import toy\n\ndef test_f():\n    assert toy.f(1, 2) == 3\n")
     subprocess.run(["git", "add", "."], cwd=repo, check=True)
     monkeypatch.setattr(mutation, "REPO", repo)
+    monkeypatch.setattr(results, "REPO", repo)      # read_session reads the module there
     cfg = {"operators": "selective", "equivalent": "allow.toml", "modules": {"toy.py": "toy"},
            "suites": {"toy": {"device": "cpu", "timeout": 60, "reach": True,
                               "command": "python -m pytest -q -p no:cacheprovider test_toy.py"}}}
@@ -297,12 +301,12 @@ def test_a_reach_suite_records_mutants_on_unrun_statements_as_survivors_without_
     work.mkdir()
     meta = mutation.run_module("toy.py", cfg, work, deadline=time.time() + 300)
     assert meta["finished"]
-    mutants = mutation.read_session(work / "toy.sqlite", "toy.py", [])
+    mutants = results.read_session(work / "toy.sqlite", "toy.py", [])
     unreached = [m for m in mutants if m["note"]]
     assert unreached and {m["line"] for m in unreached} == {4}, mutants
     assert all(m["outcome"] == "survived" and "line 4" in m["note"] for m in unreached)
     assert any(m["line"] == 3 and m["outcome"] == "killed" for m in mutants), mutants
-    assert "never ran this statement" in mutation.markdown([mutation.summarize("toy.py", mutants, meta)])
+    assert "never ran this statement" in results.markdown([results.summarize("toy.py", mutants, meta)])
 
 
 def test_a_reach_suite_must_run_pytest_under_python():
@@ -313,12 +317,12 @@ def test_a_reach_suite_must_run_pytest_under_python():
 def test_a_units_key_holds_across_lines_moved_and_changes_with_its_text():
     before = "def f(a, b):\n    return a + b\n\n\nclass C:\n    def m(self):\n        return 1 + 2\n"
     after = "import os\n\n" + before.replace("return 1 + 2", "return 1 - 2")
-    old, new = mutation.units(before), mutation.units(after)
+    old, new = results.units(before), results.units(after)
     op = "core/NumberReplacer"
-    assert mutation.unit_key(old, op, (2, 11)) == mutation.unit_key(new, op, (4, 11))     # f moved two lines down
-    assert mutation.unit_key(old, op, (2, 11)) != mutation.unit_key(new, op, (4, 12))     # another column
-    assert mutation.unit_key(old, op, (7, 15)) != mutation.unit_key(new, op, (9, 15))     # C.m's text changed
-    assert mutation.unit_key(old, op, (5, 0)) == mutation.unit_key(new, op, (7, 0))       # the class line, unchanged
+    assert results.unit_key(old, op, (2, 11)) == results.unit_key(new, op, (4, 11))     # f moved two lines down
+    assert results.unit_key(old, op, (2, 11)) != results.unit_key(new, op, (4, 12))     # another column
+    assert results.unit_key(old, op, (7, 15)) != results.unit_key(new, op, (9, 15))     # C.m's text changed
+    assert results.unit_key(old, op, (5, 0)) == results.unit_key(new, op, (7, 0))       # the class line, unchanged
 
 
 def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions(tmp_path, monkeypatch):
@@ -329,6 +333,7 @@ def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions
     pytest.importorskip("cosmic_ray")
     repo = toy_repo(tmp_path)
     monkeypatch.setattr(mutation, "REPO", repo)
+    monkeypatch.setattr(results, "REPO", repo)      # read_session reads the module there
     work = tmp_path / "work"
     work.mkdir()
 
@@ -338,7 +343,7 @@ def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions
     first = "assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3"
     mutation.run_module("toy.py", cfg(first), work, deadline=time.time() + 300)
     before = {(m["line"], m["operator"], m["occurrence"]): m["outcome"]
-              for m in mutation.read_session(work / "toy.sqlite", "toy.py", [])}
+              for m in results.read_session(work / "toy.sqlite", "toy.py", [])}
     kept = work / "toy.source.py"
     assert kept.read_text() == (repo / "toy.py").read_text()
     kept.unlink()                                   # as a session made before the source was kept
@@ -349,7 +354,7 @@ def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions
     second = "assert toy.f(1, 2) == 3 and toy.f(5, 2) == -3 and toy.f(2, 2) == 0 and toy.g(2) == 6"
     meta = mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True)
     assert meta["finished"] and meta["carried"] == len([v for v in before.values() if v != "left out"]), meta
-    after = mutation.read_session(work / "toy.sqlite", "toy.py", [])
+    after = results.read_session(work / "toy.sqlite", "toy.py", [])
     assert {(m["line"] - 4, m["operator"], m["occurrence"]): m["outcome"] for m in after if m["line"] > 4} == before
     assert [m["line"] for m in after if m["outcome"] == "survived"] == [6]   # carried, not run against f(2, 2)
     assert all(m["outcome"] in ("killed", "left out") for m in after if m["line"] <= 2), after   # g's: run
@@ -359,11 +364,11 @@ def test_an_edited_modules_session_keeps_the_verdicts_of_its_unchanged_functions
     with sqlite3.connect(work / "toy.sqlite") as c:      # a mutant never run (a campaign cut at its cap)
         c.execute("DELETE FROM work_results WHERE job_id = (SELECT job_id FROM work_results WHERE test_outcome = "
                   "'KILLED' LIMIT 1)")
-    assert mutation.pending(work / "toy.sqlite") == 1
+    assert results.pending(work / "toy.sqlite") == 1
     meta = mutation.run_module("toy.py", cfg(second), work, deadline=time.time() + 300, resume=True, retest=True)
-    assert not [m for m in mutation.read_session(work / "toy.sqlite", "toy.py", []) if m["outcome"] == "survived"]
+    assert not [m for m in results.read_session(work / "toy.sqlite", "toy.py", []) if m["outcome"] == "survived"]
     # the survivors first, then the never-run one in the time left: one call leaves nothing pending
-    assert meta["finished"] and mutation.pending(work / "toy.sqlite") == 0
+    assert meta["finished"] and results.pending(work / "toy.sqlite") == 0
 
 
 def test_workers_are_capped_by_what_the_device_holds_of_the_suite():
@@ -388,8 +393,8 @@ def test_workers_are_capped_by_what_the_device_holds_of_the_suite():
 def test_a_suite_out_of_device_memory_gives_no_verdict(output, cause):
     """The first failure decides: out of device memory (a dozen workers on one GPU) is the machine's, not the
     mutant's; the run counts as incompetent (no verdict) and --retest runs it again."""
-    assert mutation.environmental(output) == cause
-    assert mutation.outcome("normal", "killed", output) == ("incompetent" if cause else "killed")
+    assert results.environmental(output) == cause
+    assert results.outcome("normal", "killed", output) == ("incompetent" if cause else "killed")
 
 
 def test_retest_runs_again_what_ran_out_of_device_memory(tmp_path):
@@ -399,7 +404,7 @@ def test_retest_runs_again_what_ran_out_of_device_memory(tmp_path):
     with sqlite3.connect(db) as c:
         c.execute("UPDATE work_results SET output = 'FAILED x - torch.OutOfMemoryError: CUDA out of memory' "
                   "WHERE job_id = 'oom'")
-    mutation.retest_survivors(db)
-    assert mutation.pending(db) == 1            # the run without a verdict, alone
-    mutation.restore_deferred(db)
-    assert mutation.pending(db) == 2
+    results.retest_survivors(db)
+    assert results.pending(db) == 1            # the run without a verdict, alone
+    results.restore_deferred(db)
+    assert results.pending(db) == 2

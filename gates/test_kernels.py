@@ -37,110 +37,15 @@ import torch
 import kernels
 
 from . import coverage
-from .kernel_check import (CPU_FLEX_SHAPE, DECODE_LENS, LONG_SHAPES, PAGE_SIZES, PREFILL_LENS, SHAPES, SHORT,
-                           check_gate_case, check_kernel, compare_decode_kernels, make_case, run_kernel)
-from .options import gate_options
+from .kernel_check import (CPU_FLEX_SHAPE, PREFILL_LENS, check_gate_case, check_kernel, compare_decode_kernels,
+                           make_case, run_kernel)
+# the grid's parameters, the `device` fixture and the skip: pytest takes the hook and the fixture from this module
+from .kernel_grid import default_dtype, device, is_cuda, pytest_generate_tests, skip_unless_runs  # noqa: F401
 
 PATHS = {p.name: p for p in kernels.declared_paths()}
 
 # torch.compile (FlexAttention) warns about TorchScript's deprecation from inside torch itself
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
-
-# -- pytest plumbing ----------------------------------------------------------------------------------------------
-def _device(config) -> str:
-    return gate_options(config).device
-
-
-def _is_cuda(config) -> bool:
-    return gate_options(config).is_cuda
-
-
-def _backends(config) -> list[str]:
-    return list(gate_options(config).backends)
-
-
-def _dtypes(config) -> list[torch.dtype]:
-    o = gate_options(config)
-    if o.dtype_given:
-        return [getattr(torch, o.dtype)]
-    return [torch.float16, torch.bfloat16] if o.is_cuda else [torch.float32, torch.bfloat16]
-
-
-def _head_dims(config) -> list[tuple[int, int, int]]:
-    """The grid's (heads, kv heads, head dim) shapes: SHAPES (the Qwen2 family's head dims, 64 and 128), and the
-    model under test's own where --model brings another."""
-    o = gate_options(config)
-    try:
-        from engine.loader import model_config
-        c = model_config(o.model_arg)
-    except (OSError, ValueError, KeyError):   # a model the loader cannot read fails its engine gates, with the reason
-        return list(SHAPES)
-    heads = c["num_attention_heads"]
-    own = (heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads)
-    return list(SHAPES) + ([own] if own not in SHAPES else [])
-
-
-def _grid_params(config):
-    """One case per declared kernel path (kernels.declared_paths: the registry, so that a new path is gated by
-    construction), shape, page size, dtype and history set."""
-    cuda = _is_cuda(config)
-    explicit_dtype = gate_options(config).dtype_given
-    out = []
-    # the paths the device serves by default first (flash on CUDA: its decode with the append is the pure decode
-    # step), so that a bug there fails within seconds of the kernel gate's start
-    served = "flash" if cuda else "torch"
-    for path in sorted(kernels.declared_paths(_backends(config)), key=lambda p: p.backend != served):
-        name, kind = path.backend, path.op
-        lens = DECODE_LENS if kind == "decode" else PREFILL_LENS
-        for lens_name in lens:
-            shapes = _head_dims(config) if lens_name != "long" else LONG_SHAPES
-            for (H, kvh, d) in shapes:
-                for P in PAGE_SIZES:
-                    for dt in _dtypes(config):
-                        marks = []
-                        if not cuda:
-                            slow = lens_name == "long"
-                            if dt == torch.bfloat16 and not explicit_dtype:
-                                # a few bf16 cases on CPU: GQA 12/2, head dim 128, torch only
-                                if name != "torch" or (H, kvh, d) != (12, 2, 128) or lens_name == "long":
-                                    continue
-                            if name == "flex" and ((H, kvh, d) != CPU_FLEX_SHAPE or dt != torch.float32 or
-                                                   (path.kernel == "packed" and kind == "decode" and P != 64)):
-                                slow = True
-                            if slow:
-                                marks.append(pytest.mark.slow)
-                        out.append(pytest.param(path.name, H, kvh, d, P, dt, lens_name, marks=marks,
-                                                id=f"{path.name}-h{H}kv{kvh}d{d}-p{P}-{SHORT[dt]}-{lens_name}"))
-    return out
-
-
-def pytest_generate_tests(metafunc):
-    if metafunc.function.__name__ == "test_kernel_gate":
-        metafunc.parametrize("path,heads,kv_heads,head_dim,page_size,dtype,lens_name",
-                             _grid_params(metafunc.config))
-    elif "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", _backends(metafunc.config))
-
-
-@pytest.fixture
-def device(request) -> str:
-    return _device(request.config)
-
-
-def skip_unless_runs(name: str, device, page_size: int, dtype: torch.dtype | None = None,
-                     decode_kernel: str | None = None) -> None:
-    """Skip, with the backend's own reason, where it cannot run; never silently."""
-    cls = kernels.backend_class(name)
-    reason = cls.why_unavailable(torch.device(device), page_size, decode_kernel)
-    if reason is None and dtype is not None:
-        reason = cls.why_unsupported(dtype=dtype)
-    if reason:
-        pytest.skip(f"{name}: {reason}")
-
-
-def _default_dtype(request) -> torch.dtype:
-    return _dtypes(request.config)[0]
 
 
 # -- the gates ----------------------------------------------------------------------------------------------------
@@ -191,8 +96,8 @@ def _dtypes_of(cls) -> list[torch.dtype]:
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 def test_kernel_large_page_count(backend, kind, device, request):
     """Thousands of pages in the cache, the sequences' pages taken from its top, in random order."""
-    dtype = _default_dtype(request)
-    H, kvh, d = CPU_FLEX_SHAPE if not _is_cuda(request.config) else (12, 2, 128)
+    dtype = default_dtype(request)
+    H, kvh, d = CPU_FLEX_SHAPE if not is_cuda(request.config) else (12, 2, 128)
     sizes = kernels.backend_class(backend).page_sizes
     P = min(sizes) if sizes else 64           # flash runs 256-slot pages only
     skip_unless_runs(backend, device, P, dtype)
@@ -231,7 +136,7 @@ WIDE_CASES = [
 def test_kernel_wide(backend, what, kv_lens, device, request):
     """Decode calls wider than the grid's: many rows, many keys, rows of more items than one combine block, a query
     group wider than a tile."""
-    dtype = _default_dtype(request)
+    dtype = default_dtype(request)
     H, kvh, d = WIDE_SHAPE
     sizes = kernels.backend_class(backend).page_sizes
     P = min(sizes) if sizes else 64
@@ -387,7 +292,7 @@ def test_kernel_cache_over_2g_elements(backend, kind, device, request):
     overflow here. CUDA only (about 9 GB of fp16 cache)."""
     if torch.device(device).type != "cuda":
         pytest.skip("needs --device cuda: the cache alone is ~9 GB")
-    dtype = _default_dtype(request)
+    dtype = default_dtype(request)
     H, kvh, d, P = 8, 8, 128, 256
     skip_unless_runs(backend, device, P, dtype)
     per_page = P * kvh * d
@@ -418,10 +323,10 @@ def test_decode_kernels_agree(backend, device, request):
     within the flash-attn rule's slack. On CUDA: 32 requests with the mixed workload's histories, Qwen2.5-1.5B heads."""
     if backend == "torch":
         pytest.skip("torch is the reference side of this comparison")
-    dtype = _default_dtype(request)
+    dtype = default_dtype(request)
     P = 256
     skip_unless_runs(backend, device, P, dtype)
-    if _is_cuda(request.config):
+    if is_cuda(request.config):
         H, kvh, d = 12, 2, 128
         kv_lens = _mixed_histories(32)
     else:

@@ -6,6 +6,17 @@ history alone. `flash_attn_with_kvcache` takes the same paged cache with several
 `num_splits`, so a chunk with a long history can spread over the SMs. This times both, 28 layer calls (each layer its
 own cache, as in the model) per replay, for one chunk at each history length, and checks they agree.
 
+Layouts (all against the one-sequence varlen call's output):
+- varlen:          the chunk as one sequence (the eager step's call);
+- varlen-pieces:   the chunk as Q_TILE-row pieces, each a sequence whose history ends at its last row, all on the
+                   chunk's table row (engine/step_graphs.py: what a captured loaded step runs now);
+- kvcache:         `with_kvcache`, q [1, chunk, H, d], by num_splits;
+- kvcache-pieces:  `with_kvcache`, q [pieces, Q_TILE, H, d] with each piece's cache length, by num_splits: the
+                   layout a captured step could give it (its pieces are Q_TILE rows; a shorter last piece would be
+                   left-padded), with ...+gather the gather of the pieces' rows from the packed step and the scatter
+                   of the output back (the two copies a layer that layout costs where the pieces do not start at a
+                   fixed row).
+
     STEPGATE_FLASH_ATTN_PATH=/tmp/fa/src:/tmp/fa/ext python -m scripts.probes.flash_prefill --out results/flash_prefill.json
 """
 from __future__ import annotations
@@ -19,6 +30,7 @@ import torch
 
 from .flash_splits import HEAD_DIM, KV_HEADS, PAGE, Q_HEADS, have_flash, probe_args
 from bench.stats import graph_time
+from engine.step_graphs import Q_TILE
 
 
 def main(argv=None) -> int:
@@ -56,6 +68,30 @@ def main(argv=None) -> int:
             return out
         us, ref = graph_time(varlen, a.reps, a.layers)
         rows.append(dict(history=hist, kernel="varlen", num_splits=1, us_per_layer=us, max_abs_diff=0.0))
+        # the captured step's layout: Q_TILE-row pieces, each its own sequence on the chunk's table row
+        pieces = -(-a.chunk // Q_TILE)
+        piece_q = [min(Q_TILE, a.chunk - Q_TILE * i) for i in range(pieces)]
+        ends = [hist + sum(piece_q[:i + 1]) for i in range(pieces)]
+        cu_qp = torch.tensor([0] + [sum(piece_q[:i + 1]) for i in range(pieces)], dtype=torch.int32, device=dev)
+        cu_kp = torch.tensor([0] + [sum(ends[:i + 1]) for i in range(pieces)], dtype=torch.int32, device=dev)
+        btp = bt.expand(pieces, -1).contiguous()
+        lens_p = torch.tensor(ends, dtype=torch.int32, device=dev)
+
+        def varlen_pieces():
+            out = None
+            for k, v in caches:
+                out = flash_attn_varlen_func(q, k, v, cu_qp, cu_kp, Q_TILE, W * P, softmax_scale=D ** -0.5,
+                                             causal=True, block_table=btp)
+            return out
+        us, out = graph_time(varlen_pieces, a.reps, a.layers)
+        rows.append(dict(history=hist, kernel="varlen-pieces", num_splits=1, us_per_layer=us,
+                         max_abs_diff=(out - ref).abs().max().item()))
+        # the packed step as a captured step holds it (decode rows first), and the pieces' rows in it
+        lead = 32
+        packed = torch.randn(lead + a.chunk, Hq, D, generator=g, device=dev, dtype=dt)
+        packed[lead:] = q
+        piece_rows = torch.arange(lead, lead + a.chunk, device=dev)
+        packed_out = torch.zeros_like(packed)
         for ns in (int(x) for x in a.splits.split(",")):
             def kvcache(ns=ns):
                 out = None
@@ -63,14 +99,34 @@ def main(argv=None) -> int:
                     out = flash_attn_with_kvcache(q.unsqueeze(0), k, v, cache_seqlens=seqlens, block_table=bt,
                                                   softmax_scale=D ** -0.5, causal=True, num_splits=ns)
                 return out.squeeze(0)
-            us, out = graph_time(kvcache, a.reps, a.layers)
-            rows.append(dict(history=hist, kernel="with_kvcache", num_splits=ns, us_per_layer=us,
-                             max_abs_diff=(out - ref).abs().max().item()))
+
+            def kvcache_pieces(ns=ns):
+                out = None
+                for k, v in caches:
+                    out = flash_attn_with_kvcache(q.view(pieces, Q_TILE, Hq, D), k, v, cache_seqlens=lens_p,
+                                                  block_table=btp, softmax_scale=D ** -0.5, causal=True,
+                                                  num_splits=ns)
+                return out.reshape(a.chunk, Hq, D)
+
+            def kvcache_pieces_gather(ns=ns):
+                for k, v in caches:
+                    qp = packed.index_select(0, piece_rows).view(pieces, Q_TILE, Hq, D)
+                    o = flash_attn_with_kvcache(qp, k, v, cache_seqlens=lens_p, block_table=btp,
+                                                softmax_scale=D ** -0.5, causal=True, num_splits=ns)
+                    packed_out.index_copy_(0, piece_rows, o.reshape(a.chunk, Hq, D))
+                return packed_out[lead:]
+            for name, fn in (("kvcache", kvcache), ("kvcache-pieces", kvcache_pieces),
+                             ("kvcache-pieces+gather", kvcache_pieces_gather)):
+                if name != "kvcache" and a.chunk % Q_TILE:
+                    continue        # pieces of Q_TILE rows each: a shorter last piece would need left padding
+                us, out = graph_time(fn, a.reps, a.layers)
+                rows.append(dict(history=hist, kernel=name, num_splits=ns, us_per_layer=us,
+                                 max_abs_diff=(out - ref).abs().max().item()))
         del caches
     print(f"paged chunk attention in a CUDA graph: chunk {a.chunk}, {Hq} query / {Hk} key-value heads, width {a.width}")
-    print(f"{'history':>8} {'kernel':>13} {'num_splits':>10} {'us/layer':>9} {'max|diff|':>10}")
+    print(f"{'history':>8} {'kernel':>22} {'num_splits':>10} {'us/layer':>9} {'max|diff|':>10}")
     for r in rows:
-        print(f"{r['history']:>8} {r['kernel']:>13} {r['num_splits']:>10} {r['us_per_layer']:>9.1f} "
+        print(f"{r['history']:>8} {r['kernel']:>22} {r['num_splits']:>10} {r['us_per_layer']:>9.1f} "
               f"{r['max_abs_diff']:>10.2e}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -83,12 +83,27 @@ def rope(x, cos, sin):
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def rope_write(qkv, cos, sin, k_cache, v_cache, slots):
+    """The queries rotated, returned; the keys rotated and the values written to their cache slots (`slots`: [T],
+    flat slot of each packed position). Compiled, one kernel where rope and the two cache writes were three a layer
+    (a loaded step at chunk 512 on the 1.5B shape: 56 index_put kernels of about 5 us each on the H200). Inductor
+    writes the caches in place (their index_put is reinplaced: tests/test_elementwise.py checks that no cache is
+    copied). The head counts come from the shapes, which are static: no int argument becomes symbolic."""
+    kvh, d = k_cache.shape[2], k_cache.shape[3]
+    nq = qkv.shape[1] - 2 * kvh
+    qk = rope(qkv[:, :nq + kvh], cos, sin)
+    k_cache.view(-1, kvh, d)[slots] = qk[:, nq:]
+    v_cache.view(-1, kvh, d)[slots] = qkv[:, nq + kvh:]
+    return qk[:, :nq]
+
+
 def silu_mul(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "silu_mul": silu_mul}
+OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "rope_write": rope_write,
+       "silu_mul": silu_mul}
 _EAGER = dict(OPS)
 
 
@@ -127,7 +142,8 @@ def _tokens_dynamic(*tensors):
     return tensors
 
 
-def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64) -> str | None:
+def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, page_size: int = 64,
+                            rotary: bool = True) -> str | None:
     """compile_elementwise(), then calls of each piece on `device` as the model's forward makes them (inference
     mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
     needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
@@ -135,10 +151,17 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64) -> 
     carries): Dynamo specialises 1; the other marks the token dimension dynamic, so every later count reuses that
     kernel, and Inductor picks its launch configuration from that call's sizes. From 2 tokens, as before 2026-12-01
     (s7), the SiLU-mul kernel it chose ran at a quarter of the bandwidth at 640 tokens on the H200 (28 us a call
-    against 6: docs/RESULTS.md)."""
+    against 6: docs/RESULTS.md). `page_size`: the caches' (rope_write's kernel is compiled for it and for any
+    page count: two pages here, made outside inference mode as the runner's caches are). `rotary`: compile the
+    rotary piece alone too (only a pure decode step whose kernel appends K/V without rotating calls it)."""
     s = model.shape
     compile_elementwise(True)
     w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
+    caches = [torch.zeros(2, page_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype) for _ in "kv"]
+    for c in caches:
+        torch._dynamo.maybe_mark_dynamic(c, 0)              # the pool's page count: any
+        for d in range(1, c.dim()):
+            torch._dynamo.mark_static(c, d)
     try:
         with torch.inference_mode():
             for T in (1, max(2, tokens)):
@@ -148,7 +171,10 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64) -> 
                 qkv = torch.randn(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim, device=device, dtype=dtype)
                 qk, cos, sin = _tokens_dynamic(qkv[:, :s.num_heads + s.num_kv_heads],
                                                *(torch.randn(T, s.head_dim, device=device, dtype=dtype) for _ in "cs"))
-                OPS["rope"](qk, cos, sin)
+                if rotary:
+                    OPS["rope"](qk, cos, sin)
+                slots, = _tokens_dynamic(torch.arange(T, device=device) % (2 * page_size))
+                OPS["rope_write"](*_tokens_dynamic(qkv), cos, sin, *caches, slots)
                 gate_up = torch.randn(T, 2 * s.intermediate_size, device=device, dtype=dtype)
                 OPS["silu_mul"](*_tokens_dynamic(gate_up))
     except Exception as e:  # noqa: BLE001 (any compiler failure means: run eagerly)
@@ -211,15 +237,15 @@ class Attention(nn.Module):
         # also rotates (rotates_decode) gets the queries and keys unrotated, with cos and sin: no rotary kernel
         append = ctx.prefill is None and ctx.lead is None and ctx.decode is not None and ctx.backend.appends_decode_kv
         rotate_in_kernel = append and ctx.backend.rotates_decode
-        qk = qkv[:, :s.num_heads + s.num_kv_heads]
-        if not rotate_in_kernel:
-            qk = OPS["rope"](qk, cos, sin)      # queries and keys rotated at once
-        q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
-        v = qkv[:, s.num_heads + s.num_kv_heads:]
-        if not append:
-            # write this forward's K/V first: both kernels then read history and new positions from the pages alone
-            k_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = k
-            v_cache.view(-1, s.num_kv_heads, s.head_dim)[ctx.slot_mapping] = v
+        if append:
+            qk = qkv[:, :s.num_heads + s.num_kv_heads]
+            if not rotate_in_kernel:
+                qk = OPS["rope"](qk, cos, sin)      # queries and keys rotated at once
+            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
+            v = qkv[:, s.num_heads + s.num_kv_heads:]
+        else:
+            # this forward's K/V written first: both kernels then read history and new positions from the pages
+            q = OPS["rope_write"](qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping)
         n = ctx.num_prefill
         outs = []
         if ctx.prefill is not None:
@@ -234,7 +260,8 @@ class Attention(nn.Module):
             lead, is_decode = ctx.lead
             rows = lead.num_seqs
             od = ctx.backend.decode(q[:rows], k_cache, v_cache, lead, self.scale)
-            o[:rows] = torch.where(is_decode[:, None, None], od, o[:rows])
+            # in place: one kernel a layer (a where and a copy were two)
+            torch.where(is_decode[:, None, None], od, o[:rows], out=o[:rows])
         return self.o_proj(o.reshape(T, -1))
 
 

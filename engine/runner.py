@@ -304,19 +304,24 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     builds its own this way (`model`: its shard)."""
     s = model.shape
     on_cuda = torch.device(config.device).type == "cuda"
-    compiled = False
     cost: dict[str, float] = {}         # where the build's time goes (engine/build_cost.py)
-    if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
-        from .model import try_compile_elementwise
-        # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's
-        with timed(cost, "compile_s"):
-            why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch)
-        if why:
-            warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
-        compiled = not why
     runner = runner_cls(model, num_pages, config.page_size, config.backend, config.device, dtype,
                         poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
                         backend_options=config.backend_options(), **runner_kw)
+    compiled = False
+    if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
+        from .model import try_compile_elementwise
+        b = runner.backend
+        # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's;
+        # after the runner, whose backend says whether a step ever rotates without writing the cache (its decode
+        # kernel appends K/V but does not rotate: the rotary piece alone)
+        with timed(cost, "compile_s"):
+            why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch,
+                                         page_size=config.page_size,
+                                         rotary=b.appends_decode_kv and not b.rotates_decode)
+        if why:
+            warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
+        compiled = not why
     runner.compiled_elementwise = compiled      # what this build did, for the gates to hold against Engine.served
     runner.build_cost = cost
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"

@@ -56,8 +56,10 @@ def _serve(engine, lens, new_tokens=4):
 
 def test_engine_warmup_compiles_every_kernel_with_only_tokens_dynamic(recorder, small):
     """An engine with the pieces compiled serves prompts of many lengths (chunks, loaded steps, decode steps of
-    several row counts) and compiles nothing after its construction; every symbolic size is a token dimension; the
-    tokens are the eager engine's."""
+    several row counts) and compiles nothing after its construction; every symbolic size is a first dimension (a
+    token count, or the caches' page count for rope_write, which writes them); the tokens are the eager engine's.
+    The CPU's torch backend appends no K/V in its decode, so the rotary piece alone is not compiled: the norm, the
+    norm with the residual add, rope_write and SiLU-mul."""
     cfg = dict(chunk_tokens=48, num_pages=128)
     compiled = Engine(EngineConfig(compile_elementwise=True, **cfg), loaded=small)
     warm = len(recorder.inputs)
@@ -66,8 +68,11 @@ def test_engine_warmup_compiles_every_kernel_with_only_tokens_dynamic(recorder, 
     assert len(recorder.inputs) == warm, "a step compiled a piece again after the engine's warm-up"
     for g in recorder.inputs:
         for i, d in _symbolic_dims(g):
-            assert d == 0 and g[i].dim() >= 2, f"a hidden size is symbolic: input {i} {tuple(g[i].shape)}"
-    assert sum(bool(_symbolic_dims(g)) for g in recorder.inputs) == 4
+            assert d == 0, f"a hidden size is symbolic: input {i} {tuple(g[i].shape)}"
+    # each piece's any-count graph, and rope_write's one-token graph too (its caches' page count is any)
+    assert sum(bool(_symbolic_dims(g)) for g in recorder.inputs) == 5
+    pages = [t.shape[0] for g in recorder.inputs for t in g if isinstance(t, torch.Tensor) and t.dim() == 4]
+    assert pages and all(isinstance(n, torch.SymInt) for n in pages), "rope_write compiled for one page count"
     M.compile_elementwise(False)
     assert _serve(Engine(EngineConfig(compile_elementwise=False, **cfg), loaded=small), [5, 30, 70, 9, 130]) == got
 
@@ -83,7 +88,8 @@ def test_a_second_model_shape_compiles_static_widths_too(recorder, small):
                          tie_word_embeddings=False)
     for model in (small[0], M.Qwen2(other)):
         assert M.try_compile_elementwise("cpu", torch.float32, model) is None
-    assert len(recorder.inputs) == 16, f"two graphs for each of 4 pieces per model, got {len(recorder.inputs)}"
+    n = len(M.OPS)      # rotary=True (the default): every piece, the rotary one alone too
+    assert len(recorder.inputs) == 2 * 2 * n, f"two graphs for each of {n} pieces per model, got {len(recorder.inputs)}"
     for g in recorder.inputs:
         for i, d in _symbolic_dims(g):
             assert d == 0, f"a width is symbolic after a second model's warm-up: input {i} {tuple(g[i].shape)}"
@@ -117,3 +123,47 @@ def test_bench_byte_counts_and_no_cuda(capsys):
         assert elementwise.main(["--tokens", "4"]) == 2
         assert "needs CUDA" in capsys.readouterr().err
 
+
+
+def _cache_buffers(fn):
+    """(output, caches, the eager function's output and caches, the buffers shaped like a cache that the code
+    Inductor generates for `fn` allocates): rope_write's arguments with odd sizes (5 pages of 24 slots, 3 key/value
+    heads of 40), compiled on this CPU by Inductor itself."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    g = torch.Generator().manual_seed(0)
+    pages, page_size, kvh, d, heads, T = 5, 24, 3, 40, 6, 7
+    qkv = torch.randn(T, heads + 2 * kvh, d, generator=g)
+    cos, sin = torch.randn(T, d, generator=g), torch.randn(T, d, generator=g)
+    slots = torch.tensor([3, 50, 7, 99, 0, 119, 64])
+    caches = [torch.randn(pages, page_size, kvh, d, generator=g) for _ in "kv"]
+    ref = [c.clone() for c in caches]
+    want = M.rope_write(qkv, cos, sin, *ref, slots)
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            got, code = run_and_get_code(torch.compile(fn, fullgraph=True, backend="inductor"), qkv, cos, sin,
+                                         *caches, slots)
+    finally:
+        torch._dynamo.reset()
+    shape = f"({pages}, {page_size}, {kvh}, {d})"
+    return got, caches, want, ref, re.findall(r"empty_strided\w*\(" + re.escape(shape), "\n".join(code))
+
+
+def test_rope_write_compiled_writes_the_caches_in_place():
+    """rope_write under Inductor (as the engine compiles it on CUDA) writes each forward's keys and values into the
+    caches themselves: a copy of a cache a layer would move the whole pool every step (on the 1.5B shape, GBs a
+    layer). The generated code allocates no cache-shaped buffer, and the result and both caches equal eager's.
+    The check is shown to see a copy: a function that keeps the cache as it was before the write (so Inductor must
+    copy it; a clone that is only copied back it elides)."""
+    got, caches, want, ref, copies = _cache_buffers(M.rope_write)
+    assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(caches, ref))
+    assert not copies, f"the compiled rope_write allocates cache-shaped buffers: {copies}"
+
+    def keeps_the_old_cache(qkv, cos, sin, k_cache, v_cache, slots):
+        old = k_cache.clone()
+        return M.rope_write(qkv, cos, sin, k_cache, v_cache, slots), old
+    got, caches, want, ref, copies = _cache_buffers(keeps_the_old_cache)
+    assert torch.equal(got[0], want) and all(torch.equal(a, b) for a, b in zip(caches, ref))
+    assert copies, "a copy of a cache went unseen"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 from engine import Engine, PoisonedLogitsError
@@ -186,6 +187,7 @@ def test_fill_matches_the_eager_packing(emulated_engine, spec):
         e.pool.end_step()
 
 
+@torch.inference_mode()    # as the runner replays (a loaded step's decode rows are merged in place, out=)
 def test_replay_picks_the_decode_call_width(emulated_engine):
     """A loaded step replays the graph of the narrowest captured width that holds its decode rows' lengths (the
     split-KV kernel divides the width among its splits); a chunk-only step the graph without a decode call."""

@@ -9,6 +9,9 @@
 #            5 process pairs: the change's figure, both sides in this call
 #   psteps   bench/profile_steps.py at 32 rows (pure decode, loaded): where the device time goes now
 #   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
+#   fprefill scripts/probes/flash_prefill.py: a chunk's paged attention as the captured loaded step runs it (varlen,
+#            64-row pieces, one split) against with_kvcache's pieces by num_splits, at fitted and 128-page tables
+#            (session 27's question: does splitting the loaded step's prefill pay, and only with a width ladder?)
 #   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), every test's durations
 #            (scripts/probes/durations_by_file.py sums them by file and phase)
 #   gates_n4 the same with -n 4, from an empty compile cache again
@@ -67,6 +70,9 @@ part ab ${AB_S:-170} python3 -m gates.ab --base-tree .device/base --device cuda 
   --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/ab" --no-plot
 part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pure-decode,loaded --steps 30 \
   --out "$OUT/psteps.json"
+part fprefill 60 python3 -m scripts.probes.flash_prefill --width fit --out "$OUT/fprefill-fit.json"
+want fprefill && timeout 60 python3 -m scripts.probes.flash_prefill --width 128 --histories 0,2048,4096 --splits 1,4,8,16 \
+  --out "$OUT/fprefill-w128.json" > "$OUT/logs/fprefill-w128.log" 2>&1
 part steps 120 python3 -m pytest gates/test_step_timings.py --device cuda --model $M15 -k "flash and not fused" \
   -p no:cacheprovider -q --benchmark-json="$OUT/steps.json" --benchmark-columns=median,iqr,rounds
 LOADED=""
@@ -123,6 +129,7 @@ grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
 grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
+cat "$OUT/logs/fprefill.log" "$OUT/logs/fprefill-w128.log" 2>/dev/null | grep -E "^ *[0-9]|history" | head -60
 cat "$OUT/loaded/table.md" 2>/dev/null | head -40
 for f in gates gates_n4 gates_mps gates_n4_mps; do [ -f "$OUT/logs/$f.log" ] && python3 -m scripts.probes.durations_by_file "$OUT/logs/$f.log" | head -24; done
 for f in pass32 pass512 open disturb; do [ -f "$OUT/logs/$f.log" ] && { echo "-- $f"; tail -12 "$OUT/logs/$f.log"; }; done

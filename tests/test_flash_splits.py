@@ -114,3 +114,56 @@ def test_append_can_be_turned_off_for_an_ab_run(monkeypatch, value, appends):
     with pytest.raises(Exception, match="not here"):     # the choice is made before flash-attn is imported
         FlashBackend.__init__(b, decode_kernel="flash", decode_append=value)
     assert b.appends_decode_kv is appends
+
+
+def _paged(cache, table_row, n):
+    """The first n positions of a paged cache [pages, page, heads, d] through one block-table row."""
+    pages = table_row[:-(-n // cache.shape[1])].long()
+    return cache[pages].reshape(-1, *cache.shape[2:])[:n]
+
+
+def _attend(q, k, v, scale):
+    """Causal attention aligned bottom-right (flash-attn's): q [sq, H, d] over k, v [n, kvh, d]."""
+    sq, n, g = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1).float(), v.repeat_interleave(g, 1).float()
+    s = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    sees = torch.arange(n)[None, :] <= (n - sq + torch.arange(sq))[:, None]
+    return torch.einsum("hqk,khd->qhd", s.masked_fill(~sees, float("-inf")).softmax(-1), v).to(q.dtype)
+
+
+def test_flash_prefill_probe_layouts_agree_on_a_cpu(monkeypatch, capsys):
+    """scripts/probes/flash_prefill.py's layouts (the chunk whole, in 64-row pieces each with its own history, and
+    with_kvcache's pieces gathered from a packed step) compute the same attention: run here with flash-attn's two
+    calls emulated in torch and one call instead of a graph's replays, so a device call spends no time on a layout
+    bug. A piece given the chunk's history instead of its own is seen."""
+    import types
+
+    from scripts.probes import flash_prefill as fp
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale, causal, block_table):
+        return torch.cat([_attend(q[cu_q[b]:cu_q[b + 1]], _paged(k, block_table[b], int(cu_k[b + 1] - cu_k[b])),
+                                  _paged(v, block_table[b], int(cu_k[b + 1] - cu_k[b])), softmax_scale)
+                          for b in range(len(cu_q) - 1)])
+
+    def with_kvcache(q, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits):
+        return torch.stack([_attend(q[b], _paged(k, block_table[b], int(cache_seqlens[b])),
+                                    _paged(v, block_table[b], int(cache_seqlens[b])), softmax_scale)
+                            for b in range(q.shape[0])])
+
+    monkeypatch.setitem(__import__("sys").modules, "flash_attn", types.SimpleNamespace(
+        flash_attn_varlen_func=varlen, flash_attn_with_kvcache=with_kvcache))
+    monkeypatch.setattr(fp, "have_flash", lambda prog: True)
+    monkeypatch.setattr(fp, "graph_time", lambda fn, reps, per: (0.0, fn().float().clone()))
+    args = ["--device", "cpu", "--layers", "1", "--chunk", "192", "--histories", "0,300", "--splits", "1,4"]
+    assert fp.main(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert {r[1] for r in rows} == {"varlen", "varlen-pieces", "kvcache", "kvcache-pieces", "kvcache-pieces+gather"}
+    assert max(float(r[4]) for r in rows) < 2e-3, rows          # fp16 rounding of differently ordered sums
+
+    def with_the_chunks_history(q, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits):
+        return with_kvcache(q, k, v, cache_seqlens.max().expand_as(cache_seqlens), block_table, softmax_scale,
+                            causal, num_splits)
+    monkeypatch.setattr(__import__("sys").modules["flash_attn"], "flash_attn_with_kvcache", with_the_chunks_history)
+    assert fp.main(args) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert max(float(r[4]) for r in rows if r[1].startswith("kvcache-pieces")) > 1e-2

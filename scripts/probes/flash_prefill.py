@@ -40,12 +40,14 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="1,2,4,8,16", help="num_splits values tried with with_kvcache")
     ap.add_argument("--width", default="fit", help="block-table width in pages: 'fit' or a number (a captured "
                     "step's table is as wide as its bucket)")
+    ap.add_argument("--device", default="cuda", help="cuda (tests/test_flash_splits.py runs the layouts on a CPU "
+                    "with flash-attn's calls emulated)")
     probe_args(ap)
     a = ap.parse_args(argv)
     if not have_flash("flash_prefill"):
         return 2
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
-    dev, dt, (P, Hq, Hk, D) = torch.device("cuda"), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
+    dev, dt, (P, Hq, Hk, D) = torch.device(a.device), torch.float16, (PAGE, Q_HEADS, KV_HEADS, HEAD_DIM)
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for hist in (int(h) for h in a.histories.split(",")):

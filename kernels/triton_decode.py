@@ -63,19 +63,19 @@ def max_items(rows: int, width_slots: int, pool_slots: int, chunk: int) -> int:
 def work_items(cached: torch.Tensor, grid_items: int, chunk: int):
     """Device tensors for one step: each item's row (rows = past the last item), its first key position, whether it
     is its row's last item; and each row's first item and item count. `cached`: int32 [rows], the keys each row has
-    in the cache (without the step's new one where it is appended)."""
+    in the cache (without the step's new one where it is appended). In int32 throughout, and items past the step's
+    last read the last row's numbers (their start is never read): 15 kernels a step, where casts and a where made
+    24 (each a few microseconds in a captured step; 25 us of host time in an eager one on the H200)."""
     rows = cached.shape[0]
-    n = torch.clamp((cached.long() + chunk - 1) // chunk, min=1)          # a row with no cached key still has one
-    ends = torch.cumsum(n, 0)
+    n = ((cached.to(torch.int32) + (chunk - 1)) // chunk).clamp_(min=1)  # a row with no cached key still has one
+    ends = torch.cumsum(n, 0, dtype=torch.int32)
     firsts = ends - n
-    i = torch.arange(grid_items, device=cached.device)
-    row = torch.searchsorted(ends, i, right=True)                        # rows: i is past the step's last item
-    valid = row < rows
-    r = torch.where(valid, row, torch.zeros_like(row))
+    i = torch.arange(grid_items, device=cached.device, dtype=torch.int32)
+    row = torch.searchsorted(ends, i, right=True, out_int32=True)       # rows: i is past the step's last item
+    r = row.clamp(max=rows - 1)
     start = (i - firsts[r]) * chunk
-    last = valid & (i == ends[r] - 1)
-    return (row.to(torch.int32), start.to(torch.int32), last.to(torch.int32), firsts.to(torch.int32),
-            n.to(torch.int32))
+    last = (ends[r] == i + 1).to(torch.int32)       # past the last item i + 1 > ends[-1]: never a row's last
+    return row, start, last, firsts, n
 
 
 def _kernels():

@@ -195,6 +195,37 @@ def test_work_items_cover_each_rows_keys_once_and_the_rest_of_the_grid_is_idle()
     assert td.max_items(5, 17 * PAGE, 20 * PAGE, 256) == 5 + 20, "one item a row plus the pool in items"
 
 
+def items_by_loop(cached: list[int], grid: int, chunk: int):
+    """work_items' meaning, a row at a time: (row, start, last) of each of the step's items, and the rows' first
+    items and counts."""
+    items, firsts, counts = [], [], []
+    for r, n in enumerate(cached):
+        firsts.append(len(items))
+        counts.append(max(1, -(-n // chunk)))
+        items += [(r, chunk * j, int(j == counts[-1] - 1)) for j in range(counts[-1])]
+    return items[:grid], firsts, counts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_work_items_match_a_loop_over_the_rows(seed):
+    """work_items against items_by_loop on random lengths (zero, page edges, long rows) and grids as wide as the
+    table (more items than the step has) or exactly the step's: every item of the step the same, the grid's idle
+    items of no row (row = rows) and no row's last."""
+    g = random.Random(seed)
+    for _ in range(20):
+        rows = g.randint(1, 40)
+        cached = [g.choice([0, 1, 255, 256, 257, 512, g.randint(0, 5000)]) for _ in range(rows)]
+        chunk = g.choice([64, 256])
+        want, firsts, counts = items_by_loop(cached, 10 ** 6, chunk)
+        for grid in (len(want), len(want) + g.randint(1, 300)):
+            row, start, last, f, n = td.work_items(torch.tensor(cached, dtype=torch.int32), grid, chunk)
+            assert all(t.dtype == torch.int32 for t in (row, start, last, f, n))
+            assert f.tolist() == firsts and n.tolist() == counts
+            k = len(want)
+            assert list(zip(row[:k].tolist(), start[:k].tolist(), last[:k].tolist())) == want
+            assert (row[k:] == rows).all() and not last[k:].any()
+
+
 @kernel_test
 def test_a_planted_off_by_one_in_the_cache_length_is_caught():
     """Lengths one short (the last key dropped): the reference comparison fails."""

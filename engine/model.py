@@ -83,17 +83,19 @@ def rope(x, cos, sin):
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def rope_write(qkv, cos, sin, k_cache, v_cache, slots):
-    """The queries rotated, returned; the keys rotated and the values written to their cache slots (`slots`: [T],
-    flat slot of each packed position). Compiled, one kernel where rope and the two cache writes were three a layer
-    (a loaded step at chunk 512 on the 1.5B shape: 56 index_put kernels of about 5 us each on the H200). Inductor
-    writes the caches in place (their index_put is reinplaced: tests/test_elementwise.py checks that no cache is
-    copied). The head counts come from the shapes, which are static: no int argument becomes symbolic."""
-    kvh, d = k_cache.shape[2], k_cache.shape[3]
+def rope_write(qkv, cos, sin, k_slots, v_slots, slots):
+    """The queries rotated, returned; the keys rotated and the values written to their cache slots (`k_slots`,
+    `v_slots`: the caches as [slots, kv_heads, d]; `slots`: [T], each packed position's slot). Compiled, one kernel
+    where rope and the two cache writes were three a layer (a loaded step at chunk 512 on the 1.5B shape: 56
+    index_put kernels of about 5 us each on the H200). Inductor writes the caches in place (their index_put is
+    reinplaced: tests/test_elementwise.py checks that no cache is copied). The caches come flat, so one kernel
+    serves every page size and pool size (the slot count is its only dynamic size besides the tokens); the head
+    counts come from the shapes, which are static: no int argument becomes symbolic."""
+    kvh = k_slots.shape[1]
     nq = qkv.shape[1] - 2 * kvh
     qk = rope(qkv[:, :nq + kvh], cos, sin)
-    k_cache.view(-1, kvh, d)[slots] = qk[:, nq:]
-    v_cache.view(-1, kvh, d)[slots] = qkv[:, nq + kvh:]
+    k_slots[slots] = qk[:, nq:]
+    v_slots[slots] = qkv[:, nq + kvh:]
     return qk[:, :nq]
 
 
@@ -142,8 +144,7 @@ def _tokens_dynamic(*tensors):
     return tensors
 
 
-def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, page_size: int = 64,
-                            rotary: bool = True) -> str | None:
+def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, rotary: bool = True) -> str | None:
     """compile_elementwise(), then calls of each piece on `device` as the model's forward makes them (inference
     mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
     needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
@@ -151,17 +152,14 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, pag
     carries): Dynamo specialises 1; the other marks the token dimension dynamic, so every later count reuses that
     kernel, and Inductor picks its launch configuration from that call's sizes. From 2 tokens, as before 2026-12-01
     (s7), the SiLU-mul kernel it chose ran at a quarter of the bandwidth at 640 tokens on the H200 (28 us a call
-    against 6: docs/RESULTS.md). `page_size`: the caches' (rope_write's kernel is compiled for it and for any
-    page count: two pages here, made outside inference mode as the runner's caches are). `rotary`: compile the
-    rotary piece alone too (only a pure decode step whose kernel appends K/V without rotating calls it)."""
+    against 6: docs/RESULTS.md). rope_write's caches: any slot count (made outside inference mode, as the runner's
+    are). `rotary`: compile the rotary piece alone too (only a pure decode step whose kernel appends K/V without
+    rotating calls it)."""
     s = model.shape
     compile_elementwise(True)
     w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
-    caches = [torch.zeros(2, page_size, s.num_kv_heads, s.head_dim, device=device, dtype=dtype) for _ in "kv"]
-    for c in caches:
-        torch._dynamo.maybe_mark_dynamic(c, 0)              # the pool's page count: any
-        for d in range(1, c.dim()):
-            torch._dynamo.mark_static(c, d)
+    caches = _tokens_dynamic(*(torch.zeros(2 * max(2, tokens), s.num_kv_heads, s.head_dim, device=device,
+                                           dtype=dtype) for _ in "kv"))         # the slot count: any
     try:
         with torch.inference_mode():
             for T in (1, max(2, tokens)):
@@ -173,7 +171,7 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, pag
                                                *(torch.randn(T, s.head_dim, device=device, dtype=dtype) for _ in "cs"))
                 if rotary:
                     OPS["rope"](qk, cos, sin)
-                slots, = _tokens_dynamic(torch.arange(T, device=device) % (2 * page_size))
+                slots, = _tokens_dynamic(torch.arange(T, device=device))
                 OPS["rope_write"](*_tokens_dynamic(qkv), cos, sin, *caches, slots)
                 gate_up = torch.randn(T, 2 * s.intermediate_size, device=device, dtype=dtype)
                 OPS["silu_mul"](*_tokens_dynamic(gate_up))
@@ -245,7 +243,8 @@ class Attention(nn.Module):
             v = qkv[:, s.num_heads + s.num_kv_heads:]
         else:
             # this forward's K/V written first: both kernels then read history and new positions from the pages
-            q = OPS["rope_write"](qkv, cos, sin, k_cache, v_cache, ctx.slot_mapping)
+            flat = (-1, s.num_kv_heads, s.head_dim)
+            q = OPS["rope_write"](qkv, cos, sin, k_cache.view(flat), v_cache.view(flat), ctx.slot_mapping)
         n = ctx.num_prefill
         outs = []
         if ctx.prefill is not None:

@@ -317,7 +317,6 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
         # kernel appends K/V but does not rotate: the rotary piece alone)
         with timed(cost, "compile_s"):
             why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch,
-                                         page_size=config.page_size,
                                          rotary=b.appends_decode_kv and not b.rotates_decode)
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")

@@ -57,7 +57,7 @@ def _serve(engine, lens, new_tokens=4):
 def test_engine_warmup_compiles_every_kernel_with_only_tokens_dynamic(recorder, small):
     """An engine with the pieces compiled serves prompts of many lengths (chunks, loaded steps, decode steps of
     several row counts) and compiles nothing after its construction; every symbolic size is a first dimension (a
-    token count, or the caches' page count for rope_write, which writes them); the tokens are the eager engine's.
+    token count, or the caches' slot count for rope_write, which writes them); the tokens are the eager engine's.
     The CPU's torch backend appends no K/V in its decode, so the rotary piece alone is not compiled: the norm, the
     norm with the residual add, rope_write and SiLU-mul."""
     cfg = dict(chunk_tokens=48, num_pages=128)
@@ -69,10 +69,13 @@ def test_engine_warmup_compiles_every_kernel_with_only_tokens_dynamic(recorder, 
     for g in recorder.inputs:
         for i, d in _symbolic_dims(g):
             assert d == 0, f"a hidden size is symbolic: input {i} {tuple(g[i].shape)}"
-    # each piece's any-count graph, and rope_write's one-token graph too (its caches' page count is any)
+    # each piece's any-count graph, and rope_write's one-token graph too (its caches' slot count is any)
     assert sum(bool(_symbolic_dims(g)) for g in recorder.inputs) == 5
-    pages = [t.shape[0] for g in recorder.inputs for t in g if isinstance(t, torch.Tensor) and t.dim() == 4]
-    assert pages and all(isinstance(n, torch.SymInt) for n in pages), "rope_write compiled for one page count"
+    s = small[0].shape
+    slots = [t.shape[0] for g in recorder.inputs for t in g if isinstance(t, torch.Tensor) and t.dim() == 3
+             and tuple(t.shape[1:]) == (s.num_kv_heads, s.head_dim)]     # rope_write's caches, flat
+    assert len(slots) == 4 and all(isinstance(n, torch.SymInt) for n in slots), (
+        f"rope_write's caches compiled for one slot count (a kernel per pool or page size): {slots}")
     M.compile_elementwise(False)
     assert _serve(Engine(EngineConfig(compile_elementwise=False, **cfg), loaded=small), [5, 30, 70, 9, 130]) == got
 
@@ -139,16 +142,16 @@ def _cache_buffers(fn):
     slots = torch.tensor([3, 50, 7, 99, 0, 119, 64])
     caches = [torch.randn(pages, page_size, kvh, d, generator=g) for _ in "kv"]
     ref = [c.clone() for c in caches]
-    want = M.rope_write(qkv, cos, sin, *ref, slots)
+    want = M.rope_write(qkv, cos, sin, *(c.view(-1, kvh, d) for c in ref), slots)
     torch._dynamo.reset()
     try:
-        with torch.inference_mode():
+        with torch.inference_mode():      # the caches as the model passes them: flat views
             got, code = run_and_get_code(torch.compile(fn, fullgraph=True, backend="inductor"), qkv, cos, sin,
-                                         *caches, slots)
+                                         *(c.view(-1, kvh, d) for c in caches), slots)
     finally:
         torch._dynamo.reset()
-    shape = f"({pages}, {page_size}, {kvh}, {d})"
-    return got, caches, want, ref, re.findall(r"empty_strided\w*\(" + re.escape(shape), "\n".join(code))
+    shape = rf"\(({pages}, {page_size}|{pages * page_size}), {kvh}, {d}\)"
+    return got, caches, want, ref, re.findall(r"empty_strided\w*\(" + shape, "\n".join(code))
 
 
 def test_rope_write_compiled_writes_the_caches_in_place():

@@ -1,5 +1,6 @@
 """The engine: submit requests, step, run to completion, read results and the per-step trace. What it serves is
-decided at construction in engine/served.py; its checks of a step launched ahead are in engine/foresight.py."""
+decided at construction in engine/served.py; its checks of a step launched ahead are in engine/foresight.py; its
+request side (submit, cancel, pop_result, results, the input checks) in engine/intake.py."""
 from __future__ import annotations
 
 import threading
@@ -10,17 +11,18 @@ from typing import Callable
 
 import torch
 
-from . import build_cost, errors, foresight, inputs
+from . import build_cost, errors, foresight
 from .config import EngineConfig
 from .dtypes import torch_dtype
 from .heap import gc_frozen
+from .intake import RequestIntake
 from .loader import load_model
 from .poison_report import poison_error
 from .pool import PagePool
-from .request import Request, RequestResult
+from .request import Request
 from .runner import ModelRunner, build_runner
 from .schedule_log import ScheduleLog
-from .scheduler import CancelResult, Chunk, Foresight, ScheduleMark, Scheduler, StepKind, StepPlan
+from .scheduler import Chunk, Foresight, ScheduleMark, Scheduler, StepKind, StepPlan
 from .served import check_max_model_len, check_record_topk, pool_pages, use_cuda_graphs, use_overlap
 from .sigint import HeldSigint
 from .workload import RequestSpec
@@ -50,7 +52,7 @@ class StepRecord:
     ahead: bool = False       # the step was launched ahead, during the step before (EngineConfig.overlap)
 
 
-class Engine:
+class Engine(RequestIntake):
     """Submit requests, step, read or pop results.
 
     Threads: submit(), cancel(), pop_result() and results() may be called from any thread, also while another
@@ -206,83 +208,6 @@ class Engine:
         if self.runner.device.type == "cuda":
             torch.cuda.synchronize(self.runner.device)
 
-    # -- requests --------------------------------------------------------------------------------------------
-    def submit(self, prompt, budget, request_id=None, arrival_time: float | None = None) -> str:
-        """Queue a request and return its id; any thread may call it, also while another steps (it joins the queue
-        for the next step's admission). Bad input raises a RequestError subclass and changes nothing.
-        `prompt`: any iterable of token ids or a one-dimensional integer array, read once. `request_id`: a non-empty
-        string or an integer, stored as its decimal string (7 and "7" are one id); None: "req-N". An id is in use
-        until pop_result() releases it. `arrival_time`: seconds on the engine's clock (None: now)."""
-        self.alive()
-        rid = None if request_id is None else inputs.request_id_of(request_id)
-        tokens, budget = self.validate(prompt, budget, rid or "request")
-        at = None if arrival_time is None else inputs.arrival_of(arrival_time, rid or "request")
-        with self.lock, self._sigint:   # a request is held and queued, or neither
-            if rid is None:
-                while f"req-{self._auto_id}" in self.requests:
-                    self._auto_id += 1
-                rid = f"req-{self._auto_id}"
-            elif rid in self.requests:
-                raise errors.DuplicateRequestIdError(f"request id {rid!r} is already in use")
-            r = Request(rid, tokens, budget, self.now() if at is None else at)
-            self.requests[rid] = r
-            self.scheduler.add(r)
-        return rid
-
-    def validate(self, prompt, budget, request_id: str) -> tuple[list[int], int]:
-        """(the prompt as a list of token ids, the budget as an int), or a RequestError. Reads no mutable state."""
-        tokens = self.token_ids(prompt, request_id)
-        budget = inputs.budget_of(budget, request_id)
-        if len(tokens) + budget > self.max_model_len:
-            raise errors.ExceedsMaxPositionsError(
-                f"{request_id}: prompt ({len(tokens)}) + budget ({budget}) = {len(tokens) + budget} exceeds the "
-                f"max positions served ({self.max_model_len}; the model's: {self.shape.max_positions})")
-        self.pool.check_fits(request_id, len(tokens), budget)
-        return tokens, budget
-
-    def token_ids(self, prompt, who: str) -> list[int]:
-        """The prompt as a non-empty list of token ids inside the vocabulary, or a RequestError naming `who`."""
-        tokens = inputs.prompt_of(prompt, who)
-        if not tokens:
-            raise errors.EmptyPromptError(f"{who}: empty prompt")
-        vocab = self.shape.vocab_size
-        if min(tokens) < 0 or max(tokens) >= vocab:     # at C speed; the loop only to name the first one outside
-            i, t = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab)
-            raise errors.TokenOutOfVocabError(f"{who}: prompt[{i}] = {t} is outside the vocabulary [0, {vocab})")
-        return tokens
-
-    def cancel(self, request_id) -> CancelResult:
-        """Stop a request; any thread may call it, also while another steps. It keeps what it emitted and emits
-        nothing more: a cancel that lands during a step's forward takes effect at the end of that step (its row's
-        token is dropped); its pages return at the end of that step (or of the next one, between steps); nobody
-        else's tokens change. An unknown, finished or already cancelled id is a no-op: CancelResult.outcome says
-        which ("unknown", "already-finished", "already-cancelled"), .noop is True."""
-        self.alive()
-        rid = inputs.request_id_of(request_id)
-        with self.lock, self._sigint:
-            res = self.scheduler.cancel(rid, self.requests)
-            if res.cancelled:
-                self.requests[rid].finish_time = self.now()
-        return res
-
-    def pop_result(self, request_id) -> RequestResult:
-        """Take a finished or cancelled request's result and forget the request (its record, its top-k records):
-        the id can be submitted again. A request still waiting or running (a cancelled one until the end of the
-        step that retires it) raises RequestNotDoneError; an id the engine does not hold, UnknownRequestError."""
-        self.alive()
-        rid = inputs.request_id_of(request_id)
-        with self.lock, self._sigint:
-            r = self.requests.get(rid)
-            if r is None:
-                raise errors.UnknownRequestError(f"no request {rid!r} (never submitted, or its result was popped)")
-            if not r.done or any(x is r for x in self.scheduler.running):
-                raise errors.RequestNotDoneError(
-                    f"{rid} is {r.state.value}" + (" and holds its pages until the end of the step" if r.done
-                                                    else "") + ": its result is not final yet")
-            del self.requests[rid]
-            self.topk.pop(rid, None)
-            return RequestResult.of(r)
-
     # -- the step --------------------------------------------------------------------------------------------
     def step(self) -> StepRecord:
         """One step. One thread steps at a time (a second waits); the forward runs without the bookkeeping lock, so
@@ -433,12 +358,6 @@ class Engine:
             if progress is not None:
                 progress(rec)
         return self.results()
-
-    def results(self) -> dict[str, RequestResult]:
-        """Every request the engine holds (not popped), by id."""
-        self.alive()
-        with self.lock:
-            return {rid: RequestResult.of(r) for rid, r in self.requests.items()}
 
     # -- teacher forcing -------------------------------------------------------------------------------------
     def score(self, tokens: list[int], last_only: bool = False) -> torch.Tensor:

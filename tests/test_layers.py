@@ -26,8 +26,8 @@ LAYERS = {
     "execution": {"engine.runner", "engine.readback", "engine.poisoned_reads", "engine.model", "engine.packing",
                   "engine.graphs", "engine.step_graphs", "engine.loader", "engine.dtypes", "engine.build_cost", "engine.tp",
                   "engine.tp.runner", "engine.tp.shard", "engine.tp.worker", "engine.tp.layers"},
-    "facade": {"engine", "engine.engine", "engine.served", "engine.sigint", "engine.config", "engine.inputs",
-               "engine.workload", "engine.poison_report", "engine.heap"},
+    "facade": {"engine", "engine.engine", "engine.intake", "engine.served", "engine.sigint", "engine.config",
+               "engine.inputs", "engine.workload", "engine.poison_report", "engine.heap"},
 }
 # engine.errors is the one module every layer shares (a typed error is raised wherever a rule breaks)
 SHARED = {"engine.errors"}

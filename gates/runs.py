@@ -9,7 +9,7 @@ import time
 import pytest
 
 import kernels
-from engine.config import LINEAGE, config_differences, lineage_config
+from engine.config import LINEAGE, config_differences, graphs_problem, lineage_config
 from engine.dtypes import torch_dtype
 from engine.errors import PoisonedLogitsError
 from engine.loader import load_model, model_checksum
@@ -64,6 +64,26 @@ def skip_unless_runs(opts: GateOptions, engine: str, backend: str):
     if reason:
         pytest.skip(f"{backend} backend cannot run here: {reason}")
 
+
+
+# the configurations whose kernels run the captured steps' path uncaptured on a CPU (the torch backend's static_steps):
+# stated here, not read from the backend, so that losing it fails instead of skipping (a mutation campaign found
+# `static_steps = False` turning these gates into skips)
+AHEAD_ON_CPU = {("chunked", "torch"), ("fused", "torch")}
+
+
+def skip_unless_ahead(opts: GateOptions, engine: str, backend: str, workload: str) -> str:
+    """Skip a configuration whose kernels do not run the captured steps' path here (no step can be launched ahead);
+    else the name of `workload` for this model (workload_for)."""
+    skip_unless_runs(opts, engine, backend)
+    problem = graphs_problem(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True,
+                                            tp=opts.tp))
+    if problem and not opts.is_cuda and opts.tp == 1 and (engine, backend) in AHEAD_ON_CPU:
+        pytest.fail(f"{engine}[{backend}] no longer runs the captured steps' path on a CPU ({problem}): the CPU "
+                    f"gates would lose every step launched ahead", pytrace=False)
+    if problem or opts.tp > 1:
+        pytest.skip(f"no steps launched ahead for {engine}[{backend}] here: {problem or 'tp > 1'}")
+    return workload_for(opts, workload)
 
 class Runs:
     """Engine runs and references, memoised for the session: gates that need the same run share it."""

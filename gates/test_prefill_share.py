@@ -22,7 +22,7 @@ import pytest
 from hypothesis import example, given, strategies as st
 
 from engine.pool import PagePool
-from engine.request import Request, State
+from engine.request import Request
 from engine.scheduler import Scheduler
 from engine.workload import get_workload
 
@@ -30,11 +30,10 @@ from .runs import CANDIDATES, skip_unless_runs
 from .prefill_share_check import (CAP_EXAMPLES, DEBT_CASE, STEP_EXAMPLES, apply, assert_no_problems, check_debt_rule,
                                   check_decode_estimate, check_identical, chunk_problems)
 from .reference import EngineReference
-from .schedule_check import provenance_problems, topk_problems
+from .traffic import Traffic
 
 SHARES = (1.0, 0.75, 0.5, 0.25)
 WORKLOAD = "mixed-cpu"
-FORWARD_CANCELS = range(6, 30)     # the first of these steps with a decode row left cancels one during its forward
 
 
 # -- exactness across p ------------------------------------------------------------------------------------------
@@ -60,100 +59,23 @@ def test_tokens_and_chunks_identical_across_prefill_share(runs, opts, engine, ba
 
 
 # -- cancellation ------------------------------------------------------------------------------------------------
-def first(engine, pred):
-    return next((r for r in engine.requests.values() if pred(r)), None)
-
 
 @pytest.mark.parametrize("p", [1.0, 0.5])
 def test_cancellation_leaves_the_others_identical(runs, opts, p):
     """Cancel requests while waiting, mid-prefill (between chunks), mid-decode and during a step's forward (its
-    decode row emits nothing, top-k included); the others' tokens are identical
-    to an uncancelled run, the cancelled ones keep a prefix, pages come back at the end of the next step."""
+    decode row emits nothing, top-k included); the others' tokens are identical to an uncancelled run, the cancelled
+    ones keep a prefix, pages come back at the end of the next step (gates/traffic.py). gates/test_requests.py runs
+    the same cancels, and refused requests, on every engine configuration as served."""
     engine, backend = "fused", "torch"
     skip_unless_runs(opts, engine, backend)
     wl = get_workload(WORKLOAD)
     _, ref_engine = runs.candidate(engine, backend, WORKLOAD)
-    full = ref_engine.results()
-    cancelled: dict[str, tuple[str, int]] = {}
-    forward_cancelled_at: list[int] = []
-
-    def cancel_during_the_forward(point: str) -> None:
-        """A cancel from another thread lands while a step's forward runs (the engine's step hook, right after the
-        launch): the request is a decode row of that very step, so the step must not emit its token (nor, in record
-        mode, its top-k). Twice: a row in its first decode step (one token, from its prompt: the dropped row is its
-        only decode row, which the failure reports' provenance must still name), and a row further on."""
-        plan = e.scheduler.plan
-        if point != "launched" or plan is None or plan.index not in FORWARD_CANCELS or len(forward_cancelled_at) > 1:
-            return
-        for where, pred in (("during its first decode step's forward", lambda n: n == 1),
-                            ("during the forward", lambda n: n >= 2)):
-            if where in {w for w, _ in cancelled.values()}:
-                continue
-            r = next((r for r in plan.decodes if r.request_id not in cancelled and pred(len(r.output))), None)
-            if r is not None:
-                res = e.cancel(r.request_id)
-                assert res.cancelled and res.emitted == len(r.output), res
-                cancelled[r.request_id] = (where, len(r.output))
-                forward_cancelled_at.append(plan.index)
-                return
-
-    e = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
-                        poison=True, chunk_tokens=wl.chunk_tokens, prefill_share=p).engine(
-                            step_hook=cancel_during_the_forward)
-    for s in wl.requests():
-        e.submit(s.prompt, s.budget, s.request_id)
-    picks = {   # when (step index) -> which request to cancel
-        2: ("waiting", lambda r: r.state is State.WAITING),
-        3: ("mid-prefill", lambda r: r.state is State.PREFILL and r.num_cached > 0),
-        5: ("mid-decode", lambda r: r.state is State.DECODE and len(r.output) >= 2),
-        9: ("mid-prefill", lambda r: r.state is State.PREFILL and r.num_cached > 0),
-        14: ("admitted, no chunk yet", lambda r: r.state is State.PREFILL and r.num_cached == 0),
-        20: ("mid-decode", lambda r: r.state is State.DECODE and len(r.output) >= 5),
-    }
-    just_cancelled: list[str] = []
-    while e.scheduler.has_work:
-        e.step()
-        for rid in just_cancelled:        # pages return at the end of the step after the cancel
-            assert rid not in e.pool.owned, f"{rid}: cancelled before step {e.trace[-1].index}, still owns pages"
-        just_cancelled = []
-        if e.trace[-1].index in picks:
-            where, pred = picks[e.trace[-1].index]
-            r = first(e, lambda r: pred(r) and r.request_id not in cancelled)
-            if r is None:
-                continue
-            res = e.cancel(r.request_id)
-            assert res.cancelled and not res.noop and res.emitted == len(r.output), res
-            cancelled[r.request_id] = (where, len(r.output))
-            just_cancelled.append(r.request_id)
-    wheres = {w for w, _ in cancelled.values()}
-    assert {"waiting", "mid-prefill", "mid-decode", "during the forward", "during its first decode step's forward"
-            } <= wheres, \
-        f"the workload gave no chance to cancel: {cancelled}"
-    assert e.pool.num_free == e.pool.capacity and not e.pool.owned, "pages leaked after cancellations"
-    e.pool.check()
-    # no-ops, with a clear outcome
-    done = first(e, lambda r: r.state is State.FINISHED)
-    some = next(iter(cancelled))
-    for rid, outcome in [("nobody", "unknown"), (done.request_id, "already-finished"), (some, "already-cancelled")]:
-        res = e.cancel(rid)
-        assert res.outcome == outcome and res.noop and not res.cancelled, res
-    assert e.requests[done.request_id].state is State.FINISHED
-    problems = []
-    res = e.results()
-    for rid, r in res.items():
-        f = full[rid]
-        if rid in cancelled:
-            where, n = cancelled[rid]
-            if r.state != "cancelled" or len(r.tokens) != n:
-                problems.append(f"{rid} (cancelled {where} after {n} tokens) is {r.state} with {len(r.tokens)}")
-            if r.tokens != f.tokens[:len(r.tokens)] or r.chunks != f.chunks[:len(r.chunks)]:
-                problems.append(f"{rid} (cancelled {where}): its tokens/chunks are not a prefix of the uncancelled "
-                                f"run's: {r.tokens[:8]} / {r.chunks[:4]} vs {f.tokens[:8]} / {f.chunks[:4]}")
-        else:
-            problems += check_identical({rid: f}, {rid: r}, "uncancelled", "with cancellations")
-    problems += provenance_problems(e.requests.values(), e.trace)   # cancelled ones too, waiting ones included
-    problems += topk_problems(e)        # record mode: a top-k entry per emitted token, none for a dropped one
-    assert_no_problems(problems, f"cancellation at p={p} ({len(cancelled)} cancelled: {cancelled})")
+    traffic = Traffic(label=f"fused[torch] at p={p}")
+    traffic.engine(EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded,
+                                   backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, prefill_share=p))
+    traffic.serve(wl.requests())
+    assert_no_problems(traffic.check(ref_engine.results()),
+                       f"cancellation at p={p} ({len(traffic.cancelled)} cancelled: {traffic.cancelled})")
 
 
 # -- the debt rule, as a property (no model) ---------------------------------------------------------------------

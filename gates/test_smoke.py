@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import graphs_problem, lineage_config
 from engine.workload import SMOKE_CPU, get_workload
 
 from . import served, summary, triage
 from .compare import compare
-from .runs import CANDIDATES, skip_unless_runs, workload_for
+from .runs import CANDIDATES, skip_unless_ahead, skip_unless_runs, workload_for
 from .reference import LazyReference
 from .teacher_forced import pages_left, teacher_forced
 from .foresight_guard import guard_problems
@@ -57,26 +56,6 @@ def test_an_engine_keeps_no_schedule_log_unless_asked(runs, opts):
     assert not any(kept.values()), f"an engine built without a schedule log kept one: {kept} records"
 
 
-# the configurations whose kernels run the captured steps' path uncaptured on a CPU (the torch backend's static_steps):
-# stated here, not read from the backend, so that losing it fails instead of skipping (a mutation campaign found
-# `static_steps = False` turning these gates into skips)
-AHEAD_ON_CPU = {("chunked", "torch"), ("fused", "torch")}
-
-
-def skip_unless_ahead(runs, opts, engine, backend) -> str:
-    """Skip a configuration whose kernels do not run the captured steps' path here (no step can be launched ahead);
-    else the smoke workload's name."""
-    skip_unless_runs(opts, engine, backend)
-    problem = graphs_problem(lineage_config(engine, backend=backend, device=opts.device, cuda_graphs=True,
-                                            tp=opts.tp))
-    if problem and not opts.is_cuda and opts.tp == 1 and (engine, backend) in AHEAD_ON_CPU:
-        pytest.fail(f"{engine}[{backend}] no longer runs the captured steps' path on a CPU ({problem}): the CPU "
-                    f"gates would lose every step launched ahead", pytrace=False)
-    if problem or opts.tp > 1:
-        pytest.skip(f"no steps launched ahead for {engine}[{backend}] here: {problem or 'tp > 1'}")
-    return workload_for(opts, SMOKE_CPU.name)
-
-
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
 def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
     """The smoke gate over the steps launched ahead (EngineConfig.overlap): each step foreseen and launched before
@@ -84,7 +63,7 @@ def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
     already launch ahead (test_smoke runs them); here every configuration whose kernels run the captured steps'
     path does so too: on a CPU that path runs uncaptured (cuda_graphs=True), so a bug in a step launched ahead fails
     the CPU gates in seconds. Poison mode stays on: the pages a step frees are poisoned before the launch after it."""
-    workload = skip_unless_ahead(runs, opts, engine, backend)
+    workload = skip_unless_ahead(opts, engine, backend, SMOKE_CPU.name)
     golden = runs.golden("hf", workload)
     cand, eng = runs.candidate(engine, backend, workload, cuda_graphs=True, overlap=True)
     assert eng.steps_ahead > 0 and eng.ahead_discarded == 0, (
@@ -121,7 +100,7 @@ def test_smoke_wrong_foresight_is_never_used(runs, opts, engine, backend):
     gone, the rows reversed, a chunk a position shorter) are dropped, never used: the run serves what the right
     foresight's run serves (test_smoke_steps_launched_ahead's), token by token and step by step; and so on three
     twin prompts that decode at equal positions (reversed rows there differ in nothing but which request they are)."""
-    workload = skip_unless_ahead(runs, opts, engine, backend)
+    workload = skip_unless_ahead(opts, engine, backend, SMOKE_CPU.name)
     ref = runs.engine_reference(engine, backend, workload, cuda_graphs=True, overlap=True)
     _, right = runs.candidate(engine, backend, workload, cuda_graphs=True, overlap=True)
     problems, ways = guard_problems(ref, right, get_workload(workload).requests(), f"{engine}[{backend}]")

@@ -3,7 +3,8 @@
 # compile cache, and the serving figures beside nano-vllm. PARTS (default: all, in this order):
 #   tests    tests/test_triton_decode.py natively on the GPU (runs while flash-attn builds, if it must)
 #   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
-#   flashgates  the flash configuration's kernel, token, graph and smoke gates (-n 4, from an empty compile cache)
+#   flashgates  the flash configuration's kernel, token, graph, smoke, page safety and request gates (-n 4, from an
+#            empty compile cache)
 #   blas     scripts/probes/blas_choice.py: the projections under cuBLAS / cuBLASLt, two weight layouts
 #   ab       gates.ab, head (this tree) against BASE_TREE (.device/base: the tree before), pure decode and loaded,
 #            5 process pairs: the change's figure, both sides in this call
@@ -63,8 +64,8 @@ part gputests 200 python3 -m pytest tests/test_graph_buffers.py tests/test_step_
   --device cuda -q -p no:cacheprovider -rfEs
 rm -rf /tmp/sg-cache-flashgates
 part flashgates 150 env STEPGATE_COMPILE_CACHE=/tmp/sg-cache-flashgates python3 -m pytest gates/test_kernels.py \
-  gates/test_tokens.py gates/test_graphs.py gates/test_smoke.py gates/test_page_safety.py --device cuda \
-  --model small-trained -k flash -n 4 -p no:cacheprovider -q -rfEs
+  gates/test_tokens.py gates/test_graphs.py gates/test_smoke.py gates/test_page_safety.py gates/test_requests.py \
+  --device cuda --model small-trained -k flash -n 4 -p no:cacheprovider -q -rfEs
 part blas 90 python3 -m scripts.probes.blas_choice --rows 1,32,64 --out "$OUT/blas.json"
 part ab ${AB_S:-170} python3 -m gates.ab --base-tree .device/base --device cuda --kinds ${AB_KINDS:-pure-decode,loaded} \
   --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/ab" --no-plot

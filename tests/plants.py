@@ -314,6 +314,72 @@ def undo_drops_a_row(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Scheduler, "undo", planted)
 
 
+def vocab_check_lost(mp: pytest.MonkeyPatch) -> None:
+    """submit() no longer checks that a prompt's tokens are inside the vocabulary (a refactor of the input checks
+    that kept the empty prompt's): the engine queues the request, and its embedding reads past the table (on CUDA a
+    device-side assert, which ends every request the process serves)."""
+    from engine import errors, inputs
+    from engine.intake import RequestIntake
+
+    def token_ids(self, prompt, who: str) -> list[int]:
+        tokens = inputs.prompt_of(prompt, who)
+        if not tokens:
+            raise errors.EmptyPromptError(f"{who}: empty prompt")
+        return tokens
+    mp.setattr(RequestIntake, "token_ids", token_ids)
+
+
+def fits_check_lost(mp: pytest.MonkeyPatch) -> None:
+    """submit() no longer asks the pool whether the request could ever fit it (the pool's own rule is intact, and
+    the admission machine, which calls it directly, passes): a request larger than the pool waits forever."""
+    from engine import errors, inputs
+    from engine.intake import RequestIntake
+
+    def validate(self, prompt, budget, request_id):
+        tokens = self.token_ids(prompt, request_id)
+        budget = inputs.budget_of(budget, request_id)
+        if len(tokens) + budget > self.max_model_len:
+            raise errors.ExceedsMaxPositionsError(f"{request_id}: exceeds the max positions served")
+        return tokens, budget
+    mp.setattr(RequestIntake, "validate", validate)
+
+
+def refused_id_kept(mp: pytest.MonkeyPatch) -> None:
+    """submit() records a request's id before its checks and leaves it when it refuses the request: the id is
+    taken until popped, and results() lists a request that was never queued."""
+    from engine import errors, inputs
+    from engine.intake import RequestIntake
+    from engine.request import Request
+    submit = RequestIntake.submit
+
+    def planted(self, prompt, budget, request_id=None, arrival_time=None):
+        try:
+            return submit(self, prompt, budget, request_id, arrival_time)
+        except errors.RequestError:
+            try:
+                rid = inputs.request_id_of(request_id)
+            except errors.RequestError:
+                raise
+            self.requests.setdefault(rid, Request(rid, [0], 1, self.now()))
+            raise
+    mp.setattr(RequestIntake, "submit", planted)
+
+
+def ahead_after_cancel(mp: pytest.MonkeyPatch) -> None:
+    """A step launched ahead is taken when the real schedule differs from it only by rows cancelled since it was
+    launched (matches() leaves them out): that launch computed their rows too, so every row after a cancelled one
+    takes its neighbour's sample."""
+    from engine import foresight
+    from engine.engine import Engine
+    from engine.request import State
+    from engine.scheduler import Foresight
+
+    def matches(step, plan) -> bool:
+        rows = [a for a in step.rows if a.request.state is not State.CANCELLED]
+        return foresight.matches(Foresight(step.chunks, rows), plan)
+    mp.setattr(Engine, "matches", staticmethod(matches))
+
+
 def slow_step(mp: pytest.MonkeyPatch) -> None:
     from gates.step_states import PLANT_ENV
     mp.setenv(PLANT_ENV, "200")
@@ -431,6 +497,20 @@ PLANTS = {
     "undo-drops-a-row": Plant("undoing an interrupted step that admitted also drops the last running request",
                               r"with interrupted steps on \S+: (the engine's schedule broke|interrupted at|no end)",
                               undo_drops_a_row, paths=("gates/test_redo.py",)),
+    "vocab-check-lost": Plant("submit() accepts a prompt token past the vocabulary",
+                              r"refused calls between steps: \d+ problems:\s+(E\s+)?submit with a token past the "
+                              r"vocabulary between steps: accepted, expected TokenOutOfVocabError", vocab_check_lost,
+                              paths=("gates/test_requests.py",)),
+    "fits-check-lost": Plant("submit() no longer refuses a request larger than the whole pool",
+                             r"submit with a request larger than the whole pool after the last step: accepted, "
+                             r"expected NeverFitsError", fits_check_lost, paths=("gates/test_requests.py",)),
+    "refused-id-kept": Plant("a request refused at submit keeps its id in the engine",
+                             r"submit with an empty prompt between steps: refused, but the engine changed: requests",
+                             refused_id_kept, paths=("gates/test_requests.py",)),
+    "ahead-after-cancel": Plant("a step launched ahead is taken although a row of it was cancelled since",
+                                r"with steps launched ahead on \S+, refused requests and \d+ cancels[\s\S]*"
+                                r"tokens differ between without the traffic and with it", ahead_after_cancel,
+                                paths=("gates/test_requests.py",)),
     "golden-write": Plant("a gate run rewrites a golden byte-identically",
                           r"run changed the goldens[\s\S]{0,600}(replaced by a new file|rewritten|mode 0)",
                           rewrite_a_golden, during_first_test=True),

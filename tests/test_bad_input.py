@@ -9,6 +9,7 @@ import torch
 
 from engine import (BadArrivalTimeError, BadBudgetError, BadPromptError, BadRequestIdError, DuplicateRequestIdError, EmptyPromptError, Engine, EngineConfig,
                     ExceedsMaxPositionsError, NeverFitsError, RequestError, TokenOutOfVocabError)
+from gates.traffic import snapshot     # what a refused call must leave as it was (the request gate's own)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -21,12 +22,6 @@ C = ([99, 98, 97, 96], 3)
 @pytest.fixture(scope="module")
 def shape(loaded):
     return loaded[0].shape
-
-
-def snapshot(e: Engine):
-    return (sorted(e.requests), [r.request_id for r in e.scheduler.waiting],
-            [r.request_id for r in e.scheduler.running], e.pool.num_free, {k: list(v) for k, v in e.pool.owned.items()},
-            e.scheduler.next_arrival, e.scheduler.step_index, [list(r.prompt) for r in e.requests.values()])
 
 
 def run_bounded(e: Engine, max_steps: int = 200):

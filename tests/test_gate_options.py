@@ -316,7 +316,8 @@ def test_the_real_gates_collect_in_that_order_and_deselect_what_is_not_selected(
     ids = [line for line in r.stdout.lines if "::" in line]
     files = list(dict.fromkeys(i.split("::")[0] for i in ids))
     assert files == ["gates/test_smoke.py", "gates/test_kernels.py", "gates/test_admission.py", "gates/test_tokens.py",
-                     "gates/test_redo.py", "gates/test_page_safety.py", "gates/test_prefix_cache.py",
+                     "gates/test_redo.py", "gates/test_requests.py", "gates/test_page_safety.py",
+                     "gates/test_prefix_cache.py",
                      "gates/test_graphs.py", "gates/test_prefill_share.py",
                      "gates/test_step_timings.py"], files
     tokens = [i for i in ids if i.startswith("gates/test_tokens.py")]

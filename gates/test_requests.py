@@ -1,0 +1,74 @@
+"""The request side as users drive it, on every engine configuration as served: while the mixed workload is served
+(poison mode, record mode), requests are cancelled at every point of a step (waiting, between prompt chunks,
+mid-decode, during a step's forward, and where the engine launches steps ahead, while the step after it is in
+flight), and every way of refusing a request at submit is tried between steps, during a forward, while a step
+launched ahead is in flight and after the last step, with a running request's result and an unknown id's asked for
+too early (gates/traffic.py).
+
+- a refused call raises its typed error (a RequestError) naming the cause, and changes nothing: the requests held,
+  the queue, the running rows, the pool's pages and owners, the arrival count;
+- a cancelled request keeps exactly a prefix of what the same configuration's run without this traffic emits, its
+  pages come back at the end of the step after the cancel, and a no-op cancel says which;
+- every other request's tokens and prompt chunks are identical to that run's, and the run keeps every scheduling
+  invariant the gates check (gates/schedule_check.py).
+
+Where it runs: each candidate as this device serves it (on CUDA, flash with captured steps and steps launched ahead),
+and on a CPU the configurations whose kernels run the captured steps' path uncaptured, with steps launched ahead
+(the smoke gate's AHEAD_ON_CPU). The input checks themselves are engine/intake.py's; tests/test_bad_input.py tries
+every form of bad input on the default configuration."""
+from __future__ import annotations
+
+import pytest
+
+from engine.workload import get_workload
+
+from .prefill_share_check import assert_no_problems
+from .runs import CANDIDATES, skip_unless_ahead, skip_unless_runs, tiny_pool_slots, workload_for
+from .traffic import Traffic
+
+WORKLOAD = "mixed-cpu"
+AS_SERVED, AHEAD = "served", "ahead"
+
+
+@pytest.mark.parametrize("engine,backend,how", [(e, b, h) for e, b in CANDIDATES for h in (AS_SERVED, AHEAD)],
+                         ids=[f"{e}-{b}-{h}" for e, b in CANDIDATES for h in (AS_SERVED, AHEAD)])
+def test_refusals_and_cancels_leave_the_rest_identical(runs, opts, engine, backend, how):
+    """The mixed workload served with the traffic of gates/traffic.py (refusals and early calls at four points,
+    cancels at six), against the same configuration's run without it."""
+    workload, overrides = workload_for(opts, WORKLOAD), {}
+    if how == AHEAD:
+        skip_unless_ahead(opts, engine, backend, WORKLOAD)
+        overrides = dict(cuda_graphs=True, overlap=True)
+        if runs.engine_reference(engine, backend, workload, **overrides).config.resolved() == \
+                runs.engine_reference(engine, backend, workload).config.resolved():
+            pytest.skip(f"{engine}[{backend}] already serves steps launched ahead here (the `{AS_SERVED}` case)")
+    else:
+        skip_unless_runs(opts, engine, backend)
+    _, clean = runs.candidate(engine, backend, workload, **overrides)
+    label = f"{engine}[{backend}]{' with steps launched ahead' if overrides else ''} on {workload}"
+    traffic = Traffic(refuse=True, label=label)
+    e = traffic.engine(runs.engine_reference(engine, backend, workload, **overrides))
+    if overrides:
+        assert e.overlap, f"{label}: the engine launches no step ahead, so this case proves nothing about them"
+    traffic.serve(get_workload(workload).requests())
+    assert_no_problems(traffic.check(clean.results(), whole=True),
+                       f"{label}, refused requests and {len(traffic.cancelled)} cancels ({traffic.cancelled})")
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_refusals_at_a_capped_pool(runs, opts, engine, backend):
+    """After the page safety gate's capped-pool run (the same run: 256-slot pages, which every candidate decodes), a
+    request larger than the whole pool is refused at submit (NeverFitsError, never left waiting), as is every other
+    refusal, and nothing changes. The mixed run's pool holds more than the max positions, so there the max positions
+    refuse such a request first."""
+    skip_unless_runs(opts, engine, backend)
+    workload = workload_for(opts, WORKLOAD)       # as the page safety gate's capped pool
+    slots = tiny_pool_slots(opts, runs.loaded[0].shape)
+    _, e = runs.candidate(engine, backend, workload, page_size=256, num_pages=slots // 256 + 1)
+    label = f"{engine}[{backend}] after its run in a pool of {e.pool.capacity} pages of 256"
+    assert e.pool.capacity * e.pool.page_size < e.max_model_len, \
+        f"{label}: the pool holds the max positions ({e.max_model_len}), so no request is too large for it alone"
+    traffic = Traffic(refuse=True, label=label)
+    traffic.e = e
+    traffic.refuse_all("after the last step")
+    assert "a request larger than the whole pool" in traffic.tried, f"{label}: the pool's refusal was not tried"

@@ -10,7 +10,9 @@ too early (gates/traffic.py).
 - a cancelled request keeps exactly a prefix of what the same configuration's run without this traffic emits, its
   pages come back at the end of the step after the cancel, and a no-op cancel says which;
 - every other request's tokens and prompt chunks are identical to that run's, and the run keeps every scheduling
-  invariant the gates check (gates/schedule_check.py).
+  invariant the gates check (gates/schedule_check.py);
+- then every result is popped, as a server takes them: each is what results() listed, the engine forgets it, and
+  a popped id and an automatic one are served again.
 
 Where it runs: each candidate as this device serves it (on CUDA, flash with captured steps and steps launched ahead),
 and on a CPU the configurations whose kernels run the captured steps' path uncaptured, with steps launched ahead
@@ -51,7 +53,7 @@ def test_refusals_and_cancels_leave_the_rest_identical(runs, opts, engine, backe
     if overrides:
         assert e.overlap, f"{label}: the engine launches no step ahead, so this case proves nothing about them"
     traffic.serve(get_workload(workload).requests())
-    assert_no_problems(traffic.check(clean.results(), whole=True),
+    assert_no_problems(traffic.check(clean.results(), whole=True) + traffic.pop_all(),
                        f"{label}, refused requests and {len(traffic.cancelled)} cancels ({traffic.cancelled})")
 
 

@@ -46,8 +46,9 @@ def refusals(e: Engine) -> list[tuple[str, type, str, dict]]:
     running = e.scheduler.running[0].request_id if e.scheduler.running else next(iter(e.requests))
     out = [
         ("an empty prompt", errors.EmptyPromptError, "empty prompt", dict(prompt=[], budget=3)),
+        # after both ends of the vocabulary, which are token ids: the message names the first token outside it
         ("a token past the vocabulary", errors.TokenOutOfVocabError, f"prompt[2] = {vocab} is outside the vocabulary",
-         dict(prompt=[5, 6, vocab], budget=3)),
+         dict(prompt=[0, vocab - 1, vocab], budget=3)),
         ("a negative token", errors.TokenOutOfVocabError, "prompt[0] = -1 is outside the vocabulary",
          dict(prompt=[-1, 6], budget=3)),
         ("a token that is not an integer", errors.BadPromptError, "prompt[1] = 2.5 (float) is not a token id",
@@ -257,3 +258,38 @@ class Traffic:
         else:      # cancelled ones too, waiting ones included; record mode: a top-k entry per emitted token
             problems += provenance_problems(e.requests.values(), e.trace) + topk_problems(e)
         return problems
+
+    def pop_all(self) -> list[str]:
+        """After check(), as a server takes its results: each request's result popped is what results() listed, the
+        engine forgets it (its top-k too; a second pop is UnknownRequestError), and the ids are free again: a popped
+        id and an automatic one are served anew to their budgets. Problems (empty: none)."""
+        e, label, known = self.e, self.label, len(self.problems)
+        held, problems = e.results(), []
+        for rid, want in held.items():
+            got = e.pop_result(rid)
+            if got != want:
+                problems.append(f"{label}: pop_result({rid!r}) gave {got}, results() listed {want}")
+        if e.results() or e.topk:
+            problems.append(f"{label}: after every pop the engine still holds results {sorted(e.results())} and "
+                            f"top-k records {sorted(e.topk)}")
+        rid = next(iter(held))
+        self.refused_call("pop_result of a popped id", "after the pops", errors.UnknownRequestError,
+                          f"no request {rid!r}", lambda: e.pop_result(rid))
+        # a popped id again; an automatic id beside an explicit "req-0" (it must take another); a prompt of both
+        # ends of the vocabulary
+        again = e.submit(held[rid].prompt, 2, request_id=rid)
+        ids = {again, e.submit([e.shape.vocab_size - 1, 0, 5], 2, request_id="req-0")}
+        auto = e.submit([0, e.shape.vocab_size - 1, 5], 2)
+        if auto in ids:
+            problems.append(f"{label}: an automatic id took {auto!r}, which a request already held")
+        while e.scheduler.has_work:
+            e.step()
+        for r in sorted(ids | {auto}):
+            res = e.pop_result(r)
+            if res.state != "finished" or len(res.tokens) != 2:
+                problems.append(f"{label}: {r!r}, submitted after the pops, ended {res.state} with {len(res.tokens)} "
+                                f"of 2 tokens")
+        if e.requests or e.pool.num_free != e.pool.capacity or e.pool.owned:
+            problems.append(f"{label}: after the last pop the engine holds requests {sorted(e.requests)}, "
+                            f"{e.pool.capacity - e.pool.num_free} pages")
+        return problems + self.problems[known:]

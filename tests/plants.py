@@ -365,6 +365,20 @@ def refused_id_kept(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(RequestIntake, "submit", planted)
 
 
+def pop_keeps_topk(mp: pytest.MonkeyPatch) -> None:
+    """pop_result() forgets the request but keeps its top-k records: in record mode a server's memory grows by every
+    request it ever served."""
+    from engine.intake import RequestIntake
+    pop = RequestIntake.pop_result
+
+    def planted(self, request_id):
+        kept = dict(self.topk)
+        res = pop(self, request_id)
+        self.topk.update(kept)
+        return res
+    mp.setattr(RequestIntake, "pop_result", planted)
+
+
 def ahead_after_cancel(mp: pytest.MonkeyPatch) -> None:
     """A step launched ahead is taken when the real schedule differs from it only by rows cancelled since it was
     launched (matches() leaves them out): that launch computed their rows too, so every row after a cancelled one
@@ -507,6 +521,9 @@ PLANTS = {
     "refused-id-kept": Plant("a request refused at submit keeps its id in the engine",
                              r"submit with an empty prompt between steps: refused, but the engine changed: requests",
                              refused_id_kept, paths=("gates/test_requests.py",)),
+    "pop-keeps-topk": Plant("pop_result() keeps the popped request's top-k records",
+                            r"after every pop the engine still holds results \[\] and top-k records \['",
+                            pop_keeps_topk, paths=("gates/test_requests.py",)),
     "ahead-after-cancel": Plant("a step launched ahead is taken although a row of it was cancelled since",
                                 r"with steps launched ahead on \S+, refused requests and \d+ cancels[\s\S]*"
                                 r"tokens differ between without the traffic and with it", ahead_after_cancel,

@@ -106,7 +106,8 @@ class Traffic:
         known = len(self.problems)
         for what, err, words, kw in refusals(e):
             self.tried.add(what)
-            self.refused_call(f"submit with {what}", where, err, words, lambda: e.submit(**kw))
+            # the message names the request as well as the cause (but where the id itself is refused)
+            self.refused_call(f"submit with {what}", where, err, (words, kw["request_id"]), lambda: e.submit(**kw))
         running = next((r.request_id for r in e.scheduler.running if not r.done), None)
         if running is not None:
             self.refused_call("pop_result of a running request", where, errors.RequestNotDoneError,
@@ -123,16 +124,19 @@ class Traffic:
             # with an error of its own, far from its cause
             assert_no_problems(self.problems[known:], f"{self.label}: refused calls {where}")
 
-    def refused_call(self, what: str, where: str, err: type, words: str, call) -> None:
+    def refused_call(self, what: str, where: str, err: type, words: str | tuple[str, ...], call) -> None:
+        """`call()` must raise `err`, a RequestError whose message holds `words` (each of them), and change
+        nothing (snapshot)."""
+        words = (words,) if isinstance(words, str) else words
         before = snapshot(self.e)
         try:
             call()
         except errors.RequestError as x:
             if not isinstance(x, err):
                 self.problems.append(f"{what} {where}: raised {type(x).__name__} ({x}), expected {err.__name__}")
-            elif words not in str(x):
+            elif not all(w in str(x) for w in words):
                 self.problems.append(f"{what} {where}: {err.__name__} says {str(x)!r}, which does not name the "
-                                     f"cause ({words!r})")
+                                     f"cause and the request ({' and '.join(map(repr, words))})")
         except Exception as x:     # noqa: BLE001 (any other error is the finding)
             self.problems.append(f"{what} {where}: raised {type(x).__name__} ({x}), not a RequestError "
                                  f"({err.__name__})")

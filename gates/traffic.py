@@ -54,7 +54,8 @@ def refusals(e: Engine) -> list[tuple[str, type, str, dict]]:
         ("a token that is not an integer", errors.BadPromptError, "prompt[1] = 2.5 (float) is not a token id",
          dict(prompt=[5, 2.5], budget=3)),
         ("a budget of 0", errors.BadBudgetError, "got 0", dict(prompt=[5, 6], budget=0)),
-        ("a request past the max positions", errors.ExceedsMaxPositionsError, "exceeds the max positions served",
+        ("a request past the max positions", errors.ExceedsMaxPositionsError,
+         f"= {e.max_model_len + 1} exceeds the max positions served ({e.max_model_len}",
          dict(prompt=[1] * e.max_model_len, budget=1)),
         ("an id in use", errors.DuplicateRequestIdError, f"{running!r} is already in use",
          dict(prompt=[5, 6], budget=3, request_id=running)),
@@ -97,6 +98,10 @@ class Traffic:
             self.problems.append(f"cancel({r.request_id!r}) {where}: {res}, expected cancelled after "
                                  f"{len(r.output)} tokens")
         self.cancelled[r.request_id] = (where, len(r.output))
+        if self.refuse and where in DURING_FORWARD | {AHEAD}:
+            self.refused_call("pop_result of a request cancelled during the step", where, errors.RequestNotDoneError,
+                              f"{r.request_id} is cancelled and holds its pages until the end of the step",
+                              lambda: self.e.pop_result(r.request_id))
 
     def refuse_all(self, where: str) -> None:
         """Every refusal, each checked to raise its typed error naming the cause and to change nothing; then the
@@ -108,10 +113,11 @@ class Traffic:
             self.tried.add(what)
             # the message names the request as well as the cause (but where the id itself is refused)
             self.refused_call(f"submit with {what}", where, err, (words, kw["request_id"]), lambda: e.submit(**kw))
-        running = next((r.request_id for r in e.scheduler.running if not r.done), None)
+        running = next((r for r in e.scheduler.running if not r.done), None)
         if running is not None:
             self.refused_call("pop_result of a running request", where, errors.RequestNotDoneError,
-                              "its result is not final yet", lambda: e.pop_result(running))
+                              f"{running.request_id} is {running.state.value}: its result is not final yet",
+                              lambda: e.pop_result(running.request_id))
         self.refused_call("pop_result of an unknown id", where, errors.UnknownRequestError, "no request 'nobody'",
                           lambda: e.pop_result("nobody"))
         before = snapshot(e)
@@ -266,7 +272,8 @@ class Traffic:
     def pop_all(self) -> list[str]:
         """After check(), as a server takes its results: each request's result popped is what results() listed, the
         engine forgets it (its top-k too; a second pop is UnknownRequestError), and the ids are free again: a popped
-        id and an automatic one are served anew to their budgets. Problems (empty: none)."""
+        id and an automatic one are served anew to their budgets, a result is popped while another request runs, a
+        waiting one's is refused. Problems (empty: none)."""
         e, label, known = self.e, self.label, len(self.problems)
         held, problems = e.results(), []
         for rid, want in held.items():
@@ -279,20 +286,33 @@ class Traffic:
         rid = next(iter(held))
         self.refused_call("pop_result of a popped id", "after the pops", errors.UnknownRequestError,
                           f"no request {rid!r}", lambda: e.pop_result(rid))
-        # a popped id again; an automatic id beside an explicit "req-0" (it must take another); a prompt of both
-        # ends of the vocabulary
+        # served anew: a popped id; an explicit "req-0" (decoding longer) beside an automatic id, which must take
+        # another; prompts of both ends of the vocabulary; and a request of exactly the max positions, accepted
+        # (and cancelled while it waits)
+        vocab = e.shape.vocab_size
         again = e.submit(held[rid].prompt, 2, request_id=rid)
-        ids = {again, e.submit([e.shape.vocab_size - 1, 0, 5], 2, request_id="req-0")}
-        auto = e.submit([0, e.shape.vocab_size - 1, 5], 2)
-        if auto in ids:
+        longer = e.submit([vocab - 1, 0, 5], 6, request_id="req-0")
+        auto = e.submit([0, vocab - 1, 5], 2)
+        if auto in (again, longer):
             problems.append(f"{label}: an automatic id took {auto!r}, which a request already held")
+        edge = e.submit([1] * (e.max_model_len - 1), 1, request_id="max-positions")
+        self.refused_call("pop_result of a waiting request", "after the pops", errors.RequestNotDoneError,
+                          f"{auto} is waiting: its result is not final yet", lambda: e.pop_result(auto))
+        if not e.cancel(edge).cancelled:
+            problems.append(f"{label}: a request of exactly the max positions, waiting, was not cancelled")
+        popped = {}
         while e.scheduler.has_work:
             e.step()
-        for r in sorted(ids | {auto}):
-            res = e.pop_result(r)
-            if res.state != "finished" or len(res.tokens) != 2:
+            if again not in popped and e.requests[again].done and \
+                    any(x.request_id == longer for x in e.scheduler.running):
+                popped[again] = e.pop_result(again)      # finished while another request still runs
+        if again not in popped:
+            problems.append(f"{label}: {again!r} (2 tokens) did not finish before 'req-0' (6 tokens)")
+        for r, n in ((again, 2), (longer, 6), (auto, 2), (edge, 0)):
+            res = popped.get(r) or e.pop_result(r)
+            if res.state != ("cancelled" if r == edge else "finished") or len(res.tokens) != n:
                 problems.append(f"{label}: {r!r}, submitted after the pops, ended {res.state} with {len(res.tokens)} "
-                                f"of 2 tokens")
+                                f"of {n} tokens")
         if e.requests or e.pool.num_free != e.pool.capacity or e.pool.owned:
             problems.append(f"{label}: after the last pop the engine holds requests {sorted(e.requests)}, "
                             f"{e.pool.capacity - e.pool.num_free} pages")

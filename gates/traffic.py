@@ -5,7 +5,7 @@ step after it is launched ahead, as a call from another thread would. Used by ga
 configuration as served) and the prefill share's cancellation gate (gates/test_prefill_share.py)."""
 from __future__ import annotations
 
-from engine import errors
+from engine import errors, foresight
 from engine.engine import Engine
 from engine.request import State
 
@@ -70,6 +70,18 @@ def refusals(e: Engine) -> list[tuple[str, type, str, dict]]:
     for i, (what, err, words, kw) in enumerate(out):
         kw.setdefault("request_id", f"refused-{i}")
     return out
+
+
+def unpoisoned_freed_pages(e: Engine, plan) -> list[int]:
+    """In poison mode, while the step after `plan`'s is launched ahead: the pages `plan`'s end frees (as the
+    scheduler foresees it, engine/foresight.py) that are not NaN in every layer's K and V. The engine poisons them
+    before that launch, as it would between two serial steps; left finite, a step launched ahead that reads one reads
+    stale values unseen. (Off poison mode, or a runner without its caches here: nothing to check.)"""
+    caches = getattr(e.runner, "kv_caches", None)
+    if not e.config.poison or not caches:
+        return []
+    pages = foresight.pages_freed_by(e.scheduler, plan)
+    return [p for p in pages if not all(t[p].isnan().all() for kv in caches for t in kv)]
 
 
 class Traffic:
@@ -174,6 +186,10 @@ class Traffic:
                     self.cancel(r, where)
                     return          # one a step
         if point == "launched-ahead":
+            left = unpoisoned_freed_pages(e, plan)
+            if left:
+                self.problems.append(f"step {plan.index}: pages {left}, which its end frees, were not poisoned before "
+                                     f"the step launched after it, which poison mode must catch reading them")
             if self.refuse and "while a step launched ahead is in flight" not in self.refused:
                 self.refuse_all("while a step launched ahead is in flight")
             if AHEAD not in self.wheres():

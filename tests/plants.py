@@ -379,6 +379,13 @@ def pop_keeps_topk(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(RequestIntake, "pop_result", planted)
 
 
+def ahead_unpoisoned(mp: pytest.MonkeyPatch) -> None:
+    """Poison mode no longer poisons the pages a step frees before the step launched after it (they are poisoned at
+    the step's end, after that launch): a step launched ahead that read one would read stale values unseen."""
+    from engine.engine import Engine
+    mp.setattr(Engine, "pages_freed_by", lambda self, plan: [])
+
+
 def ahead_after_cancel(mp: pytest.MonkeyPatch) -> None:
     """A step launched ahead is taken when the real schedule differs from it only by rows cancelled since it was
     launched (matches() leaves them out): that launch computed their rows too, so every row after a cancelled one
@@ -524,6 +531,10 @@ PLANTS = {
     "pop-keeps-topk": Plant("pop_result() keeps the popped request's top-k records",
                             r"after every pop the engine still holds results \[\] and top-k records \['",
                             pop_keeps_topk, paths=("gates/test_requests.py",)),
+    "ahead-unpoisoned": Plant("the pages a step frees are poisoned after the step launched ahead of its end, not "
+                              "before",
+                              r"pages \[[\d, ]+\], which its end frees, were not poisoned before the step launched "
+                              r"after it", ahead_unpoisoned, paths=("gates/test_requests.py",)),
     "ahead-after-cancel": Plant("a step launched ahead is taken although a row of it was cancelled since",
                                 r"with steps launched ahead on \S+, refused requests and \d+ cancels[\s\S]*"
                                 r"tokens differ between without the traffic and with it", ahead_after_cancel,

@@ -197,12 +197,14 @@ CANCELS_GATE = "gates/test_requests.py::test_refusals_and_cancels_leave_the_rest
                                         ("refused-id-kept", f"{CANCELS_GATE}[fused-torch-served]"),
                                         ("ahead-after-cancel", f"{CANCELS_GATE}[fused-torch-ahead]"),
                                         ("pop-keeps-topk", f"{CANCELS_GATE}[fused-torch-served]"),
+                                        ("ahead-unpoisoned", f"{CANCELS_GATE}[chunked-torch-ahead]"),
                                         ("fits-check-lost",
                                          "gates/test_requests.py::test_refusals_at_a_capped_pool[fused-torch]")])
 def test_the_requests_gate_fails_a_broken_request_side(plant, gate):
-    """Five bugs no other gate drives (each passed the rest of `pytest gates/`: docs/plants.md): a token past the
+    """Six bugs no other gate drives (each passed the rest of `pytest gates/`: docs/plants.md): a token past the
     vocabulary accepted at submit, a refused request's id kept, a step launched ahead taken after one of its rows was
-    cancelled, a popped request's top-k records kept, a request larger than the pool accepted. The request gate fails each, naming the call and what moved."""
+    cancelled, a popped request's top-k records kept, the pages a step frees left unpoisoned under the step launched
+    ahead of its end, a request larger than the pool accepted. The request gate fails each, naming the call and what moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]

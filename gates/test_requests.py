@@ -11,6 +11,8 @@ too early (gates/traffic.py).
   pages come back at the end of the step after the cancel, and a no-op cancel says which;
 - every other request's tokens and prompt chunks are identical to that run's, and the run keeps every scheduling
   invariant the gates check (gates/schedule_check.py);
+- while a step is launched ahead, the pages the step before it frees are NaN already (poison mode poisons them
+  before that launch, so a step launched ahead that reads one is caught);
 - then every result is popped, as a server takes them: each is what results() listed, the engine forgets it, and
   a popped id and an automatic one are served again.
 

@@ -46,6 +46,7 @@ KEPT = "schedule log kept"
 PROVENANCE = "provenance"
 RECORD = "request record"
 KIND = "step kind"
+AHEAD = "steps launched ahead counted"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -190,6 +191,19 @@ def kind_problems(trace) -> list[str]:
     return out[:SHOWN]
 
 
+def ahead_problems(engine) -> list[str]:
+    """The engine's count of steps that ran launched ahead (the gates over steps launched ahead read it to know the
+    run proves something about them) against its trace, where each step records whether it ran so. A trace cut by
+    trace_limit holds only its last steps: nothing to count against."""
+    if engine.config.trace_limit is not None:
+        return []
+    n = sum(rec.ahead for rec in engine.trace)
+    if engine.steps_ahead != n:
+        return [f"{AHEAD} violated: the engine counts {engine.steps_ahead} steps that ran launched ahead, its trace "
+                f"{n} of {len(engine.trace)}"]
+    return []
+
+
 def holder_problems(pool, log: ScheduleLog) -> list[str]:
     """The page holders failure reports name (PagePool.holder, and the step a page was freed at) against the schedule
     log's last release of each page."""
@@ -266,6 +280,7 @@ def engine_problems(engine) -> list[str]:
     return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +
             eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
             provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
+            ahead_problems(engine) +
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine) +

@@ -298,3 +298,18 @@ def test_topk_entries_are_each_emitted_tokens_top_k():
     assert "2 ids and 2 logits, not 3" in topk_problems(run([([5, 2], [3.5, 1.0]), good[1]]))[0]
     assert topk_problems(run(good[:1])) == [
         "request record violated: a emitted 2 tokens, 1 top-k entries were recorded"]
+
+
+def test_the_count_of_steps_launched_ahead_is_checked_against_the_trace():
+    """A count that starts at 1 (session 28's engine campaign) let a run with no step launched ahead pass the gates
+    that ask for some: the count must be the trace's."""
+    from types import SimpleNamespace as NS
+
+    from gates.schedule_check import ahead_problems
+    eng = NS(config=NS(trace_limit=None), trace=[NS(ahead=True), NS(ahead=False), NS(ahead=True)], steps_ahead=2)
+    assert ahead_problems(eng) == []
+    eng.steps_ahead = 3
+    assert ahead_problems(eng) == ["steps launched ahead counted violated: the engine counts 3 steps that ran "
+                                   "launched ahead, its trace 2 of 3"]
+    eng.config.trace_limit = 2          # a cut trace: nothing to count against
+    assert ahead_problems(eng) == []

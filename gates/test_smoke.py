@@ -56,6 +56,21 @@ def test_an_engine_keeps_no_schedule_log_unless_asked(runs, opts):
     assert not any(kept.values()), f"an engine built without a schedule log kept one: {kept} records"
 
 
+
+def test_an_engine_keeps_the_last_steps_its_trace_limit_asks(runs, opts):
+    """EngineConfig.trace_limit bounds the step trace a server keeps (every gate keeps the whole trace): exactly the
+    last that many steps, in order."""
+    from engine import Engine
+    wl = workload_for(opts, SMOKE_CPU.name)
+    ref = runs.engine_reference("fused", "torch", wl, trace_limit=4)
+    e = Engine(ref.config, loaded=ref.loaded)
+    e.run(get_workload(wl).requests()[:3])
+    steps = e.scheduler.step_index
+    kept = [rec.index for rec in e.trace]
+    assert steps > 4 and kept == list(range(steps - 4, steps)), \
+        f"trace_limit=4 after {steps} steps kept the steps {kept}, not the last 4"
+
+
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
 def test_smoke_steps_launched_ahead(runs, opts, engine, backend):
     """The smoke gate over the steps launched ahead (EngineConfig.overlap): each step foreseen and launched before

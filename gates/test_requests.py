@@ -16,17 +16,23 @@ too early (gates/traffic.py).
 - then every result is popped, as a server takes them: each is what results() listed, the engine forgets it, and
   a popped id and an automatic one are served again.
 
+And requests that arrive while the engine serves (Engine.run(open_loop=True), as a server receives them): each
+admitted no earlier than its arrival, the tokens those of the run where all arrive at once.
+
 Where it runs: each candidate as this device serves it (on CUDA, flash with captured steps and steps launched ahead),
 and on a CPU the configurations whose kernels run the captured steps' path uncaptured, with steps launched ahead
 (the smoke gate's AHEAD_ON_CPU). The input checks themselves are engine/intake.py's; tests/test_bad_input.py tries
 every form of bad input on the default configuration."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from engine.workload import get_workload
+from engine.workload import SMOKE_CPU, get_workload
 
-from .prefill_share_check import assert_no_problems
+from .prefill_share_check import assert_no_problems, check_identical
+from .schedule_check import engine_problems
 from .runs import CANDIDATES, skip_unless_ahead, skip_unless_runs, tiny_pool_slots, workload_for
 from .traffic import Traffic
 
@@ -76,3 +82,29 @@ def test_refusals_at_a_capped_pool(runs, opts, engine, backend):
     traffic.e = e
     traffic.refuse_all("after the last step")
     assert "a request larger than the whole pool" in traffic.tried, f"{label}: the pool's refusal was not tried"
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_requests_arriving_while_the_engine_serves(runs, opts, engine, backend):
+    """Engine.run(open_loop=True), as a server receives requests: the smoke workload's requests arrive in time on
+    the engine's clock (half at once, then one every few milliseconds, the last after the run without arrivals would
+    have ended, so the engine also waits with nothing to do). Each is admitted no earlier than its arrival and every
+    scheduling invariant holds; tokens and chunks are identical to the smoke gate's run, where all arrive at once."""
+    skip_unless_runs(opts, engine, backend)
+    workload = workload_for(opts, SMOKE_CPU.name)
+    _, closed = runs.candidate(engine, backend, workload)
+    took = closed.trace[-1].start + closed.trace[-1].duration - closed.trace[0].start
+    specs = get_workload(workload).requests()
+    half = len(specs) // 2
+    timed = [dataclasses.replace(s, arrival_time=0.0 if i < half else 0.005 * (i - half + 1))
+             for i, s in enumerate(specs)]
+    timed[-1] = dataclasses.replace(timed[-1], arrival_time=max(0.05, 1.2 * took))
+    e = runs.engine_reference(engine, backend, workload).engine()
+    e.reset_clock()
+    e.run(timed, open_loop=True)
+    label = f"{engine}[{backend}] on {workload}, requests arriving in time"
+    problems = engine_problems(e) + check_identical(closed.results(), e.results(), "all at once", "in time")
+    late = [f"{s.request_id} admitted at {e.requests[s.request_id].admit_time:.4f} s, before its arrival at "
+            f"{s.arrival_time:.4f} s" for s in timed
+            if s.request_id in e.requests and e.requests[s.request_id].admit_time < s.arrival_time]
+    assert_no_problems(problems + late, label)

@@ -47,6 +47,7 @@ PROVENANCE = "provenance"
 RECORD = "request record"
 KIND = "step kind"
 AHEAD = "steps launched ahead counted"
+TIMES = "step times"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -191,6 +192,18 @@ def kind_problems(trace) -> list[str]:
     return out[:SHOWN]
 
 
+def time_problems(trace) -> list[str]:
+    """Each traced step's start and duration on the engine's clock (what the benches, the step timings' sampling and
+    the disturbance figures read): a duration at least 0, and a step ending before the next one starts."""
+    out = []
+    for a, b in zip(trace, trace[1:] + [None]):
+        # (1e-9 s: start + (end - start) may land a rounding above end, which the next start may equal)
+        if a.duration < 0 or (b is not None and a.start + a.duration > b.start + 1e-9):
+            out.append(f"{TIMES} violated: step {a.index} starts at {a.start:.6f} s and lasts {a.duration:.6f} s"
+                       + (f", the next starts at {b.start:.6f} s" if b is not None else ""))
+    return out[:SHOWN]
+
+
 def ahead_problems(engine) -> list[str]:
     """The engine's count of steps that ran launched ahead (the gates over steps launched ahead read it to know the
     run proves something about them) against its trace, where each step records whether it ran so. A trace cut by
@@ -280,7 +293,7 @@ def engine_problems(engine) -> list[str]:
     return (admission_problems(sched.log, sched.max_batch, engine.pool.page_size) +
             eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
             provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
-            ahead_problems(engine) +
+            ahead_problems(engine) + time_problems(engine.trace) +
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine) +

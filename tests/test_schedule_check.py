@@ -313,3 +313,19 @@ def test_the_count_of_steps_launched_ahead_is_checked_against_the_trace():
                                    "launched ahead, its trace 2 of 3"]
     eng.config.trace_limit = 2          # a cut trace: nothing to count against
     assert ahead_problems(eng) == []
+
+
+def test_step_times_are_checked_in_order():
+    """A duration taken as end + start (session 28's engine campaign) passed every gate: the trace's times must not
+    overlap, and no duration is negative."""
+    from types import SimpleNamespace as NS
+
+    from gates.schedule_check import time_problems
+    trace = [NS(index=0, start=0.0, duration=0.5), NS(index=1, start=0.5, duration=0.25), NS(index=2, start=1.0,
+                                                                                           duration=0.1)]
+    assert time_problems(trace) == []
+    trace[1].duration = 0.75
+    assert time_problems(trace) == ["step times violated: step 1 starts at 0.500000 s and lasts 0.750000 s, the next "
+                                    "starts at 1.000000 s"]
+    trace[1].duration = -0.1
+    assert len(time_problems(trace)) == 1

@@ -206,8 +206,13 @@ def time_problems(trace) -> list[str]:
 
 def ahead_problems(engine) -> list[str]:
     """The engine's count of steps that ran launched ahead (the gates over steps launched ahead read it to know the
-    run proves something about them) against its trace, where each step records whether it ran so. A trace cut by
-    trace_limit holds only its last steps: nothing to count against."""
+    run proves something about them) against its trace, where each step records whether it ran so, and none on an
+    engine with overlap off (the GPU's overlap gate runs captured steps serially). A trace cut by trace_limit holds
+    only its last steps: nothing to count against."""
+    if not getattr(engine, "overlap", True) and engine.steps_ahead:
+        # overlap off (asked, or where the runner cannot launch ahead): a served path the configuration turned off
+        return [f"{AHEAD} violated: {engine.steps_ahead} steps ran launched ahead on an engine that does not launch "
+                f"steps ahead (overlap off)"]
     if engine.config.trace_limit is not None:
         return []
     n = sum(rec.ahead for rec in engine.trace)

@@ -313,6 +313,9 @@ def test_the_count_of_steps_launched_ahead_is_checked_against_the_trace():
                                    "launched ahead, its trace 2 of 3"]
     eng.config.trace_limit = 2          # a cut trace: nothing to count against
     assert ahead_problems(eng) == []
+    eng.overlap = False                 # but none may run launched ahead where overlap is off
+    assert ahead_problems(eng) == ["steps launched ahead counted violated: 3 steps ran launched ahead on an engine "
+                                   "that does not launch steps ahead (overlap off)"]
 
 
 def test_step_times_are_checked_in_order():

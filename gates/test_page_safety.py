@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.errors import PoisonedLogitsError
+from engine.errors import EngineDeadError, PoisonedLogitsError
 from engine.request import State
 from engine.workload import Workload
 
@@ -57,6 +57,10 @@ def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend, record
                     f"mode caught nothing ({'recording the top-k' if record else 'poison mode alone'})")
     assert err.reader == rid and err.page == page, (
         f"the poisoned read was caught but named reader {err.reader!r}, page {err.page}: expected {rid!r}, {page}")
+    # the step was lost half-way: the engine is failed, and says so to every later call (it serves nothing wrong)
+    for call in (e.step, lambda: e.submit([5, 6], 2), e.results):
+        with pytest.raises(EngineDeadError, match="PoisonedLogitsError"):
+            call()
 
 
 def kv_slots(runner) -> list[torch.Tensor]:

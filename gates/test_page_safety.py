@@ -58,9 +58,17 @@ def test_a_read_of_a_poisoned_page_is_caught(runs, opts, engine, backend, record
     assert err.reader == rid and err.page == page, (
         f"the poisoned read was caught but named reader {err.reader!r}, page {err.page}: expected {rid!r}, {page}")
     # the step was lost half-way: the engine is failed, and says so to every later call (it serves nothing wrong)
-    for call in (e.step, lambda: e.submit([5, 6], 2), e.results):
-        with pytest.raises(EngineDeadError, match="PoisonedLogitsError"):
+    for name, call in (("step()", e.step), ("submit()", lambda: e.submit([5, 6], 2)), ("results()", e.results)):
+        try:
             call()
+        except EngineDeadError as dead:
+            assert "PoisonedLogitsError" in str(dead), f"EngineDeadError does not name its cause: {dead}"
+        except Exception as other:  # noqa: BLE001 (any other answer is the finding)
+            pytest.fail(f"after the PoisonedLogitsError the engine is not failed: {name} raised "
+                        f"{type(other).__name__} ({str(other).splitlines()[0][:160]}), not EngineDeadError")
+        else:
+            pytest.fail(f"after the PoisonedLogitsError the engine is not failed: {name} returned, not "
+                        f"EngineDeadError")
 
 
 def kv_slots(runner) -> list[torch.Tensor]:

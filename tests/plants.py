@@ -386,6 +386,38 @@ def ahead_unpoisoned(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Engine, "pages_freed_by", lambda self, plan: [])
 
 
+def trace_one_short(mp: pytest.MonkeyPatch) -> None:
+    """An engine with trace_limit keeps one step fewer than asked."""
+    from engine.engine import Engine
+    step = Engine.step
+
+    def planted(self):
+        rec = step(self)
+        limit = self.config.trace_limit
+        if limit is not None and len(self.trace) >= limit:
+            del self.trace[0]
+        return rec
+    mp.setattr(Engine, "step", planted)
+
+
+def dead_engine_serves(mp: pytest.MonkeyPatch) -> None:
+    """A failed engine (a step lost half-way) is not marked dead: later calls go on over its broken state."""
+    from engine.engine import Engine
+    mp.setattr(Engine, "alive", lambda self: None)
+
+
+def undone_twice(mp: pytest.MonkeyPatch) -> None:
+    """An interrupted step counted twice as undone (as the campaign's `steps_undone += 2`): the census check allows
+    extra forwards by that count, so it only loosens it."""
+    from engine.engine import Engine
+    undo = Engine._undo
+
+    def planted(self, *args, **kwargs):
+        undo(self, *args, **kwargs)
+        self.steps_undone += 1
+    mp.setattr(Engine, "_undo", planted)
+
+
 def ahead_after_cancel(mp: pytest.MonkeyPatch) -> None:
     """A step launched ahead is taken when the real schedule differs from it only by rows cancelled since it was
     launched (matches() leaves them out): that launch computed their rows too, so every row after a cancelled one
@@ -535,6 +567,15 @@ PLANTS = {
                               "before",
                               r"pages \[[\d, ]+\], which its end frees, were not poisoned before the step launched "
                               r"after it", ahead_unpoisoned, paths=("gates/test_requests.py",)),
+    "trace-one-short": Plant("an engine with trace_limit keeps one step fewer than asked",
+                             r"trace_limit=4 after \d+ steps kept the steps \[[\d, ]+\], not the last 4",
+                             trace_one_short, paths=("gates/test_smoke.py",)),
+    "dead-engine-serves": Plant("a failed engine is not marked dead",
+                                r"after the PoisonedLogitsError the engine is not failed: step\(\) raised",
+                                dead_engine_serves, paths=("gates/test_page_safety.py",)),
+    "undone-twice": Plant("an interrupted step counted twice as undone",
+                          r"steps interrupted, the engine counts \d+ undone", undone_twice,
+                              paths=("gates/test_redo.py",)),
     "ahead-after-cancel": Plant("a step launched ahead is taken although a row of it was cancelled since",
                                 r"with steps launched ahead on \S+, refused requests and \d+ cancels[\s\S]*"
                                 r"tokens differ between without the traffic and with it", ahead_after_cancel,

@@ -204,7 +204,23 @@ def test_the_requests_gate_fails_a_broken_request_side(plant, gate):
     """Six bugs no other gate drives (each passed the rest of `pytest gates/`: docs/plants.md): a token past the
     vocabulary accepted at submit, a refused request's id kept, a step launched ahead taken after one of its rows was
     cancelled, a popped request's top-k records kept, the pages a step frees left unpoisoned under the step launched
-    ahead of its end, a request larger than the pool accepted. The request gate fails each, naming the call and what moved."""
+    ahead of its end, a request larger than the pool accepted. The request gate fails each, naming the call and what
+    moved."""
+    p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]
+
+
+CANARY = "gates/test_page_safety.py::test_a_read_of_a_poisoned_page_is_caught"
+
+
+@pytest.mark.parametrize("plant,gate", [
+    ("trace-one-short", "gates/test_smoke.py::test_an_engine_keeps_the_last_steps_its_trace_limit_asks"),
+    ("dead-engine-serves", f"{CANARY}[fused-torch-recording]"),
+    ("undone-twice", "gates/test_redo.py::test_an_interrupted_step_is_redone_identically[fused-torch]")])
+def test_the_step_checks_of_the_engine_campaign_fail_their_plants(plant, gate):
+    """Session 28's engine campaign added gate checks for three survivors: the trace kept under trace_limit, a failed
+    engine refusing every later call, the count of undone steps. Each fails its plant, naming what moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]

@@ -234,7 +234,7 @@ class Engine(RequestIntake):
             self._open, self._poisoned_ahead = (plan, mark, evicted), False
             for r in plan.admitted:
                 r.admit_time = start
-            blocked = bool(self.scheduler.waiting) and len(self.scheduler.running) < cfg.max_batch
+            blocked = self.scheduler.row_free_for_head()
             # the forward's own view: a submit or cancel during it changes no page of the plan's requests
             pages_of = dict(self.pool.owned)
         try:

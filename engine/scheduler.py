@@ -278,9 +278,14 @@ class Scheduler:
     def mark(self) -> "ScheduleMark":
         """What schedule() is about to change beyond what its plan records: taken before it, for undo(). Cheap: the
         prefix cache's evictable pages are copied only when the step may admit."""
-        may_admit = bool(self.waiting) and len(self.running) < self.max_batch
         return ScheduleMark(self.kv.pool.in_step, self.ledger.debt, dict(self.ledger.prepaid), self.withheld_steps,
-                            len(self.log.admissions), len(self.log.waits), self.kv.lru() if may_admit else None)
+                            len(self.log.admissions), len(self.log.waits),
+                            self.kv.lru() if self.row_free_for_head() else None)
+
+    def row_free_for_head(self) -> bool:
+        """A request waits and a row is free: before schedule(), it may admit; after it, the head waits for pages (the
+        step's `admission_blocked`)."""
+        return bool(self.waiting) and len(self.running) < self.max_batch
 
     def undo(self, plan: StepPlan, mark: "ScheduleMark", evicted: list[int]) -> None:
         """Undo schedule() for a step that failed before its end: the bookkeeping is as before it (Engine.step redoes

@@ -118,7 +118,12 @@ class EngineReference(Reference):
     def engine(self, **parts) -> Engine:
         """A new engine of this configuration; `parts`: Engine's bookkeeping classes (pool_cls, scheduler_cls)."""
         # the whole schedule log kept: every gate run is checked against it (gates/schedule_check.py)
-        return Engine(self.config, loaded=self.loaded, schedule_log=ScheduleLog(), **parts)
+        e = Engine(self.config, loaded=self.loaded, schedule_log=ScheduleLog(), **parts)
+        # the gates' engines share one model's weights: an engine that loads its own copy (of the default model, say)
+        # would pass every token check while a server's engines each took the memory of another copy
+        assert e.model is self.loaded[0], \
+            f"{self.name}: the engine given loaded=(model, config, name) serves another model object, loaded anew"
+        return e
 
     def generate(self, specs, progress=None) -> dict[str, GenRecord]:
         e = self.engine()

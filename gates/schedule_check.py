@@ -48,6 +48,7 @@ RECORD = "request record"
 KIND = "step kind"
 AHEAD = "steps launched ahead counted"
 TIMES = "step times"
+BLOCKED = "admission blocked"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -204,6 +205,23 @@ def time_problems(trace) -> list[str]:
     return out[:SHOWN]
 
 
+def blocked_problems(trace, log: ScheduleLog, max_batch: int) -> list[str]:
+    """Each traced step's `admission_blocked` (the queue's head waited for pages while a row was free: what the
+    benches count and the tiny-pool gate asks for) against the schedule log's head left waiting at that step and the
+    rows then held. A trace cut by trace_limit holds its last steps: each is still in the log."""
+    waits = {w.step: w for w in log.waits}
+    out = []
+    for rec in trace:
+        w = waits.get(rec.index)
+        want = w is not None and w.rows < max_batch
+        if rec.admission_blocked != want:
+            why = (f"{w.request_id} waited with {w.rows} of {max_batch} rows held" if w is not None else
+                   "no request waited after its admissions")
+            out.append(f"{BLOCKED} violated: step {rec.index} records admission_blocked={rec.admission_blocked}, but "
+                       f"{why}")
+    return out[:SHOWN]
+
+
 def ahead_problems(engine) -> list[str]:
     """The engine's count of steps that ran launched ahead (the gates over steps launched ahead read it to know the
     run proves something about them) against its trace, where each step records whether it ran so, and none on an
@@ -300,6 +318,7 @@ def engine_problems(engine) -> list[str]:
             eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
             provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
             ahead_problems(engine) + time_problems(engine.trace) +
+            blocked_problems(engine.trace, sched.log, sched.max_batch) +
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine) +

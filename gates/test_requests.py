@@ -17,7 +17,8 @@ too early (gates/traffic.py).
   a popped id and an automatic one are served again.
 
 And requests that arrive while the engine serves (Engine.run(open_loop=True), as a server receives them): each
-admitted no earlier than its arrival, the tokens those of the run where all arrive at once.
+admitted no earlier than its arrival, the tokens those of the run where all arrive at once; and the same requests run
+closed loop, stopped half-way by run(until=...) and run on: all arrive when run() starts, the tokens the same.
 
 Where it runs: each candidate as this device serves it (on CUDA, flash with captured steps and steps launched ahead),
 and on a CPU the configurations whose kernels run the captured steps' path uncaptured, with steps launched ahead
@@ -111,3 +112,19 @@ def test_requests_arriving_while_the_engine_serves(runs, opts, engine, backend):
              f"its arrival at {s.arrival_time:.4f} s, or after the run's {wall:.4f} s" for s in timed
              if s.request_id in e.requests and not s.arrival_time <= e.requests[s.request_id].admit_time <= wall]
     assert_no_problems(problems + times, label)
+    # the same requests closed loop (run()'s default: each arrives when run() starts, whatever its arrival time),
+    # stopped by `until` half-way, as bench.disturbance stops a run, and run on to the end by a second run()
+    c = runs.engine_reference(engine, backend, workload).engine()
+    stop = max(1, len(closed.trace) // 2)
+    c.run(timed, until=lambda eng: len(eng.trace) >= stop)
+    label = f"{engine}[{backend}] on {workload}, all arriving at once, stopped after {stop} steps and run on"
+    problems = [] if len(c.trace) == stop and c.scheduler.has_work else [
+        f"run(until=...) returned after {len(c.trace)} steps with work left: {c.scheduler.has_work}; its until held "
+        f"first before step {stop}, with work left"]
+    c.run()
+    late = [f"{s.request_id} arrived at {c.requests[s.request_id].arrival_time:.4f} s on the engine's clock, after the "
+            f"first step started ({c.trace[0].start:.4f} s): a closed-loop run read its spec's arrival time "
+            f"({s.arrival_time:.4f} s)" for s in timed
+            if s.request_id in c.requests and c.requests[s.request_id].arrival_time > c.trace[0].start]
+    problems += engine_problems(c) + check_identical(closed.results(), c.results(), "in one run", "stopped and run on")
+    assert_no_problems(problems + late, label)

@@ -400,6 +400,36 @@ def trace_one_short(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Engine, "step", planted)
 
 
+def blocked_when_full(mp: pytest.MonkeyPatch) -> None:
+    """A step records its admission as blocked for pages also when every row is held (session 28's engine survivor
+    `<` -> `<=`: the tiny-pool gate asks only that some step was blocked)."""
+    mp.setattr(Scheduler, "row_free_for_head", lambda self: bool(self.waiting) and len(self.running) <= self.max_batch)
+
+
+def loaded_anew(mp: pytest.MonkeyPatch) -> None:
+    """An engine given loaded=(model, config, name) loads the default model itself (session 28's engine survivor
+    `loaded or load_model(...)` -> `and`: the gates' model is the default one, so every token check passed)."""
+    from engine.engine import Engine
+    init = Engine.__init__
+    mp.setattr(Engine, "__init__", lambda self, config=None, model=None, *, loaded=None, **kw:
+               init(self, config, model, **kw) if config is not None else init(self, model=model, **kw))
+
+
+def run_reads_arrivals(mp: pytest.MonkeyPatch) -> None:
+    """A closed-loop run() delivers each request at its spec's arrival time, as an open loop does."""
+    from engine.engine import Engine
+    run = Engine._run
+    mp.setattr(Engine, "_run", lambda self, specs, open_loop, progress, until: run(self, specs, True, progress, until))
+
+
+def until_ignored(mp: pytest.MonkeyPatch) -> None:
+    """run(until=...) serves on to the end."""
+    from engine.engine import Engine
+    run = Engine._run
+    mp.setattr(Engine, "_run", lambda self, specs, open_loop, progress, until: run(self, specs, open_loop, progress,
+                                                                                   None))
+
+
 def dead_engine_serves(mp: pytest.MonkeyPatch) -> None:
     """A failed engine (a step lost half-way) is not marked dead: later calls go on over its broken state."""
     from engine.engine import Engine
@@ -570,6 +600,18 @@ PLANTS = {
     "trace-one-short": Plant("an engine with trace_limit keeps one step fewer than asked",
                              r"trace_limit=4 after \d+ steps kept the steps \[[\d, ]+\], not the last 4",
                              trace_one_short, paths=("gates/test_smoke.py",)),
+    "blocked-when-full": Plant("a step records admission_blocked while every row is held",
+                               r"admission blocked violated: step \d+ records admission_blocked=True, but \S+ waited "
+                               r"with (\d+) of \1 rows held", blocked_when_full),
+    "loaded-anew": Plant("an engine given a loaded model loads the default one itself",
+                         r"serves another model object, loaded anew", loaded_anew,
+                         paths=("gates/test_requests.py",)),
+    "run-reads-arrivals": Plant("a closed-loop run delivers requests at their specs' arrival times",
+                                r"arrived at [\d.]+ s on the engine's clock, after the first step started",
+                                run_reads_arrivals, paths=("gates/test_requests.py",)),
+    "until-ignored": Plant("run(until=...) serves on to the end",
+                           r"run\(until=\.\.\.\) returned after \d+ steps with work left: False", until_ignored,
+                           paths=("gates/test_requests.py",)),
     "dead-engine-serves": Plant("a failed engine is not marked dead",
                                 r"after the PoisonedLogitsError the engine is not failed: step\(\) raised",
                                 dead_engine_serves, paths=("gates/test_page_safety.py",)),

@@ -214,13 +214,22 @@ def test_the_requests_gate_fails_a_broken_request_side(plant, gate):
 CANARY = "gates/test_page_safety.py::test_a_read_of_a_poisoned_page_is_caught"
 
 
+ARRIVING = "gates/test_requests.py::test_requests_arriving_while_the_engine_serves"
+
+
 @pytest.mark.parametrize("plant,gate", [
     ("trace-one-short", "gates/test_smoke.py::test_an_engine_keeps_the_last_steps_its_trace_limit_asks"),
     ("dead-engine-serves", f"{CANARY}[fused-torch-recording]"),
-    ("undone-twice", "gates/test_redo.py::test_an_interrupted_step_is_redone_identically[fused-torch]")])
+    ("undone-twice", "gates/test_redo.py::test_an_interrupted_step_is_redone_identically[fused-torch]"),
+    ("blocked-when-full", "gates/test_tokens.py::test_against_hf[chunked-torch-mixed-cpu]"),
+    ("loaded-anew", f"{ARRIVING}[fused-torch]"),
+    ("run-reads-arrivals", f"{ARRIVING}[fused-torch]"),
+    ("until-ignored", f"{ARRIVING}[fused-torch]")])
 def test_the_step_checks_of_the_engine_campaign_fail_their_plants(plant, gate):
-    """Session 28's engine campaign added gate checks for three survivors: the trace kept under trace_limit, a failed
-    engine refusing every later call, the count of undone steps. Each fails its plant, naming what moved."""
+    """Session 28's engine campaign added gate checks for its survivors: the trace kept under trace_limit, a failed
+    engine refusing every later call, the count of undone steps; and session 29 for the rest: a step's
+    admission_blocked, the engine's loaded model, run()'s closed loop and `until`. Each fails its plant, naming what
+    moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]

@@ -29,7 +29,9 @@
 #            22's 6,9,12,18 did not saturate it at 20.4 req/s served)
 #   disturb  the short prompt's first token behind a 32k prompt at prefill share 0.5, chunk 512 (bench.disturbance)
 # carry: .device/fa_built (flash-attn built by an earlier call; else .device/flash_attn, built here in the
-# background and brought back as $OUT/fa_built.tgz), .device/base (the base tree of ab), .device/nano-vllm
+# background and brought back as $OUT/fa_built.tgz), .device/base (the base tree of ab), .device/nano-vllm. Parts run
+# in the order above; for another order, invoke it once per group of parts (each with its own BUDGET_S): a later
+# invocation in the same call finds flash-attn built in /tmp/fa.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
@@ -37,6 +39,8 @@ DEADLINE=$(( $(date +%s) + ${BUDGET_S:-560} ))
 M15=qwen2.5-1.5b-random
 if ls .device/fa_built/ext/*.so > /dev/null 2>&1; then
   FA=$PWD/.device/fa_built; BUILD=""
+elif ls /tmp/fa/ext/*.so > /dev/null 2>&1; then    # built by an earlier invocation in this call
+  FA=/tmp/fa; BUILD=""
 else      # build flash-attn (about 2 minutes) beside the parts that do not need it; its files come back for later calls
   FA=/tmp/fa
   ( python3 .device/flash_attn/build_flash_attn.py .device/flash_attn/flash_attn-2.8.3.post2.tar.gz --arch 90 \

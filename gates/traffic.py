@@ -311,6 +311,8 @@ class Traffic:
         auto = e.submit([0, vocab - 1, 5], 2)
         if auto in (again, longer):
             problems.append(f"{label}: an automatic id took {auto!r}, which a request already held")
+        elif auto != "req-1":   # the engine's first automatic id ("req-N" from 0), past the explicit "req-0"
+            problems.append(f"{label}: the first automatic id, beside an explicit 'req-0', is {auto!r}, not 'req-1'")
         edge = e.submit([1] * (e.max_model_len - 1), 1, request_id="max-positions")
         self.refused_call("pop_result of a waiting request", "after the pops", errors.RequestNotDoneError,
                           f"{auto} is waiting: its result is not final yet", lambda: e.pop_result(auto))

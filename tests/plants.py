@@ -415,6 +415,17 @@ def loaded_anew(mp: pytest.MonkeyPatch) -> None:
                init(self, config, model, **kw) if config is not None else init(self, model=model, **kw))
 
 
+def auto_id_off_by_one(mp: pytest.MonkeyPatch) -> None:
+    """Automatic ids counted from -1: the first is "req--1" (session 29's engine survivor `_auto_id = -1`)."""
+    from engine.engine import Engine
+    init = Engine.__init__
+
+    def planted(self, *args, **kw):
+        init(self, *args, **kw)
+        self._auto_id = -1
+    mp.setattr(Engine, "__init__", planted)
+
+
 def run_reads_arrivals(mp: pytest.MonkeyPatch) -> None:
     """A closed-loop run() delivers each request at its spec's arrival time, as an open loop does."""
     from engine.engine import Engine
@@ -606,6 +617,9 @@ PLANTS = {
     "loaded-anew": Plant("an engine given a loaded model loads the default one itself",
                          r"serves another model object, loaded anew", loaded_anew,
                          paths=("gates/test_requests.py",)),
+    "auto-id-off-by-one": Plant("automatic request ids counted from -1",
+                                r"the first automatic id, beside an explicit 'req-0', is 'req--1', not 'req-1'",
+                                auto_id_off_by_one, paths=("gates/test_requests.py",)),
     "run-reads-arrivals": Plant("a closed-loop run delivers requests at their specs' arrival times",
                                 r"arrived at [\d.]+ s on the engine's clock, after the first step started",
                                 run_reads_arrivals, paths=("gates/test_requests.py",)),

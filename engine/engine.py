@@ -108,7 +108,8 @@ class Engine(RequestIntake):
                                             time.perf_counter() - built_from)    # tp > 1: no runner of its own
         self._ahead: tuple[Foresight, object] | None = None   # the step launched ahead, its samples
         self.steps_ahead = 0            # steps that ran as launched ahead (their rows foreseen)
-        self.ahead_discarded = 0        # steps launched ahead whose rows the real schedule did not match
+        self.ahead_discarded = 0        # steps launched ahead and dropped: the real schedule did not match their
+        # rows, or the step they were launched on was undone
         self.steps_undone = 0           # steps an exception interrupted before their commit (redone by the next step)
         self.requests: dict[str, Request] = {}   # until pop_result()
         self.topk: dict[str, list[tuple[list[int], list[float]]]] = {}   # record mode: per emitted token
@@ -186,6 +187,7 @@ class Engine(RequestIntake):
         anything reads them, or, for pages that go back to the pool, poisoned before the next forward."""
         plan, mark, evicted = self._open
         self.steps_undone += 1
+        self.ahead_discarded += self._ahead is not None     # its forward ran: counted as dropped, as a missed one
         self._ahead = None
         self.scheduler.undo(plan, mark, evicted)
         for r in plan.admitted:

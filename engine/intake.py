@@ -13,8 +13,9 @@ class RequestIntake:
         """Queue a request and return its id; any thread may call it, also while another steps (it joins the queue
         for the next step's admission). Bad input raises a RequestError subclass and changes nothing.
         `prompt`: any iterable of token ids or a one-dimensional integer array, read once. `request_id`: a non-empty
-        string or an integer, stored as its decimal string (7 and "7" are one id); None: "req-N". An id is in use
-        until pop_result() releases it. `arrival_time`: seconds on the engine's clock (None: now)."""
+        string or an integer, stored as its decimal string (7 and "7" are one id); None: "req-N", N counting up from 0
+        past every id held. An id is in use until pop_result() releases it. `arrival_time`: seconds on the engine's
+        clock (None: now)."""
         self.alive()
         rid = None if request_id is None else inputs.request_id_of(request_id)
         tokens, budget = self.validate(prompt, budget, rid or "request")

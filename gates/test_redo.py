@@ -19,7 +19,7 @@ import pytest
 from engine.workload import get_workload
 
 from .failure import GateFailure
-from .runs import CANDIDATES, skip_unless_runs, workload_for
+from .runs import CANDIDATES, skip_unless_ahead, skip_unless_runs, workload_for
 from .schedule_check import check_engine
 
 
@@ -53,6 +53,36 @@ def test_an_interrupted_step_is_redone_identically(runs, opts, engine, backend):
         raise GateFailure(f"{engine}[{backend}] on {workload}: no step admits two requests, so no undo of several "
                           f"reservations is checked")
     at.setdefault(most.index, "scheduled")
+    redo_run(runs.engine_reference(engine, backend, workload), workload, undisturbed, at,
+             f"{engine}[{backend}] with interrupted steps on {workload}")
+
+
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_a_step_interrupted_after_the_next_is_launched_ahead_is_redone_as_served(runs, opts, engine, backend):
+    """As served (poison off) with steps launched ahead: a step interrupted once the step after it is launched
+    ahead (at the launch, and at its own readback) drops that launch and is redone; the run serves what the
+    undisturbed one serves. Poison mode cannot redo such a step (the pages it frees are NaN already: Engine._undo
+    fails the engine by design), so the first test interrupts before that launch; a server runs poison off."""
+    workload = skip_unless_ahead(opts, engine, backend, "mixed-cpu")
+    overrides = dict(cuda_graphs=True, overlap=True)
+    _, undisturbed = runs.candidate(engine, backend, workload, **overrides)
+    # steps whose successor ran launched ahead: interrupting them drops a launch in flight
+    before_ahead = [a.index for a, b in zip(undisturbed.trace, undisturbed.trace[1:]) if b.ahead]
+    if len(before_ahead) < 2:
+        raise GateFailure(f"{engine}[{backend}] on {workload}: {len(before_ahead)} steps launched ahead, so no "
+                          f"interrupt with a step launched ahead in flight is checked")
+    at = {before_ahead[len(before_ahead) // 3]: "launched-ahead", before_ahead[2 * len(before_ahead) // 3]: "read-back"}
+    e_ref = runs.engine_reference(engine, backend, workload, poison=False, **overrides)
+    redo_run(e_ref, workload, undisturbed, at,
+             f"{engine}[{backend}] as served (poison off, steps launched ahead), interrupted on {workload}",
+             launched_ahead=True)
+
+
+def redo_run(ref, workload: str, undisturbed, at: dict[int, str], label: str, launched_ahead: bool = False) -> None:
+    """Serve `workload` on a new engine of `ref`, raising Interrupt at each step index of `at` as it passes its point
+    (once each), stepping on after each; then the run must be what `undisturbed` served: every token, the step that
+    emitted it, every prompt chunk, every step of the trace; and every scheduling invariant must hold."""
+    n = len(undisturbed.trace)
     fired: list[tuple[int, str]] = []
 
     def interrupt(point: str) -> None:
@@ -61,8 +91,7 @@ def test_an_interrupted_step_is_redone_identically(runs, opts, engine, backend):
             fired.append((plan.index, point))
             raise Interrupt(f"interrupted at step {plan.index}, {point}")
 
-    label = f"{engine}[{backend}] with interrupted steps on {workload}"
-    e = runs.engine_reference(engine, backend, workload).engine(step_hook=interrupt)
+    e = ref.engine(step_hook=interrupt)
     for s in get_workload(workload).requests():
         e.submit(s.prompt, s.budget, s.request_id)
     for _ in range(100 * n):
@@ -76,6 +105,11 @@ def test_an_interrupted_step_is_redone_identically(runs, opts, engine, backend):
         raise GateFailure(f"{label}: no end after {100 * n} steps (the undisturbed run took {n})")
     check_engine(e, label)      # strict FCFS, eviction at the end of the step, pages back, provenance
     assert len(fired) == len(at), f"{label}: interrupts fired {fired}, planned {at} (the run was shorter?)"
+    if launched_ahead:
+        # each interrupt dropped the step launched ahead on it (the rest of the run as the undisturbed one's)
+        extra = e.ahead_discarded - undisturbed.ahead_discarded
+        assert extra == len(fired), f"{label}: {len(fired)} interrupts with a step launched ahead in flight, the " \
+                                    f"engine counts {extra} more steps launched ahead and dropped than undisturbed"
     # the count the census check allows extra forwards by (gates/dispatch.py): one undo an interrupt
     assert e.steps_undone == len(fired), f"{label}: {len(fired)} steps interrupted, the engine counts " \
                                          f"{e.steps_undone} undone"

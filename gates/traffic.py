@@ -306,13 +306,19 @@ class Traffic:
         # another; prompts of both ends of the vocabulary; and a request of exactly the max positions, accepted
         # (and cancelled while it waits)
         vocab = e.shape.vocab_size
+        # the engine's first automatic id is "req-0" (submit's promise: N counts from 0), cancelled and popped at once
+        first = e.submit([0, vocab - 1, 5], 2)
+        if first != "req-0":
+            problems.append(f"{label}: the engine's first automatic id is {first!r}, not 'req-0'")
+        e.cancel(first)
+        e.pop_result(first)
         again = e.submit(held[rid].prompt, 2, request_id=rid)
         longer = e.submit([vocab - 1, 0, 5], 6, request_id="req-0")
         auto = e.submit([0, vocab - 1, 5], 2)
         if auto in (again, longer):
             problems.append(f"{label}: an automatic id took {auto!r}, which a request already held")
-        elif auto != "req-1":   # the engine's first automatic id ("req-N" from 0), past the explicit "req-0"
-            problems.append(f"{label}: the first automatic id, beside an explicit 'req-0', is {auto!r}, not 'req-1'")
+        elif auto != "req-1":   # the counter's next id past the explicit "req-0"
+            problems.append(f"{label}: the automatic id beside an explicit 'req-0' is {auto!r}, not 'req-1'")
         edge = e.submit([1] * (e.max_model_len - 1), 1, request_id="max-positions")
         self.refused_call("pop_result of a waiting request", "after the pops", errors.RequestNotDoneError,
                           f"{auto} is waiting: its result is not final yet", lambda: e.pop_result(auto))

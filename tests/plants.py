@@ -426,6 +426,19 @@ def auto_id_off_by_one(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Engine, "__init__", planted)
 
 
+def served_undo_fails(mp: pytest.MonkeyPatch) -> None:
+    """A step interrupted once the step after it is launched ahead fails the engine also with poison off, as served
+    (session 29's engine survivor `cfg.poison or step is not None`: the redo gate interrupted only before a launch
+    ahead, in poison mode)."""
+    from engine.engine import Engine
+    undo = Engine._undo
+
+    def planted(self, cause=None):
+        self._poisoned_ahead = self._poisoned_ahead or self._ahead is not None
+        undo(self, cause)
+    mp.setattr(Engine, "_undo", planted)
+
+
 def run_reads_arrivals(mp: pytest.MonkeyPatch) -> None:
     """A closed-loop run() delivers each request at its spec's arrival time, as an open loop does."""
     from engine.engine import Engine
@@ -618,8 +631,12 @@ PLANTS = {
                          r"serves another model object, loaded anew", loaded_anew,
                          paths=("gates/test_requests.py",)),
     "auto-id-off-by-one": Plant("automatic request ids counted from -1",
-                                r"the first automatic id, beside an explicit 'req-0', is 'req--1', not 'req-1'",
+                                r"the engine's first automatic id is 'req--1', not 'req-0'",
                                 auto_id_off_by_one, paths=("gates/test_requests.py",)),
+    "served-undo-fails": Plant("an engine with poison off fails instead of redoing a step interrupted after the "
+                               "step after it was launched ahead",
+                               r"EngineDeadError: the engine failed at step \d+ after poisoning the pages it frees",
+                               served_undo_fails, paths=("gates/test_redo.py",)),
     "run-reads-arrivals": Plant("a closed-loop run delivers requests at their specs' arrival times",
                                 r"arrived at [\d.]+ s on the engine's clock, after the first step started",
                                 run_reads_arrivals, paths=("gates/test_requests.py",)),

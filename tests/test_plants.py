@@ -226,12 +226,14 @@ ARRIVING = "gates/test_requests.py::test_requests_arriving_while_the_engine_serv
     ("run-reads-arrivals", f"{ARRIVING}[fused-torch]"),
     ("auto-id-off-by-one", "gates/test_requests.py::test_refusals_and_cancels_leave_the_rest_identical"
                            "[fused-torch-served]"),
-    ("until-ignored", f"{ARRIVING}[fused-torch]")])
+    ("until-ignored", f"{ARRIVING}[fused-torch]"),
+    ("served-undo-fails", "gates/test_redo.py::test_a_step_interrupted_after_the_next_is_launched_ahead_is_redone_as_"
+                          "served[fused-torch]")])
 def test_the_step_checks_of_the_engine_campaign_fail_their_plants(plant, gate):
     """Session 28's engine campaign added gate checks for its survivors: the trace kept under trace_limit, a failed
     engine refusing every later call, the count of undone steps; and session 29 for the rest: a step's
-    admission_blocked, the engine's loaded model, run()'s closed loop and `until`, the first automatic id. Each fails
-    its plant, naming what moved."""
+    admission_blocked, the engine's loaded model, run()'s closed loop and `until`, the first automatic id, a step
+    interrupted after the next one's launch ahead with poison off. Each fails its plant, naming what moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]

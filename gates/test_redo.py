@@ -2,8 +2,11 @@
 launched, before its readback) is undone, and the next step() redoes it; the run then serves exactly what an
 undisturbed run of the same configuration serves: every token, the step that emitted it, every prompt chunk, every
 step of the trace. Run on the mixed workload (more requests than rows: admissions land while others run) through each
-engine configuration, in poison mode, reusing the token gate's undisturbed run. A step launched ahead whose pages were poisoned cannot be redone (Engine._undo
-fails the engine by design), so where steps launch ahead the interrupt comes before that launch.
+engine configuration, in poison mode, reusing the token gate's undisturbed run. A step launched ahead whose pages
+were poisoned cannot be redone (Engine._undo fails the engine by design), so where steps launch ahead the interrupt
+comes before that launch; and as served (poison off), where steps launch ahead, steps are interrupted once the step
+after them is launched ahead (at that launch, and at their own readback): the launch is dropped and counted so, the
+step redone, the run the undisturbed one.
 
 With the prefix cache: a step that admits a request on cached pages and evicts other cached pages for it is
 interrupted; its undo must leave the pool as before the step, but for the evicted pages, which come back free (last

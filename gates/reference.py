@@ -13,6 +13,7 @@ from engine.loader import hf_model, load_model
 from engine.schedule_log import ScheduleLog
 from engine.workload import RequestSpec
 
+from .failure import GateFailure
 from .records import GenRecord
 
 TOPK = 8
@@ -121,8 +122,9 @@ class EngineReference(Reference):
         e = Engine(self.config, loaded=self.loaded, schedule_log=ScheduleLog(), **parts)
         # the gates' engines share one model's weights: an engine that loads its own copy (of the default model, say)
         # would pass every token check while a server's engines each took the memory of another copy
-        assert e.model is self.loaded[0], \
-            f"{self.name}: the engine given loaded=(model, config, name) serves another model object, loaded anew"
+        if e.model is not self.loaded[0]:
+            raise GateFailure(f"{self.name}: the engine given loaded=(model, config, name) serves another model "
+                              f"object, loaded anew")
         return e
 
     def generate(self, specs, progress=None) -> dict[str, GenRecord]:

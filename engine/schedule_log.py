@@ -47,6 +47,7 @@ class StepEnd:
     step: int
     freed: tuple[int, ...]       # pages the pool put back on the free list at the step's end (the runner poisons them)
     kept: tuple[int, ...] = ()   # pages released in the step that stay held by another request or cached
+    duration: float | None = None   # the step's seconds the scheduler gave the prefill-share debt (None: none)
 
 
 ARRIVAL = attrgetter("arrival_index")
@@ -94,14 +95,14 @@ class ScheduleLog:
         self.releases.append(Release(step, owner, pages, before, pool.num_free, in_step))
         self._released.extend(pages)
 
-    def end_step(self, step: int, pool) -> list[int]:
-        """pool.end_step(), noting the pages it returned."""
+    def end_step(self, step: int, pool, duration: float | None = None) -> list[int]:
+        """pool.end_step(), noting the pages it returned and the step's `duration` the debt was given."""
         freed = pool.end_step()
         if not self.keep:
             return freed
         cached = getattr(pool, "cache", None)
         kept = tuple(p for p in self._released if p not in freed and
                      (p in getattr(pool, "refs", ()) or cached is not None and p in cached.by_page))
-        self.ends.append(StepEnd(step, tuple(freed), kept))
+        self.ends.append(StepEnd(step, tuple(freed), kept, duration))
         self._released = []
         return freed

@@ -327,7 +327,7 @@ class Scheduler:
             self.ledger.forget(r.request_id)
             self.log.release(self.step_index, self.kv.pool, r.request_id)
         self.step_index += 1
-        return self.log.end_step(self.step_index - 1, self.kv.pool)
+        return self.log.end_step(self.step_index - 1, self.kv.pool, duration)
 
     def next_step(self, plan: StepPlan) -> "Foresight | None":
         """The step after `plan`, read before `plan`'s tokens are known (its bookkeeping not yet done), when it is

@@ -14,7 +14,8 @@ gates/test_admission.py, does that). Every gate run of an engine is checked here
   the prompt positions and decode tokens the step trace recorded (a wrong step in a failure would send triage to
   the wrong step); the pool names each page's last holder as the schedule log does; each result's times are in
   order (arrival, admission, first token = its first token's time, finish) and its queue wait is admission -
-  arrival; in record mode every emitted token has its top-k."""
+  arrival; in record mode every emitted token has its top-k;
+- the debt's step times: each step's end gives the prefill-share debt the duration the step trace records."""
 from __future__ import annotations
 
 from collections import Counter
@@ -49,6 +50,7 @@ KIND = "step kind"
 AHEAD = "steps launched ahead counted"
 TIMES = "step times"
 BLOCKED = "admission blocked"
+DEBT_TIME = "the debt's step times"
 
 SHOWN = 5     # problems quoted in a failure message
 
@@ -205,6 +207,24 @@ def time_problems(trace) -> list[str]:
     return out[:SHOWN]
 
 
+def debt_time_problems(trace, log: ScheduleLog) -> list[str]:
+    """Each traced step's duration against the seconds the scheduler was given for it at its end (the schedule log's
+    StepEnd), which the prefill-share debt is computed from: the same measurement, or the debt rule runs on another
+    clock than the one the trace, the benches and the debt's gates read (its gate, gates/prefill_share_check.py,
+    drives the ledger with durations of its own; tokens are identical at every share). A trace cut by trace_limit
+    holds its last steps: each is still in the log."""
+    ends = {end.step: end for end in log.ends}
+    out = []
+    for rec in trace:
+        end = ends.get(rec.index)
+        given = None if end is None else end.duration
+        if given != rec.duration:
+            said = "no step end" if end is None else "no duration" if given is None else f"{given:.6f} s"
+            out.append(f"{DEBT_TIME} violated: step {rec.index} lasted {rec.duration:.6f} s on the engine's clock, but "
+                       f"its end gave the prefill-share debt {said}")
+    return out[:SHOWN]
+
+
 def blocked_problems(trace, log: ScheduleLog, max_batch: int) -> list[str]:
     """Each traced step's `admission_blocked` (the queue's head waited for pages while a row was free: what the
     benches count and the tiny-pool gate asks for) against the schedule log's head left waiting at that step and the
@@ -318,7 +338,7 @@ def engine_problems(engine) -> list[str]:
             eviction_problems(sched.log, finished) + pool_problems(engine.pool) +
             provenance_problems(engine.requests.values(), engine.trace) + kind_problems(engine.trace) +
             ahead_problems(engine) + time_problems(engine.trace) +
-            blocked_problems(engine.trace, sched.log, sched.max_batch) +
+            blocked_problems(engine.trace, sched.log, sched.max_batch) + debt_time_problems(engine.trace, sched.log) +
             arrival_problems(engine.requests.values()) +
             holder_problems(engine.pool, sched.log) +
             record_problems(engine.results().values()) + topk_problems(engine) + dispatch_problems(engine) +

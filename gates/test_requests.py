@@ -13,6 +13,8 @@ too early (gates/traffic.py).
   invariant the gates check (gates/schedule_check.py);
 - while a step is launched ahead, the pages the step before it frees are NaN already (poison mode poisons them
   before that launch, so a step launched ahead that reads one is caught);
+- score() (teacher forcing) refuses each bad sequence at every one of those points the same way, and serves one of
+  exactly the max positions (one more is refused);
 - then every result is popped, as a server takes them: each is what results() listed, the engine forgets it, and
   a popped id and an automatic one are served again.
 
@@ -42,6 +44,14 @@ WORKLOAD = "mixed-cpu"
 AS_SERVED, AHEAD = "served", "ahead"
 
 
+def checks_score_edges(opts, engine: str) -> bool:
+    """Where a score() of exactly the max positions, and of exactly the whole pool, is served (one position more is
+    refused in every case: gates/traffic.py, score_refusals). The edges are Engine.score's own bookkeeping, one code
+    for every runner, and on a CPU a score of 8,192 positions takes 4-6 s (attention over every pair of positions):
+    there the fused candidate's run checks them; on a GPU every candidate's."""
+    return opts.device != "cpu" or engine == "fused"
+
+
 @pytest.mark.parametrize("engine,backend,how", [(e, b, h) for e, b in CANDIDATES for h in (AS_SERVED, AHEAD)],
                          ids=[f"{e}-{b}-{h}" for e, b in CANDIDATES for h in (AS_SERVED, AHEAD)])
 def test_refusals_and_cancels_leave_the_rest_identical(runs, opts, engine, backend, how):
@@ -63,6 +73,8 @@ def test_refusals_and_cancels_leave_the_rest_identical(runs, opts, engine, backe
     if overrides:
         assert e.overlap, f"{label}: the engine launches no step ahead, so this case proves nothing about them"
     traffic.serve(get_workload(workload).requests())
+    if how == AS_SERVED and checks_score_edges(opts, engine) and e.pool.capacity * e.pool.page_size >= e.max_model_len:
+        traffic.score_at(e.max_model_len, "exactly the max positions")
     assert_no_problems(traffic.check(clean.results(), whole=True) + traffic.pop_all(),
                        f"{label}, refused requests and {len(traffic.cancelled)} cancels ({traffic.cancelled})")
 
@@ -71,8 +83,8 @@ def test_refusals_and_cancels_leave_the_rest_identical(runs, opts, engine, backe
 def test_refusals_at_a_capped_pool(runs, opts, engine, backend):
     """After the page safety gate's capped-pool run (the same run: 256-slot pages, which every candidate decodes), a
     request larger than the whole pool is refused at submit (NeverFitsError, never left waiting), as is every other
-    refusal, and nothing changes. The mixed run's pool holds more than the max positions, so there the max positions
-    refuse such a request first."""
+    refusal, and nothing changes; a score() of exactly the whole pool is served, one position more refused. The
+    mixed run's pool holds more than the max positions, so there the max positions refuse such a request first."""
     skip_unless_runs(opts, engine, backend)
     workload = workload_for(opts, WORKLOAD)       # as the page safety gate's capped pool
     slots = tiny_pool_slots(opts, runs.loaded[0].shape)
@@ -83,7 +95,11 @@ def test_refusals_at_a_capped_pool(runs, opts, engine, backend):
     traffic = Traffic(refuse=True, label=label)
     traffic.e = e
     traffic.refuse_all("after the last step")
-    assert "a request larger than the whole pool" in traffic.tried, f"{label}: the pool's refusal was not tried"
+    if checks_score_edges(opts, engine):
+        traffic.score_at(e.pool.capacity * e.pool.page_size, "exactly the whole pool")
+        assert_no_problems(traffic.problems, f"{label}, score of the whole pool")
+    for what in ("a request larger than the whole pool", "score of a sequence larger than the whole pool"):
+        assert what in traffic.tried, f"{label}: the pool's refusal was not tried ({what})"
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])

@@ -72,6 +72,30 @@ def refusals(e: Engine) -> list[tuple[str, type, str, dict]]:
     return out
 
 
+def score_refusals(e: Engine) -> list[tuple[str, type, str, list]]:
+    """(what, the error it must raise, words its message must hold, the tokens): one of each way Engine.score()
+    (teacher forcing) refuses a sequence, sized by this engine. Each message names "score" as submit's names the
+    request."""
+    vocab, n = e.shape.vocab_size, e.max_model_len + 1
+    out = [
+        ("an empty sequence", errors.EmptyPromptError, "score: empty prompt", []),
+        ("a token past the vocabulary", errors.TokenOutOfVocabError,
+         f"score: prompt[1] = {vocab} is outside the vocabulary", [vocab - 1, vocab]),
+        ("a negative token", errors.TokenOutOfVocabError, "score: prompt[0] = -1 is outside the vocabulary", [-1, 6]),
+        ("a token that is not an integer", errors.BadPromptError, "score: prompt[1] = 2.5 (float) is not a token id",
+         [5, 2.5]),
+        # one past the edge: exactly the max positions is served (Traffic.score_at)
+        ("a sequence past the max positions", errors.ExceedsMaxPositionsError,
+         f"score: {n} positions exceed the max positions served ({e.max_model_len}", [1] * n),
+    ]
+    slots = e.pool.capacity * e.pool.page_size
+    if slots < e.max_model_len:     # else the max positions refuse it first
+        out.append(("a sequence larger than the whole pool", errors.NeverFitsError,
+                    f"score: needs {e.pool.capacity + 1} pages of {e.pool.page_size} slots (prompt {slots + 1} + "
+                    f"budget 0)", [1] * (slots + 1)))
+    return out
+
+
 def unpoisoned_freed_pages(e: Engine, plan) -> list[int]:
     """In poison mode, while the step after `plan`'s is launched ahead: the pages `plan`'s end frees (as the
     scheduler foresees it, engine/foresight.py) that are not NaN in every layer's K and V. The engine poisons them
@@ -125,6 +149,10 @@ class Traffic:
             self.tried.add(what)
             # the message names the request as well as the cause (but where the id itself is refused)
             self.refused_call(f"submit with {what}", where, err, (words, kw["request_id"]), lambda: e.submit(**kw))
+        # score() checks its sequence before it waits for the step in flight: refused at once, wherever it is asked
+        for what, err, words, tokens in score_refusals(e):
+            self.tried.add(f"score of {what}")
+            self.refused_call(f"score of {what}", where, err, words, lambda: e.score(tokens))
         running = next((r for r in e.scheduler.running if not r.done), None)
         if running is not None:
             self.refused_call("pop_result of a running request", where, errors.RequestNotDoneError,
@@ -141,6 +169,23 @@ class Traffic:
             # now: a request accepted that must not be (a token past the vocabulary) would fail the steps after it
             # with an error of its own, far from its cause
             assert_no_problems(self.problems[known:], f"{self.label}: refused calls {where}")
+
+    def score_at(self, n: int, what: str) -> None:
+        """Between steps: score() of `n` positions (the last one's logits) is served, and leaves the engine as it
+        was: the edge that score_refusals' sequence one longer is refused past."""
+        e = self.e
+        before = snapshot(e)
+        try:
+            logits = e.score([1] * n, last_only=True)
+        except errors.RequestError as x:
+            self.problems.append(f"score of {what} ({n} positions): refused with {type(x).__name__} ({x}), expected "
+                                 f"served")
+            return
+        if tuple(logits.shape) != (1, e.shape.vocab_size) or not bool(logits.isfinite().all()):
+            self.problems.append(f"score of {what} ({n} positions): logits of shape {tuple(logits.shape)}, finite: "
+                                 f"{bool(logits.isfinite().all())}; expected [1, {e.shape.vocab_size}], finite")
+        if snapshot(e) != before:
+            self.problems.append(f"score of {what} ({n} positions): the engine changed")
 
     def refused_call(self, what: str, where: str, err: type, words: str | tuple[str, ...], call) -> None:
         """`call()` must raise `err`, a RequestError whose message holds `words` (each of them), and change

@@ -406,6 +406,37 @@ def blocked_when_full(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Scheduler, "row_free_for_head", lambda self: bool(self.waiting) and len(self.running) <= self.max_batch)
 
 
+def debt_time_doubled(mp: pytest.MonkeyPatch) -> None:
+    """Each step's end gives the prefill-share debt twice the step's duration (session 29's engine sample survivor:
+    `end + start` for `end - start`; tokens are identical at every share)."""
+    finish = Scheduler.finish_step
+    mp.setattr(Scheduler, "finish_step", lambda self, duration=None:
+               finish(self, None if duration is None else 2 * duration))
+
+
+def score_max_refused(mp: pytest.MonkeyPatch) -> None:
+    """score() refuses a sequence of exactly the max positions (session 29's engine sample survivor: `>` -> `>=`;
+    no gate scored a sequence that long)."""
+    from engine.engine import Engine
+    score = Engine.score
+
+    def planted(self, tokens, last_only=False):
+        if len(tokens) == self.max_model_len:
+            from engine import errors
+            raise errors.ExceedsMaxPositionsError(f"score: {len(tokens)} positions exceed the max positions served "
+                                                  f"({self.max_model_len})")
+        return score(self, tokens, last_only)
+    mp.setattr(Engine, "score", planted)
+
+
+def score_pool_budget(mp: pytest.MonkeyPatch) -> None:
+    """score()'s pool check counts one position more than the sequence (session 29's engine sample survivor: budget
+    0 -> 1): a score of exactly the whole pool is refused."""
+    check = PagePool.check_fits
+    mp.setattr(PagePool, "check_fits", lambda self, rid, prompt_len, budget:
+               check(self, rid, prompt_len, budget + (rid == "score")))
+
+
 def loaded_anew(mp: pytest.MonkeyPatch) -> None:
     """An engine given loaded=(model, config, name) loads the default model itself (session 28's engine survivor
     `loaded or load_model(...)` -> `and`: the gates' model is the default one, so every token check passed)."""
@@ -627,6 +658,17 @@ PLANTS = {
     "blocked-when-full": Plant("a step records admission_blocked while every row is held",
                                r"admission blocked violated: step \d+ records admission_blocked=True, but \S+ waited "
                                r"with (\d+) of \1 rows held", blocked_when_full),
+    "debt-time-doubled": Plant("each step's end gives the prefill-share debt twice the step's duration",
+                               r"the debt's step times violated: step \d+ lasted [\d.]+ s on the engine's clock, but "
+                               r"its end gave the prefill-share debt [\d.]+ s", debt_time_doubled),
+    "score-max-refused": Plant("score() refuses a sequence of exactly the max positions",
+                               r"score of exactly the max positions \(\d+ positions\): refused with "
+                               r"ExceedsMaxPositionsError", score_max_refused, paths=("gates/test_requests.py",)),
+    "score-pool-budget": Plant("score()'s pool check counts one position more than the sequence",
+                               r"score of (exactly the whole pool \(\d+ positions\): refused with NeverFitsError|a "
+                               r"sequence larger than the whole pool after the last step: NeverFitsError says "
+                               r"'score: needs \d+ pages of \d+ slots \(prompt \d+ \+ budget 1\))",
+                               score_pool_budget, paths=("gates/test_requests.py",)),
     "loaded-anew": Plant("an engine given a loaded model loads the default one itself",
                          r"serves another model object, loaded anew", loaded_anew,
                          paths=("gates/test_requests.py",)),

@@ -222,7 +222,11 @@ ARRIVING = "gates/test_requests.py::test_requests_arriving_while_the_engine_serv
     ("dead-engine-serves", f"{CANARY}[fused-torch-recording]"),
     ("undone-twice", "gates/test_redo.py::test_an_interrupted_step_is_redone_identically[fused-torch]"),
     ("blocked-when-full", "gates/test_tokens.py::test_against_hf[chunked-torch-mixed-cpu]"),
+    ("debt-time-doubled", "gates/test_tokens.py::test_against_hf[chunked-torch-mixed-cpu]"),
     ("loaded-anew", f"{ARRIVING}[fused-torch]"),
+    ("score-max-refused", "gates/test_requests.py::test_refusals_and_cancels_leave_the_rest_identical"
+                          "[fused-torch-served]"),
+    ("score-pool-budget", "gates/test_requests.py::test_refusals_at_a_capped_pool[fused-torch]"),
     ("run-reads-arrivals", f"{ARRIVING}[fused-torch]"),
     ("auto-id-off-by-one", "gates/test_requests.py::test_refusals_and_cancels_leave_the_rest_identical"
                            "[fused-torch-served]"),
@@ -233,7 +237,8 @@ def test_the_step_checks_of_the_engine_campaign_fail_their_plants(plant, gate):
     """Session 28's engine campaign added gate checks for its survivors: the trace kept under trace_limit, a failed
     engine refusing every later call, the count of undone steps; and session 29 for the rest: a step's
     admission_blocked, the engine's loaded model, run()'s closed loop and `until`, the first automatic id, a step
-    interrupted after the next one's launch ahead with poison off. Each fails its plant, naming what moved."""
+    interrupted after the next one's launch ahead with poison off; session 30 the duration each step's end gives the
+    prefill-share debt and score()'s edges (exactly the max positions, exactly the whole pool). Each fails its plant, naming what moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]

@@ -332,3 +332,26 @@ def test_step_times_are_checked_in_order():
                                     "starts at 1.000000 s"]
     trace[1].duration = -0.1
     assert len(time_problems(trace)) == 1
+
+
+def test_the_debt_is_given_each_step_s_traced_duration():
+    """The duration the engine gives the prefill-share debt taken as end + start (session 29's engine sample) passed
+    every gate: tokens are identical at every share, and the debt rule's gate drives the ledger with durations of
+    its own. Each step's end (the schedule log) must carry the trace's duration."""
+    from types import SimpleNamespace as NS
+
+    from engine.schedule_log import ScheduleLog, StepEnd
+    from gates.schedule_check import debt_time_problems
+    log = ScheduleLog()
+    log.ends = [StepEnd(0, (), (), 0.5), StepEnd(1, (), (), 0.25)]
+    trace = [NS(index=0, duration=0.5), NS(index=1, duration=0.25)]
+    assert debt_time_problems(trace, log) == []
+    assert debt_time_problems(trace[1:], log) == []      # a trace cut by trace_limit: its steps are in the log
+    log.ends[1] = StepEnd(1, (), (), 1.75)
+    assert debt_time_problems(trace, log) == ["the debt's step times violated: step 1 lasted 0.250000 s on the "
+                                              "engine's clock, but its end gave the prefill-share debt 1.750000 s"]
+    log.ends[1] = StepEnd(1, (), ())
+    assert debt_time_problems(trace, log) == ["the debt's step times violated: step 1 lasted 0.250000 s on the "
+                                              "engine's clock, but its end gave the prefill-share debt no duration"]
+    log.ends = log.ends[:1]
+    assert debt_time_problems(trace, log)[0].endswith("its end gave the prefill-share debt no step end")

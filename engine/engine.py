@@ -394,5 +394,6 @@ class Engine(RequestIntake):
             finally:
                 with self.lock:
                     self.pool.release(SCORE_OWNER)
+                    self.scheduler.log.scored(self.scheduler.step_index, SCORE_OWNER, pages)
                     freed = [] if self.pool.in_step else self.pool.end_step()
                 self.runner.poison_pages(freed)

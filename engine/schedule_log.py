@@ -50,6 +50,14 @@ class StepEnd:
     duration: float | None = None   # the step's seconds the scheduler gave the prefill-share debt (None: none)
 
 
+@dataclass(frozen=True)
+class Scored:
+    """A score() (teacher forcing) between steps: the pages it held, given back when it returned."""
+    step: int                    # the steps ended before it
+    owner: object                # the pool's owner name for it (Engine's SCORE_OWNER)
+    pages: tuple[int, ...]
+
+
 ARRIVAL = attrgetter("arrival_index")
 
 
@@ -65,6 +73,7 @@ class ScheduleLog:
         self.waits: list[HeadWait] = []
         self.releases: list[Release] = []
         self.ends: list[StepEnd] = []
+        self.scores: list[Scored] = []
         self._released: list[int] = []       # pages released in the open step
 
     def admitted(self, step: int, admitted, pool, free_before: int, rows_before: int, waiting) -> None:
@@ -94,6 +103,12 @@ class ScheduleLog:
         pool.release(owner)
         self.releases.append(Release(step, owner, pages, before, pool.num_free, in_step))
         self._released.extend(pages)
+
+    def scored(self, step: int, owner, pages) -> None:
+        """A score() that held `pages` (and gave them back) before step `step`: their last holder, as the pool
+        names it."""
+        if self.keep:
+            self.scores.append(Scored(step, owner, tuple(pages)))
 
     def end_step(self, step: int, pool, duration: float | None = None) -> list[int]:
         """pool.end_step(), noting the pages it returned and the step's `duration` the debt was given."""

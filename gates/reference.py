@@ -125,6 +125,10 @@ class EngineReference(Reference):
         if e.model is not self.loaded[0]:
             raise GateFailure(f"{self.name}: the engine given loaded=(model, config, name) serves another model "
                               f"object, loaded anew")
+        source = getattr(e.runner, "source", None)     # tp > 1: the workers' shards, sent by rank 0
+        if source is not None:
+            raise GateFailure(f"{self.name}: the engine given loaded=(model, config, name) at tp {e.config.tp} has its "
+                              f"worker ranks load {str(source)!r} themselves: they serve another model than rank 0's")
         return e
 
     def generate(self, specs, progress=None) -> dict[str, GenRecord]:

@@ -263,11 +263,14 @@ def ahead_problems(engine) -> list[str]:
 
 def holder_problems(pool, log: ScheduleLog) -> list[str]:
     """The page holders failure reports name (PagePool.holder, and the step a page was freed at) against the schedule
-    log's last release of each page."""
+    log's last release of each page, or score() that held it last (it runs between steps: before the releases of
+    the step after it)."""
     last = {}
-    for r in log.releases:
-        for p in r.pages:
-            last[p] = (r.owner, r.step)
+    events = sorted([(s.step, 0, s.owner, s.pages) for s in log.scores] +
+                    [(r.step, 1, r.owner, r.pages) for r in log.releases], key=lambda ev: ev[:2])
+    for step, _, owner, pages in events:
+        for p in pages:
+            last[p] = (owner, step)
     out = []
     for p, (owner, step) in sorted(last.items()):
         who, how = pool.holder(p)

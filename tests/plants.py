@@ -437,6 +437,15 @@ def score_pool_budget(mp: pytest.MonkeyPatch) -> None:
                check(self, rid, prompt_len, budget + (rid == "score")))
 
 
+def tp_workers_by_name(mp: pytest.MonkeyPatch) -> None:
+    """At tp > 1 the worker ranks load the default model by name although the engine was given one (session 29's
+    engine sample survivors: `if loaded is None` negated, twice): on the default model every token check passes."""
+    from engine.tp.runner import TPRunner
+    start = TPRunner.start.__func__
+    mp.setattr(TPRunner, "start", classmethod(lambda cls, *args, source=None: start(cls, *args,
+                                                                                     source=source or "small")))
+
+
 def loaded_anew(mp: pytest.MonkeyPatch) -> None:
     """An engine given loaded=(model, config, name) loads the default model itself (session 28's engine survivor
     `loaded or load_model(...)` -> `and`: the gates' model is the default one, so every token check passed)."""
@@ -669,6 +678,9 @@ PLANTS = {
                                r"sequence larger than the whole pool after the last step: NeverFitsError says "
                                r"'score: needs \d+ pages of \d+ slots \(prompt \d+ \+ budget 1\))",
                                score_pool_budget, paths=("gates/test_requests.py",)),
+    "tp-workers-by-name": Plant("at tp > 1 the worker ranks load the default model by name, not the one given",
+                                r"at tp 2 has its worker ranks load 'small' themselves", tp_workers_by_name,
+                                paths=("gates/test_tp.py",)),
     "loaded-anew": Plant("an engine given a loaded model loads the default one itself",
                          r"serves another model object, loaded anew", loaded_anew,
                          paths=("gates/test_requests.py",)),

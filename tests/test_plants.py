@@ -224,6 +224,7 @@ ARRIVING = "gates/test_requests.py::test_requests_arriving_while_the_engine_serv
     ("blocked-when-full", "gates/test_tokens.py::test_against_hf[chunked-torch-mixed-cpu]"),
     ("debt-time-doubled", "gates/test_tokens.py::test_against_hf[chunked-torch-mixed-cpu]"),
     ("loaded-anew", f"{ARRIVING}[fused-torch]"),
+    ("tp-workers-by-name", "gates/test_tp.py::test_tp_matches_tp1_step_by_step[fused-torch]"),
     ("score-max-refused", "gates/test_requests.py::test_refusals_and_cancels_leave_the_rest_identical"
                           "[fused-torch-served]"),
     ("score-pool-budget", "gates/test_requests.py::test_refusals_at_a_capped_pool[fused-torch]"),
@@ -235,10 +236,11 @@ ARRIVING = "gates/test_requests.py::test_requests_arriving_while_the_engine_serv
                           "served[fused-torch]")])
 def test_the_step_checks_of_the_engine_campaign_fail_their_plants(plant, gate):
     """Session 28's engine campaign added gate checks for its survivors: the trace kept under trace_limit, a failed
-    engine refusing every later call, the count of undone steps; and session 29 for the rest: a step's
+    engine refusing every later call, the count of undone steps; session 29 for the rest: a step's
     admission_blocked, the engine's loaded model, run()'s closed loop and `until`, the first automatic id, a step
-    interrupted after the next one's launch ahead with poison off; session 30 the duration each step's end gives the
-    prefill-share debt and score()'s edges (exactly the max positions, exactly the whole pool). Each fails its plant, naming what moved."""
+    interrupted after the next one's launch ahead with poison off; session 30 for its second sample's gaps: the
+    duration each step's end gives the prefill-share debt, score()'s edges (exactly the max positions, exactly the
+    whole pool), the worker ranks' model at tp > 1. Each fails its plant, naming what moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]

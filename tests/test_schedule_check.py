@@ -355,3 +355,29 @@ def test_the_debt_is_given_each_step_s_traced_duration():
                                               "engine's clock, but its end gave the prefill-share debt no duration"]
     log.ends = log.ends[:1]
     assert debt_time_problems(trace, log)[0].endswith("its end gave the prefill-share debt no step end")
+
+
+def test_the_holders_failure_reports_name_count_score_as_a_holder():
+    """score() holds pages between steps and gives them back: the pool then names it as their last holder, and the
+    holder check must too (it once named the request released before, failing every gate run after a score()); a
+    request that releases the page in a later step is its last holder again."""
+    from engine.pool import PagePool
+    from engine.schedule_log import ScheduleLog
+    from gates.schedule_check import holder_problems
+    pool, log = PagePool(8, 16), ScheduleLog()
+    pool.begin_step()
+    pool.reserve("a", 32)
+    log.release(0, pool, "a")
+    log.end_step(0, pool)
+    assert holder_problems(pool, log) == []
+    pages = pool.reserve(("score",), pool.capacity * 16)     # between steps, every page: "a"'s among them
+    pool.release(("score",))
+    pool.end_step()
+    assert holder_problems(pool, log)[0].startswith("provenance violated: page ")     # unrecorded: named wrongly
+    log.scored(1, ("score",), pages)
+    assert holder_problems(pool, log) == []
+    pool.begin_step()
+    pool.reserve("b", 16)
+    log.release(1, pool, "b")                   # step 1, after the score before it
+    log.end_step(1, pool)
+    assert holder_problems(pool, log) == []

@@ -170,10 +170,13 @@ class TPRunner:
 
     can_launch_ahead = False
 
-    def __init__(self, local: ShardRunner, workers: Workers, timeout: float):
+    def __init__(self, local: ShardRunner, workers: Workers, timeout: float, source=None):
         self.local = local
         self.workers = workers
         self.timeout = timeout
+        # what the workers loaded the model from: a name or directory, or None: rank 0 sent each its shard of the
+        # model the engine was given (a gate's engine must serve the model object it is given, on every rank)
+        self.source = source if isinstance(source, (str, os.PathLike)) else None
         self.plans = PlanSender()
         self.doing = "starting"
         self.agreed_rows = 0        # (row, rank) choices checked against rank 0's
@@ -268,7 +271,7 @@ class TPRunner:
         except BaseException:
             workers.close()
             raise
-        return cls(runner, workers, config.tp_timeout)
+        return cls(runner, workers, config.tp_timeout, source)
 
     # -- calls that every rank runs ----------------------------------------------------------------------------
     def _everywhere(self, msg: tuple, doing: str, local_call, answer: bool):

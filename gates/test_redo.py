@@ -2,7 +2,9 @@
 launched, before its readback) is undone, and the next step() redoes it; the run then serves exactly what an
 undisturbed run of the same configuration serves: every token, the step that emitted it, every prompt chunk, every
 step of the trace. Run on the mixed workload (more requests than rows: admissions land while others run) through each
-engine configuration, in poison mode, reusing the token gate's undisturbed run. A step launched ahead whose pages
+engine configuration, in poison mode, reusing the token gate's undisturbed run; in the same run a committed step's
+poisoning of the pages it frees is interrupted (as a Ctrl-C held over the commit lands), and the next step must
+poison them before it runs. A step launched ahead whose pages
 were poisoned cannot be redone (Engine._undo fails the engine by design), so where steps launch ahead the interrupt
 comes before that launch; and as served (poison off), where steps launch ahead, steps are interrupted once the step
 after them is launched ahead (at that launch, and at their own readback): the launch is dropped and counted so, the
@@ -56,8 +58,15 @@ def test_an_interrupted_step_is_redone_identically(runs, opts, engine, backend):
         raise GateFailure(f"{engine}[{backend}] on {workload}: no step admits two requests, so no undo of several "
                           f"reservations is checked")
     at.setdefault(most.index, "scheduled")
+    # and a committed step whose end frees pages, its poisoning interrupted (Ctrl-C is held over the commit and
+    # delivered after it, where the freed pages are poisoned): the next step must poison them before it runs
+    ends = {end.step: end.freed for end in undisturbed.scheduler.log.ends}
+    frees = [i for i in range(1, n - 1) if ends.get(i) and not {i - 1, i, i + 1} & set(at)]
+    if not frees:
+        raise GateFailure(f"{engine}[{backend}] on {workload}: no step frees pages away from the interrupted ones, so "
+                          f"no interrupted poisoning is checked")
     redo_run(runs.engine_reference(engine, backend, workload), workload, undisturbed, at,
-             f"{engine}[{backend}] with interrupted steps on {workload}")
+             f"{engine}[{backend}] with interrupted steps on {workload}", poison_fails=frees[len(frees) // 2])
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
@@ -81,20 +90,49 @@ def test_a_step_interrupted_after_the_next_is_launched_ahead_is_redone_as_served
              launched_ahead=True)
 
 
-def redo_run(ref, workload: str, undisturbed, at: dict[int, str], label: str, launched_ahead: bool = False) -> None:
+def redo_run(ref, workload: str, undisturbed, at: dict[int, str], label: str, launched_ahead: bool = False,
+             poison_fails: int | None = None) -> None:
     """Serve `workload` on a new engine of `ref`, raising Interrupt at each step index of `at` as it passes its point
     (once each), stepping on after each; then the run must be what `undisturbed` served: every token, the step that
-    emitted it, every prompt chunk, every step of the trace; and every scheduling invariant must hold."""
+    emitted it, every prompt chunk, every step of the trace; and every scheduling invariant must hold.
+    `poison_fails`: a step whose end's poisoning of the pages it frees raises (after its commit: the step stands);
+    in poison mode those pages must be NaN when the next step is scheduled."""
     n = len(undisturbed.trace)
     fired: list[tuple[int, str]] = []
+    unpoisoned: list[str] = []
+    armed = []          # the step whose poisoning raises next
 
     def interrupt(point: str) -> None:
         plan = e.scheduler.plan
         if plan is not None and at.get(plan.index) == point and all(i != plan.index for i, _ in fired):
             fired.append((plan.index, point))
             raise Interrupt(f"interrupted at step {plan.index}, {point}")
+        if poison_fails is None:
+            return
+        if point == "traced" and e.trace[-1].index == poison_fails:      # (the step's plan is closed by now)
+            armed.append(poison_fails)
+        if point == "scheduled" and plan.index == poison_fails + 1 and e.config.poison:
+            freed = next(end.freed for end in e.scheduler.log.ends if end.step == poison_fails)
+            caches = e.runner.kv_caches
+            left = [p for p in freed if not all(t[p].isnan().all() for kv in caches for t in kv)]
+            if left:
+                unpoisoned.append(f"pages {left}, which step {poison_fails} freed (its poisoning interrupted after "
+                                  f"its commit), are not NaN when step {plan.index} is scheduled: a kernel reading one "
+                                  f"would go unseen")
 
     e = ref.engine(step_hook=interrupt)
+    if poison_fails is not None:
+        # the interrupt lands where the engine poisons the pages a step frees, after the step's commit: as a Ctrl-C
+        # held over the commit (engine/sigint.py) is delivered, or a failing poison kernel (a fault injected into this
+        # engine's runner alone, as the step hook injects the others)
+        poison = e.runner.poison_pages
+
+        def failing(pages):
+            if armed:
+                fired.append((armed.pop(), "poisoning"))
+                raise Interrupt(f"interrupted while step {fired[-1][0]}'s freed pages {pages} were poisoned")
+            poison(pages)
+        e.runner.poison_pages = failing
     for s in get_workload(workload).requests():
         e.submit(s.prompt, s.budget, s.request_id)
     for _ in range(100 * n):
@@ -106,16 +144,20 @@ def redo_run(ref, workload: str, undisturbed, at: dict[int, str], label: str, la
             e.alive()           # undone, not failed: EngineDeadError here fails the gate with its cause
     else:
         raise GateFailure(f"{label}: no end after {100 * n} steps (the undisturbed run took {n})")
+    if unpoisoned:
+        raise GateFailure(f"{label}: {unpoisoned[0]}")
     check_engine(e, label)      # strict FCFS, eviction at the end of the step, pages back, provenance
-    assert len(fired) == len(at), f"{label}: interrupts fired {fired}, planned {at} (the run was shorter?)"
+    committed = sum(point == "poisoning" for _, point in fired)     # the step stands: not undone
+    assert len(fired) - committed == len(at) and committed == (poison_fails is not None), \
+        f"{label}: interrupts fired {fired}, planned {at} and the poisoning of step {poison_fails} (the run was shorter?)"
     if launched_ahead:
         # each interrupt dropped the step launched ahead on it (the rest of the run as the undisturbed one's)
         extra = e.ahead_discarded - undisturbed.ahead_discarded
-        assert extra == len(fired), f"{label}: {len(fired)} interrupts with a step launched ahead in flight, the " \
+        assert extra == len(fired) - committed, f"{label}: {len(fired)} interrupts with a step launched ahead in flight, the " \
                                     f"engine counts {extra} more steps launched ahead and dropped than undisturbed"
     # the count the census check allows extra forwards by (gates/dispatch.py): one undo an interrupt
-    assert e.steps_undone == len(fired), f"{label}: {len(fired)} steps interrupted, the engine counts " \
-                                         f"{e.steps_undone} undone"
+    assert e.steps_undone == len(fired) - committed, f"{label}: {len(fired) - committed} steps interrupted before " \
+                                                     f"their commit, the engine counts {e.steps_undone} undone"
     got, want = served(e), served(undisturbed)
     wrong = [rid for rid in want if got.get(rid) != want[rid]]
     if wrong or got.keys() != want.keys() or steps(e) != steps(undisturbed):

@@ -446,6 +446,13 @@ def tp_workers_by_name(mp: pytest.MonkeyPatch) -> None:
                                                                                      source=source or "small")))
 
 
+def recover_skips_poison(mp: pytest.MonkeyPatch) -> None:
+    """The next step does not poison the pages an interrupted poisoning left (session 30's engine survivor: `if not
+    self._unpoisoned` in Engine._recover)."""
+    from engine.engine import Engine
+    mp.setattr(Engine, "_recover", lambda self: self._undo() if self._open is not None else None)
+
+
 def loaded_anew(mp: pytest.MonkeyPatch) -> None:
     """An engine given loaded=(model, config, name) loads the default model itself (session 28's engine survivor
     `loaded or load_model(...)` -> `and`: the gates' model is the default one, so every token check passed)."""
@@ -681,6 +688,9 @@ PLANTS = {
     "tp-workers-by-name": Plant("at tp > 1 the worker ranks load the default model by name, not the one given",
                                 r"at tp 2 has its worker ranks load 'small' themselves", tp_workers_by_name,
                                 paths=("gates/test_tp.py",)),
+    "recover-skips-poison": Plant("the next step leaves unpoisoned the pages an interrupted poisoning left",
+                                  r"which step \d+ freed \(its poisoning interrupted after its commit\), are not NaN "
+                                  r"when step \d+ is scheduled", recover_skips_poison, paths=("gates/test_redo.py",)),
     "loaded-anew": Plant("an engine given a loaded model loads the default one itself",
                          r"serves another model object, loaded anew", loaded_anew,
                          paths=("gates/test_requests.py",)),
@@ -701,7 +711,7 @@ PLANTS = {
                                 r"after the PoisonedLogitsError the engine is not failed: step\(\) raised",
                                 dead_engine_serves, paths=("gates/test_page_safety.py",)),
     "undone-twice": Plant("an interrupted step counted twice as undone",
-                          r"steps interrupted, the engine counts \d+ undone", undone_twice,
+                          r"steps interrupted before their commit, the engine counts \d+ undone", undone_twice,
                               paths=("gates/test_redo.py",)),
     "ahead-after-cancel": Plant("a step launched ahead is taken although a row of it was cancelled since",
                                 r"with steps launched ahead on \S+, refused requests and \d+ cancels[\s\S]*"

@@ -63,16 +63,19 @@ def _storage_dir(path: str | Path) -> Path:
 
 
 def newest_two(storage: str | Path) -> tuple[Path, Path]:
-    """(baseline, current): the newest saved run under `storage` and the run saved before it in the same folder
-    (pytest-benchmark keeps one folder per machine and numbers the runs it saves)."""
+    """(baseline, current): the newest saved run under `storage` that has a run saved before it in the same folder,
+    and that run (pytest-benchmark keeps one folder per machine and numbers the runs it saves)."""
     root = _storage_dir(storage)
     files = [p for p in root.rglob("*.json") if p.is_file()] if root.is_dir() else []
     if not files:
         raise InputError(f"no pytest-benchmark JSON under {root}")
-    current = max(files, key=lambda p: (p.stat().st_mtime, p.name))
-    older = sorted(p for p in current.parent.glob("*.json") if p.name < current.name)
-    if not older:
+    # a machine's folder with one saved run (a card's first baseline, golden/benchmarks/h100) has nothing to compare
+    paired = [p for p in files if any(q.name < p.name for q in p.parent.glob("*.json"))]
+    if not paired:
+        current = max(files, key=lambda p: (p.stat().st_mtime, p.name))
         raise InputError(f"{current.parent} holds one saved run ({current.name}); a baseline needs two")
+    current = max(paired, key=lambda p: (p.stat().st_mtime, p.name))
+    older = sorted(p for p in current.parent.glob("*.json") if p.name < current.name)
     return older[-1], current
 
 

@@ -159,7 +159,8 @@ def test_alert_refuses_runs_of_different_engine_configurations(tmp_path, capsys)
 
 def test_alert_cli_defaults_to_newest_two_runs(tmp_path):
     """`python -m gates.alert --storage DIR`: the newest two runs of one machine's folder, as pytest-benchmark
-    saves them (NNNN_*.json); a missing input exits 2."""
+    saves them (NNNN_*.json), passing over a folder of one run (another machine's first baseline); a missing input,
+    or only one run, exits 2."""
     machine = tmp_path / "Linux-CPython-3.11-64bit"
     machine.mkdir()
     write(machine, "0001_aaa.json", bench_json(BASE))
@@ -171,6 +172,18 @@ def test_alert_cli_defaults_to_newest_two_runs(tmp_path):
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "0002_bbb.json against baseline" in p.stdout and p.stdout.count("REGRESSION") >= 3
+    # another machine's first baseline, saved later (golden/benchmarks/h100 beside h200): one run, nothing to compare
+    first = tmp_path / "h100" / "Linux-CPython-3.12-64bit"
+    first.mkdir(parents=True)
+    time.sleep(0.01)
+    write(first, "0001_ccc.json", bench_json(BASE))
+    p = subprocess.run([sys.executable, "-m", "gates.alert", "--storage", f"file://{tmp_path}"], cwd=REPO,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "0002_bbb.json against baseline" in p.stdout, p.stdout + p.stderr
+    alone = tmp_path / "h100"
+    p = subprocess.run([sys.executable, "-m", "gates.alert", "--storage", str(alone)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "holds one saved run (0001_ccc.json)" in p.stderr, p.stdout + p.stderr
     empty = tmp_path / "empty"
     empty.mkdir()
     p = subprocess.run([sys.executable, "-m", "gates.alert", "--storage", str(empty)], cwd=REPO, env=env,

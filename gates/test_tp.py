@@ -5,6 +5,8 @@ small model's two key/value heads. Under --tp N the token gates (gates/test_toke
 tp N against the same tp 1 goldens."""
 from __future__ import annotations
 
+import multiprocessing
+
 import pytest
 import torch
 
@@ -33,6 +35,26 @@ def test_tp4_with_replicated_kv_heads_matches_tp1(runs, opts):
     if runs.loaded[0].shape.num_kv_heads >= 4:
         pytest.skip("the model has at least 4 key/value heads: nothing is replicated at tp 4")
     gate_tp_vs_tp1(runs, opts, "fused", "torch", 4)
+
+
+@pytest.mark.tp_ranks(2)
+@pytest.mark.parametrize("engine,backend", [("fused", "torch"), ("flash", "flash")], ids=["fused-torch", "flash-flash"])
+def test_a_refused_tp_configuration_stops_its_workers(runs, opts, engine, backend):
+    """overlap=True at tp > 1 is refused (ConfigError: a step launched ahead would run on rank 0 alone) once the
+    worker ranks run, so the refusal must stop them, at once: a server that retries a configuration it got wrong
+    must not gather orphan processes (on CUDA each holding a GPU's memory). Checked while the refusal is still held
+    (as a server's log keeps it): nothing but the engine's own close stops them then."""
+    from engine.errors import ConfigError
+    skip_unless_runs(opts, engine, backend)
+    if opts.device.startswith("cuda") and torch.cuda.device_count() < 2:
+        pytest.skip(f"tp=2 needs 2 GPUs; {torch.cuda.device_count()} visible")
+    before = {p.pid for p in multiprocessing.active_children()}
+    ref = runs.engine_reference(engine, backend, workload_for(opts, "mixed-cpu"), tp=2, overlap=True)
+    with pytest.raises(ConfigError, match="every rank would have to launch it") as refused:
+        ref.engine()
+    left = [f"{p.name} (pid {p.pid})" for p in multiprocessing.active_children() if p.pid not in before]
+    assert not left, f"{engine}[{backend}] at tp 2 refused overlap=True ({refused.value}), but its worker ranks " \
+                     f"still run: {', '.join(left)}"
 
 
 def gate_tp_vs_tp1(runs, opts, engine, backend, tp):

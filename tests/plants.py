@@ -453,6 +453,14 @@ def recover_skips_poison(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(Engine, "_recover", lambda self: self._undo() if self._open is not None else None)
 
 
+def refused_tp_keeps_workers(mp: pytest.MonkeyPatch) -> None:
+    """A tp engine whose configuration is refused after its worker ranks started leaves them running (session 30's
+    engine survivor: the `except errors.ConfigError` that closes the runner replaced): here its runner's close does
+    nothing (the workers stop only when the runner is collected)."""
+    from engine.tp.runner import TPRunner
+    mp.setattr(TPRunner, "close", lambda self: None)
+
+
 def loaded_anew(mp: pytest.MonkeyPatch) -> None:
     """An engine given loaded=(model, config, name) loads the default model itself (session 28's engine survivor
     `loaded or load_model(...)` -> `and`: the gates' model is the default one, so every token check passed)."""
@@ -691,6 +699,9 @@ PLANTS = {
     "recover-skips-poison": Plant("the next step leaves unpoisoned the pages an interrupted poisoning left",
                                   r"which step \d+ freed \(its poisoning interrupted after its commit\), are not NaN "
                                   r"when step \d+ is scheduled", recover_skips_poison, paths=("gates/test_redo.py",)),
+    "refused-tp-keeps-workers": Plant("a tp engine refused after its workers started leaves them running",
+                                      r"at tp 2 refused overlap=True \(.*\), but its worker ranks still run: "
+                                      r"stepgate-tp-rank1", refused_tp_keeps_workers, paths=("gates/test_tp.py",)),
     "loaded-anew": Plant("an engine given a loaded model loads the default one itself",
                          r"serves another model object, loaded anew", loaded_anew,
                          paths=("gates/test_requests.py",)),

@@ -225,6 +225,7 @@ ARRIVING = "gates/test_requests.py::test_requests_arriving_while_the_engine_serv
     ("debt-time-doubled", "gates/test_tokens.py::test_against_hf[chunked-torch-mixed-cpu]"),
     ("loaded-anew", f"{ARRIVING}[fused-torch]"),
     ("tp-workers-by-name", "gates/test_tp.py::test_tp_matches_tp1_step_by_step[fused-torch]"),
+    ("refused-tp-keeps-workers", "gates/test_tp.py::test_a_refused_tp_configuration_stops_its_workers[fused-torch]"),
     ("recover-skips-poison", "gates/test_redo.py::test_an_interrupted_step_is_redone_identically[fused-torch]"),
     ("score-max-refused", "gates/test_requests.py::test_refusals_and_cancels_leave_the_rest_identical"
                           "[fused-torch-served]"),
@@ -241,7 +242,7 @@ def test_the_step_checks_of_the_engine_campaign_fail_their_plants(plant, gate):
     admission_blocked, the engine's loaded model, run()'s closed loop and `until`, the first automatic id, a step
     interrupted after the next one's launch ahead with poison off; session 30 for its second sample's gaps: the
     duration each step's end gives the prefill-share debt, score()'s edges (exactly the max positions, exactly the
-    whole pool), the worker ranks' model at tp > 1, the pages an interrupted poisoning left, poisoned by the next
+    whole pool), the worker ranks' model at tp > 1 and their stop when the configuration is refused, the pages an interrupted poisoning left, poisoned by the next
     step. Each fails its plant, naming what moved."""
     p = pytest_run(gate, "-p", "tests.plants", "--plant", plant)
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]

@@ -104,6 +104,9 @@ class EngineConfig:
     decode_splits: int | None = None
     decode_append: bool | None = None
     flex_dynamic: bool | None = None
+    # the MLP's gate/up GEMM and SiLU-mul at a step of at most kernels.mlp.FUSED_ROWS positions: "triton", one fused
+    # kernel (kernels/mlp.py: CUDA only); "torch", F.linear and the SiLU-mul piece (None: triton on CUDA)
+    mlp_kernel: str | None = None
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -132,6 +135,7 @@ class EngineConfig:
             self.backend_options()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.check_mlp_kernel()
         try:
             canonical_dtype(self.dtype)
         except ValueError as e:
@@ -144,6 +148,22 @@ class EngineConfig:
         number("tp_timeout", self.tp_timeout)
         if not 0 < self.tp_timeout < math.inf:
             raise ConfigError(f"tp_timeout={self.tp_timeout!r}: must be a finite number of seconds > 0")
+
+    def check_mlp_kernel(self) -> None:
+        from kernels.mlp import KERNELS, why_unavailable
+        if self.mlp_kernel is None:
+            return
+        choice("mlp_kernel", self.mlp_kernel, KERNELS)
+        why = why_unavailable(self.device) if self.mlp_kernel == "triton" else None
+        if why and device_problem(self.device) is None:
+            raise ConfigError(f"mlp_kernel='triton' on {self.device}: {why}")
+
+    def resolved_mlp_kernel(self) -> str:
+        """mlp_kernel with None decided: the fused Triton kernel where it can run (CUDA), else torch's."""
+        if self.mlp_kernel is not None:
+            return self.mlp_kernel
+        from kernels.mlp import why_unavailable
+        return "triton" if why_unavailable(self.device) is None else "torch"
 
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)
@@ -169,7 +189,8 @@ class EngineConfig:
                        compile_elementwise=on_cuda if self.compile_elementwise is None else self.compile_elementwise,
                        compile_warmup=on_cuda if self.compile_warmup is None else self.compile_warmup,
                        decode_kernel=opts["decode_kernel"], decode_splits=opts["decode_splits"],
-                       decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"])
+                       decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"],
+                       mlp_kernel=self.resolved_mlp_kernel())
 
     def describe(self) -> dict:
         """Every field, as given (None where undecided): `resolved().describe()` says what runs."""
@@ -177,7 +198,8 @@ class EngineConfig:
 
     def key(self) -> str:
         """A resolved configuration's choices that pick what runs, in one short line for a benchmark row:
-        forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows."""
+        forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows/tp (then
+        the prefill share where not 1, and mlp-triton where the MLP's fused kernel runs)."""
         c = self
         kernel = f"{c.decode_kernel}{'+append' if c.decode_append else ''}"
         if c.decode_splits is not None:
@@ -185,7 +207,8 @@ class EngineConfig:
         return "/".join([c.forward, c.backend, f"p{c.page_size}", kernel,
                          "graphs" if c.cuda_graphs else "eager", "overlap" if c.overlap else "serial",
                          "prefix" if c.prefix_cache else "noprefix", f"chunk{c.chunk_tokens}", f"rows{c.max_batch}",
-                         f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else []))
+                         f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else [])
+                        + (["mlp-triton"] if c.mlp_kernel == "triton" else []))
 
 
 # Fields that say how a run is observed or sized, not what it computes: two configurations that differ only in

@@ -52,6 +52,9 @@ class ForwardContext:
     # the rows that are decode rows in this replay). They are the first packed positions; the prefill kernel covers
     # them too, over one key, and the decode kernel's output replaces its output there
     lead: tuple[AttnBatch, torch.Tensor] | None = None
+    # a forward of at most this many positions runs the MLP's gate/up GEMM and SiLU-mul as one Triton kernel
+    # (kernels/mlp.py; EngineConfig.mlp_kernel "triton": the runner's mlp_rows); 0: never
+    mlp_rows: int = 0
 
 
 # -- elementwise pieces ----------------------------------------------------------------------------------------
@@ -279,7 +282,11 @@ class MLP(nn.Module):
         self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
 
-    def forward(self, x):
+    def forward(self, x, fused_rows: int = 0):
+        """fused_rows: at most this many rows run gate/up and SiLU-mul as one kernel (kernels/mlp.py)."""
+        if x.shape[0] <= fused_rows:
+            from kernels.mlp import gate_up_silu
+            return self.down_proj(gate_up_silu(x, self.gate_up_weight))
         return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)))
 
 
@@ -301,7 +308,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, k_cache, v_cache, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, ctx.mlp_rows), residual
 
 
 class Qwen2(nn.Module):

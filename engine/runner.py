@@ -61,6 +61,10 @@ class Runner(Protocol):
 class ModelRunner:
     """The one-device Runner."""
 
+    # forwards of at most this many positions run the MLP's fused kernel (kernels/mlp.py; build_runner sets it from
+    # EngineConfig.mlp_kernel): every ForwardContext this runner makes carries it
+    mlp_rows = 0
+
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
                  poison: bool = False, record_topk: int = 0, pad_page: bool = False,
                  backend_options: dict | None = None):
@@ -165,7 +169,7 @@ class ModelRunner:
                                       [pages_of[r.request_id] for r in decodes])
             self.backend.prepare(decode, "decode")
         t = torch.from_numpy(flat).to(self.device)
-        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend)
+        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend, mlp_rows=self.mlp_rows)
         return t[:n], t[n:2 * n], ctx, t[3 * n:]
 
     @torch.inference_mode()
@@ -297,6 +301,15 @@ class ModelRunner:
                 t[page] += (torch.randn(t[page].shape, generator=g) * scale).to(t.device, t.dtype)
 
 
+@torch.inference_mode()
+def warm_mlp(model, device, dtype) -> None:
+    """The fused MLP kernel at each of its row tilings (kernels/mlp.py), over the first layer's weights."""
+    from kernels.mlp import FUSED_ROWS, gate_up_silu
+    mlp = getattr(model, "shard", model).model.layers[0].mlp      # a tensor-parallel rank's model wraps its shard
+    for rows in (1, FUSED_ROWS):
+        gate_up_silu(torch.zeros(rows, model.shape.hidden_size, device=device, dtype=dtype), mlp.gate_up_weight)
+
+
 def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
                  graphs: bool = False, runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
     """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
@@ -324,6 +337,12 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     runner.compiled_elementwise = compiled      # what this build did, for the gates to hold against Engine.served
     runner.build_cost = cost
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
+    if config.resolved_mlp_kernel() == "triton":
+        from kernels.mlp import FUSED_ROWS
+        runner.mlp_rows = FUSED_ROWS
+        if warm:     # its two row tilings compiled now, so that no step or capture compiles
+            with timed(cost, "warmup_s"):
+                warm_mlp(model, runner.device, dtype)
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile
         with timed(cost, "warmup_s"):

@@ -79,8 +79,24 @@ def grid_params(config):
     return out
 
 
+def mlp_shapes(config) -> list[tuple[int, int]]:
+    """The fused MLP kernel's (hidden, intermediate) shapes: the model under test's and the 1.5B shape's."""
+    from engine.loader import QWEN25_1P5B, model_config
+    out = [(QWEN25_1P5B["hidden_size"], QWEN25_1P5B["intermediate_size"])]
+    try:
+        c = model_config(gate_options(config).model_arg)
+        own = (c["hidden_size"], c["intermediate_size"])
+    except (OSError, ValueError, KeyError):   # a model the loader cannot read fails its engine gates, with the reason
+        return out
+    return ([own] if own not in out else []) + out
+
+
 def pytest_generate_tests(metafunc):
-    if metafunc.function.__name__ == "test_kernel_gate":
+    if metafunc.function.__name__ == "test_mlp_kernel_gate":
+        cases = [pytest.param(h, n, dt, id=f"mlp-{h}x{n}-{SHORT[dt]}") for h, n in mlp_shapes(metafunc.config)
+                 for dt in dtypes(metafunc.config)]
+        metafunc.parametrize("hidden,intermediate,dtype", cases)
+    elif metafunc.function.__name__ == "test_kernel_gate":
         metafunc.parametrize("path,heads,kv_heads,head_dim,page_size,dtype,lens_name",
                              grid_params(metafunc.config))
     elif "backend" in metafunc.fixturenames:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37 on one H200 (sessions 21-22): a change measured against the tree before it, the GPU gate suite from an empty
 # compile cache, and the serving figures beside nano-vllm. PARTS (default: all, in this order):
-#   tests    tests/test_triton_decode.py natively on the GPU (runs while flash-attn builds, if it must)
+#   tests    tests/test_triton_decode.py and test_mlp_kernel.py natively on the GPU (runs while flash-attn builds, if it must)
 #   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
 #   flashgates  the flash configuration's kernel, token, graph, smoke, page safety and request gates (-n 4, from an
 #            empty compile cache)
@@ -16,8 +16,8 @@
 #   gates    the GPU gate suite, serial, from an empty compile cache (a fresh CI runner), every test's durations
 #            (scripts/probes/durations_by_file.py sums them by file and phase)
 #   gates_n4 the same with -n 4, from an empty compile cache again
-#   gates_mps gates_n4_mps  both, first, under NVIDIA MPS (started here, stopped at the end): the workers' and the
-#            prewarm's processes share one GPU context instead of time-slicing it
+#   gates_mps gates_n4_mps gates_n8_mps  serial, -n 4 and -n 8, first, under NVIDIA MPS (started here, stopped at the
+#            end): the workers' and the prewarm's processes share one GPU context instead of time-slicing it
 #   gates_noprewarm  the serial one with --no-prewarm (the FlexAttention prewarm's own figure, gates/prewarm.py)
 #   eagerprof  scripts/probes/gate_run_profile.py: each lineage configuration's gate run (small-trained, mixed-cpu,
 #            poison mode) under cProfile: where the eager reference engines' host time goes (session 23's next step)
@@ -62,7 +62,7 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
   echo "$name: rc=$? in $(( $(date +%s) - t0 ))s (limit ${max}s)" >> "$OUT/logs/status.txt"
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
-part tests 120 python3 -m pytest tests/test_triton_decode.py -q -p no:cacheprovider -rfEs
+part tests 120 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kernel.py -q -p no:cacheprovider -rfEs
 need_flash
 part gputests 200 python3 -m pytest tests/test_graph_buffers.py tests/test_step_graphs.py tests/test_overlap.py \
   --device cuda -q -p no:cacheprovider -rfEs
@@ -114,10 +114,11 @@ mps() {    # mps on|off: NVIDIA's multi-process service, so that the processes o
   else echo quit | nvidia-cuda-mps-control 2>/dev/null; sleep 1; fi
 }
 trap 'mps off' EXIT
-if want gates_mps || want gates_n4_mps; then   # MPS first, then without, in one call: the same host for both
+if want gates_mps || want gates_n4_mps || want gates_n8_mps; then   # MPS first, then without, in one call: the same host
   if mps on; then
     gates gates_mps
     gates gates_n4_mps -n 4
+    gates gates_n8_mps -n 8
     mps off
   else echo "mps: could not start ($(head -c 300 "$OUT/logs/mps.log"))" >> "$OUT/logs/status.txt"; fi
 fi
@@ -136,5 +137,5 @@ grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | h
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/logs/fprefill.log" "$OUT/logs/fprefill-w128.log" 2>/dev/null | grep -E "^ *[0-9]|history" | head -60
 cat "$OUT/loaded/table.md" 2>/dev/null | head -40
-for f in gates gates_n4 gates_mps gates_n4_mps; do [ -f "$OUT/logs/$f.log" ] && python3 -m scripts.probes.durations_by_file "$OUT/logs/$f.log" | head -24; done
+for f in gates gates_n4 gates_mps gates_n4_mps gates_n8_mps; do [ -f "$OUT/logs/$f.log" ] && python3 -m scripts.probes.durations_by_file "$OUT/logs/$f.log" | head -24; done
 for f in pass32 pass512 open disturb; do [ -f "$OUT/logs/$f.log" ] && { echo "-- $f"; tail -12 "$OUT/logs/$f.log"; }; done

@@ -206,6 +206,20 @@ def append_value(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(td, "paged_decode", planted)
 
 
+def mlp_up_row(mp: pytest.MonkeyPatch) -> None:
+    """The fused MLP kernel's up half read one weight row late (column j multiplies row N + j + 1), as an
+    off-by-one in its up offset would: every CUDA step of at most 32 positions computes a wrong MLP."""
+    import torch
+
+    import kernels.mlp as mlp
+    fused = mlp.gate_up_silu
+
+    def planted(x, w, out=None):
+        n = w.shape[0] // 2
+        return fused(x, torch.cat([w[:n], w[n + 1:], w[-1:]]), out)
+    mp.setattr(mlp, "gate_up_silu", planted)
+
+
 def registry_gap(mp: pytest.MonkeyPatch) -> None:
     """The kernel registry loses one path: the torch backend no longer declares its decode kernel, so the kernel
     gate (whose cases come from the registry) never checks it, while every engine still decodes with it."""
@@ -627,6 +641,10 @@ PLANTS = {
     "append-value": Plant("the Triton decode's fused append attends to each row's own value 1% too large (CUDA)",
                           r"flash\.decode\.triton\+append.*wrong values", append_value,
                           args=("--device", "cuda", "--model", "small-trained"), device="cuda"),
+    "mlp-up-row": Plant("the fused MLP kernel's up half reads one weight row late (CUDA)",
+                        r"the fused MLP kernel \(kernels/mlp\.py\) at \d+ rows.*wrong values", mlp_up_row,
+                        args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_kernels.py",),
+                        device="cuda"),
     "registry-gap": Plant("the kernel registry leaves out the torch decode kernel (no kernel gate case checks it)",
                           r"torch\.decode\.gather: taken in \d+ steps by the gates' engines, never checked by the "
                           r"kernel gate", registry_gap, args=("-k", "torch"),

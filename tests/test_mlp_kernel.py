@@ -1,0 +1,121 @@
+"""kernels/mlp.py, the MLP's gate/up GEMM and SiLU-mul in one Triton kernel: against the fp32 arithmetic at row
+counts around its tilings and at shapes that are no multiple of its blocks, a planted off-by-one in the up half
+caught by the gate's check, the model running it exactly where a forward's mlp_rows says, and the configuration
+that picks it (EngineConfig.mlp_kernel). On CPU the kernel runs in Triton's interpreter, in a child process
+(tests/interpreter.py); on CUDA natively, with --device cuda."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.config import EngineConfig, lineage_config
+from engine.errors import ConfigError
+from gates.mlp_check import MLP_ROWS, mlp_kernel_problems
+
+triton = pytest.importorskip("triton", reason="the fused MLP kernel needs triton (pip install triton)")
+
+from kernels import mlp  # noqa: E402
+
+from tests.interpreter import interpreting, kernel_test_mark, run_kernel_tests_interpreted  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETING = interpreting(triton)
+RUNS_HERE = DEVICE == "cuda" or INTERPRETING
+kernel_test = kernel_test_mark(triton)
+# the interpreter runs fp32 and fp16 (numpy); the GPU bf16 as well
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.skipif(RUNS_HERE, reason="the kernel tests run in this process")
+def test_in_the_interpreter():
+    """This module's kernel tests, in a child process whose triton interprets (on CPU, numpy for the GPU)."""
+    run_kernel_tests_interpreted(__file__, deselect="nothing_deselected")
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("hidden,intermediate", [(256, 512), (96, 80), (200, 136)])
+def test_the_kernel_matches_the_fp32_arithmetic(hidden, intermediate, dtype):
+    """The small model's MLP (256 -> 512) and shapes whose K and N are no multiple of the blocks (masked loads)."""
+    rows = MLP_ROWS if hidden == 256 else (1, 17, 32)
+    problems = [p for r in rows for p in mlp_kernel_problems(r, hidden, intermediate, dtype, DEVICE)]
+    assert not problems, "\n".join(problems)
+
+
+@kernel_test
+def test_an_off_by_one_in_the_up_half_fails_the_check(monkeypatch):
+    """The plant `mlp-up-row` (tests/plants.py, which the GPU plant table runs against the kernel gate): the up
+    half's rows read one row late, as a kernel whose up offset is off by one would. The gate's check names the
+    kernel, the shape and the error."""
+    from tests.plants import PLANTS
+    PLANTS["mlp-up-row"].patch(monkeypatch)
+    problems = mlp_kernel_problems(16, 256, 512, torch.float16, DEVICE)
+    assert problems and "the fused MLP kernel (kernels/mlp.py) at 16 rows" in problems[0] \
+        and "wrong values" in problems[0], problems
+
+
+@kernel_test
+def test_the_model_runs_the_fused_kernel_exactly_where_mlp_rows_says(monkeypatch):
+    """A forward's mlp_rows (ForwardContext: the runner's, from EngineConfig.mlp_kernel) sends an MLP of at most
+    that many rows to the kernel, and a larger one to F.linear and the SiLU-mul piece; both give the same logits.
+    Built from the small model's shape with random weights (the interpreter: no engine, one forward a case)."""
+    from engine.model import ForwardContext, ModelShape, Qwen2
+    from engine.loader import qwen2_config
+    import kernels
+    calls = []
+    fused = mlp.gate_up_silu
+    monkeypatch.setattr(mlp, "gate_up_silu", lambda x, w, out=None: calls.append(x.shape[0]) or fused(x, w, out))
+    torch.manual_seed(0)
+    shape = ModelShape.of(qwen2_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300))
+    model = Qwen2(shape).to(DEVICE).eval().fuse()
+    backend = kernels.get_backend("torch", DEVICE, 64)
+    pages = 4
+    caches = [(torch.zeros(pages, 64, 2, 64, device=DEVICE), torch.zeros(pages, 64, 2, 64, device=DEVICE))
+              for _ in range(2)]
+    out = {}
+    for rows in (8, 40):
+        for mlp_rows in (0, mlp.FUSED_ROWS):
+            batch = kernels.AttnBatch([rows], [rows], torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEVICE),
+                                      torch.tensor([rows], dtype=torch.int32, device=DEVICE),
+                                      torch.tensor([0, rows], dtype=torch.int32, device=DEVICE), 64)
+            backend.prepare(batch, "prefill")
+            slots = torch.arange(64, 64 + rows, device=DEVICE)
+            ctx = ForwardContext(slots, rows, batch, None, backend, mlp_rows=mlp_rows)
+            tokens = torch.arange(rows, device=DEVICE) % 300
+            with torch.inference_mode():
+                out[rows, mlp_rows] = model(tokens, torch.arange(rows, device=DEVICE), caches, ctx, None)
+    assert calls == [8, 8], f"the fused kernel ran at {calls} rows: expected two 8-row forwards' two layers each"
+    for rows in (8, 40):
+        diff = (out[rows, 0] - out[rows, mlp.FUSED_ROWS]).abs().max().item()
+        assert diff < 1e-3, f"{rows} rows: logits with and without the fused MLP differ by {diff}"
+
+
+def test_the_configuration_picks_the_kernel_per_device():
+    """None: torch's on a CPU (the kernel is for CUDA), named in the served key only where fused; "triton" on a CPU
+    and an unknown kernel are refused, naming why."""
+    cfg = lineage_config("flash", device="cpu")
+    assert cfg.resolved().mlp_kernel == "torch" and "mlp" not in cfg.resolved().key()
+    with pytest.raises(ConfigError, match=r"mlp_kernel='triton' on cpu: it is a Triton kernel for CUDA devices"):
+        EngineConfig(mlp_kernel="triton")
+    with pytest.raises(ConfigError, match=r"mlp_kernel='cutlass': must be one of 'torch', 'triton'"):
+        EngineConfig(mlp_kernel="cutlass")
+    assert EngineConfig(mlp_kernel="torch").resolved().mlp_kernel == "torch"
+    fused = SimpleNamespace(**{**asdict(cfg.resolved()), "mlp_kernel": "triton"})   # as a CUDA device resolves it
+    assert EngineConfig.key(fused).endswith("/tp1/mlp-triton")
+
+
+def test_a_runner_that_runs_the_fused_mlp_unconfigured_fails_the_dispatch_check():
+    """gates/dispatch.served_problems (every gate engine's invariant check): a runner whose forwards run the fused
+    kernel where the configuration says torch's (or the reverse) is named."""
+    from gates.dispatch import served_problems
+    from gates.reference import EngineReference
+    engine = EngineReference("fused", "small", device="cpu", cuda_graphs=False, progress=False).engine()
+    assert not [p for p in served_problems(engine) if "mlp" in p]
+    engine.runner.mlp_rows = mlp.FUSED_ROWS
+    problems = served_problems(engine)
+    assert any("mlp_kernel='torch' is configured, the runner's forwards run the fused MLP kernel up to 32 positions"
+               in p for p in problems), problems

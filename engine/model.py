@@ -55,6 +55,16 @@ class ForwardContext:
     # a forward of at most this many positions runs the MLP's gate/up GEMM and SiLU-mul as one Triton kernel
     # (kernels/mlp.py; EngineConfig.mlp_kernel "triton": the runner's mlp_rows); 0: never
     mlp_rows: int = 0
+    # where the MLP's kernel choice is recorded ("triton" or "torch", as the layers take it; in a captured step, at
+    # capture): the runner's mlp_dispatched, which the gates' dispatch check holds against the configuration
+    mlp_took: set | None = None
+
+    def fuses_mlp(self, rows: int) -> bool:
+        """Whether an MLP of `rows` rows runs the fused kernel; the choice recorded."""
+        fused = rows <= self.mlp_rows
+        if self.mlp_took is not None:
+            self.mlp_took.add("triton" if fused else "torch")
+        return fused
 
 
 # -- elementwise pieces ----------------------------------------------------------------------------------------
@@ -282,9 +292,10 @@ class MLP(nn.Module):
         self.gate_proj.weight = nn.Parameter(w[:n], requires_grad=False)
         self.up_proj.weight = nn.Parameter(w[n:], requires_grad=False)
 
-    def forward(self, x, fused_rows: int = 0):
-        """fused_rows: at most this many rows run gate/up and SiLU-mul as one kernel (kernels/mlp.py)."""
-        if x.shape[0] <= fused_rows:
+    def forward(self, x, ctx: ForwardContext | None = None):
+        """Where the forward's context says so (ForwardContext.fuses_mlp), gate/up and SiLU-mul as one kernel
+        (kernels/mlp.py)."""
+        if ctx is not None and ctx.fuses_mlp(x.shape[0]):
             from kernels.mlp import gate_up_silu
             return self.down_proj(gate_up_silu(x, self.gate_up_weight))
         return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)))
@@ -308,7 +319,7 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, k_cache, v_cache, ctx)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, ctx.mlp_rows), residual
+        return self.mlp(h, ctx), residual
 
 
 class Qwen2(nn.Module):

@@ -62,7 +62,8 @@ class ModelRunner:
     """The one-device Runner."""
 
     # forwards of at most this many positions run the MLP's fused kernel (kernels/mlp.py; build_runner sets it from
-    # EngineConfig.mlp_kernel): every ForwardContext this runner makes carries it
+    # EngineConfig.mlp_kernel): every ForwardContext this runner makes carries it, and `mlp_dispatched` collects the
+    # kernels its forwards' MLPs took (ForwardContext.fuses_mlp)
     mlp_rows = 0
 
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
@@ -86,6 +87,7 @@ class ModelRunner:
         if reason:
             raise Unavailable(f"attention backend {backend!r} cannot serve this model: {reason}")
         self.census: Counter = Counter()     # the paths this runner's steps took (path_census)
+        self.mlp_dispatched: set[str] = set()
         s = self.shape
         fill = float("nan") if poison else 0.0
         self.pad_page = num_pages if pad_page else None
@@ -169,7 +171,8 @@ class ModelRunner:
                                       [pages_of[r.request_id] for r in decodes])
             self.backend.prepare(decode, "decode")
         t = torch.from_numpy(flat).to(self.device)
-        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend, mlp_rows=self.mlp_rows)
+        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend, mlp_rows=self.mlp_rows,
+                             mlp_took=self.mlp_dispatched)
         return t[:n], t[n:2 * n], ctx, t[3 * n:]
 
     @torch.inference_mode()

@@ -20,7 +20,29 @@ def dispatch_problems(engine) -> list[str]:
     out += [f"dispatch: a {op} call ran {KernelPath(backend.name, op, kernel, append).name}, but the {backend.name} "
             f"backend is configured to run {backend.name}.{op}.{configured[op]}"
             for op, kernel, append in sorted(backend.dispatched) if kernel != configured[op]]
-    return out
+    return out + mlp_dispatch_problems(engine)
+
+
+def mlp_dispatch_problems(engine) -> list[str]:
+    """The MLP's kernel as its forwards took it (ModelRunner.mlp_dispatched: ForwardContext.fuses_mlp records each
+    layer's choice; in a captured step, at capture) against EngineConfig.mlp_kernel: the fused kernel (kernels/mlp.py)
+    never taken where configured and a step of at most FUSED_ROWS positions ran, or taken where torch's is
+    configured. A forward that ignored its context's choice passes the served record and the tokens alike."""
+    took = getattr(engine.runner, "mlp_dispatched", None)
+    if took is None:
+        return []           # (a tensor-parallel engine's forwards run in its ranks)
+    from kernels.mlp import FUSED_ROWS
+    want = engine.served.mlp_kernel
+    if want != "triton":
+        return ["dispatch: the fused MLP kernel ran, but mlp_kernel='torch' is configured"] if "triton" in took else []
+    chunked = engine.served.forward == "chunked"
+    forwards = [n for r in engine.trace for n in ((r.prompt_positions, r.decode_tokens) if chunked else
+                                                    (r.prompt_positions + r.decode_tokens,))]
+    small = sum(0 < n <= FUSED_ROWS for n in forwards)
+    if small and "triton" not in took:
+        return [f"dispatch: mlp_kernel='triton' is configured and {small} forward(s) of at most {FUSED_ROWS} positions "
+                f"ran, but no MLP took the fused kernel (they took {sorted(took) or 'nothing'})"]
+    return []
 
 
 def census_steps(engine) -> dict[str, int]:

@@ -220,6 +220,18 @@ def mlp_up_row(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(mlp, "gate_up_silu", planted)
 
 
+def mlp_never_fused(mp: pytest.MonkeyPatch) -> None:
+    """The MLP's choice ignores the forward's context: every MLP takes torch's kernels where the fused one is
+    configured (CUDA). The tokens agree within the tie rule; the served record names the configuration only."""
+    from engine.model import ForwardContext
+
+    def torch_only(self, rows):
+        if self.mlp_took is not None:
+            self.mlp_took.add("torch")
+        return False
+    mp.setattr(ForwardContext, "fuses_mlp", torch_only)
+
+
 def registry_gap(mp: pytest.MonkeyPatch) -> None:
     """The kernel registry loses one path: the torch backend no longer declares its decode kernel, so the kernel
     gate (whose cases come from the registry) never checks it, while every engine still decodes with it."""
@@ -645,6 +657,11 @@ PLANTS = {
                         r"the fused MLP kernel \(kernels/mlp\.py\) at \d+ rows.*wrong values", mlp_up_row,
                         args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_kernels.py",),
                         device="cuda"),
+    "mlp-never-fused": Plant("every MLP takes torch's kernels where the fused one is configured (CUDA)",
+                             r"dispatch: mlp_kernel='triton' is configured and \d+ forward\(s\) of at most 32 "
+                             r"positions ran, but no MLP took the fused kernel", mlp_never_fused,
+                             args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_smoke.py",),
+                             device="cuda"),
     "registry-gap": Plant("the kernel registry leaves out the torch decode kernel (no kernel gate case checks it)",
                           r"torch\.decode\.gather: taken in \d+ steps by the gates' engines, never checked by the "
                           r"kernel gate", registry_gap, args=("-k", "torch"),

@@ -55,15 +55,15 @@ class ForwardContext:
     # a forward of at most this many positions runs the MLP's gate/up GEMM and SiLU-mul as one Triton kernel
     # (kernels/mlp.py; EngineConfig.mlp_kernel "triton": the runner's mlp_rows); 0: never
     mlp_rows: int = 0
-    # where the MLP's kernel choice is recorded ("triton" or "torch", as the layers take it; in a captured step, at
-    # capture): the runner's mlp_dispatched, which the gates' dispatch check holds against the configuration
+    # where the MLP's kernel choices are recorded ((rows, "triton" or "torch"), as the layers take them; in a captured
+    # step, at capture): the runner's mlp_dispatched, which the gates' dispatch check holds against the configuration
     mlp_took: set | None = None
 
     def fuses_mlp(self, rows: int) -> bool:
         """Whether an MLP of `rows` rows runs the fused kernel; the choice recorded."""
         fused = rows <= self.mlp_rows
         if self.mlp_took is not None:
-            self.mlp_took.add("triton" if fused else "torch")
+            self.mlp_took.add((rows, "triton" if fused else "torch"))
         return fused
 
 

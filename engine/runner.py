@@ -87,7 +87,7 @@ class ModelRunner:
         if reason:
             raise Unavailable(f"attention backend {backend!r} cannot serve this model: {reason}")
         self.census: Counter = Counter()     # the paths this runner's steps took (path_census)
-        self.mlp_dispatched: set[str] = set()
+        self.mlp_dispatched: set[tuple[int, str]] = set()
         s = self.shape
         fill = float("nan") if poison else 0.0
         self.pad_page = num_pages if pad_page else None

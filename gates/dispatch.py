@@ -25,24 +25,30 @@ def dispatch_problems(engine) -> list[str]:
 
 def mlp_dispatch_problems(engine) -> list[str]:
     """The MLP's kernel as its forwards took it (ModelRunner.mlp_dispatched: ForwardContext.fuses_mlp records each
-    layer's choice; in a captured step, at capture) against EngineConfig.mlp_kernel: the fused kernel (kernels/mlp.py)
-    never taken where configured and a step of at most FUSED_ROWS positions ran, or taken where torch's is
-    configured. A forward that ignored its context's choice passes the served record and the tokens alike."""
+    layer's (rows, kernel); in a captured step, at capture) against EngineConfig.mlp_kernel: with "triton", every MLP
+    of at most kernels.mlp.FUSED_ROWS rows takes the fused kernel (kernels/mlp.py) and every larger one torch's, and
+    some MLP was recorded if a forward that small ran; with "torch", none takes the fused kernel. A forward that
+    ignored its context's choice, or a runner built with another threshold, passes the served record and the
+    tokens alike."""
     took = getattr(engine.runner, "mlp_dispatched", None)
     if took is None:
         return []           # (a tensor-parallel engine's forwards run in its ranks)
     from kernels.mlp import FUSED_ROWS
-    want = engine.served.mlp_kernel
-    if want != "triton":
-        return ["dispatch: the fused MLP kernel ran, but mlp_kernel='torch' is configured"] if "triton" in took else []
+    if engine.served.mlp_kernel != "triton":
+        fused = sorted(n for n, kernel in took if kernel == "triton")
+        return [f"dispatch: MLPs of {fused[:4]} rows ran the fused kernel, but mlp_kernel='torch' is configured"] \
+            if fused else []
+    wrong = sorted((n, kernel) for n, kernel in took if kernel != ("triton" if n <= FUSED_ROWS else "torch"))
+    out = [f"dispatch: mlp_kernel='triton' is configured (the fused kernel up to {FUSED_ROWS} rows), but MLPs of "
+           f"{', '.join(f'{n} rows took {kernel}' for n, kernel in wrong[:4])}"] if wrong else []
     chunked = engine.served.forward == "chunked"
     forwards = [n for r in engine.trace for n in ((r.prompt_positions, r.decode_tokens) if chunked else
                                                     (r.prompt_positions + r.decode_tokens,))]
     small = sum(0 < n <= FUSED_ROWS for n in forwards)
-    if small and "triton" not in took:
-        return [f"dispatch: mlp_kernel='triton' is configured and {small} forward(s) of at most {FUSED_ROWS} positions "
-                f"ran, but no MLP took the fused kernel (they took {sorted(took) or 'nothing'})"]
-    return []
+    if small and not any(n <= FUSED_ROWS for n, _ in took):
+        out.append(f"dispatch: mlp_kernel='triton' is configured and {small} forward(s) of at most {FUSED_ROWS} "
+                   f"positions ran, but no MLP of that size was recorded")
+    return out
 
 
 def census_steps(engine) -> dict[str, int]:

@@ -227,7 +227,7 @@ def mlp_never_fused(mp: pytest.MonkeyPatch) -> None:
 
     def torch_only(self, rows):
         if self.mlp_took is not None:
-            self.mlp_took.add("torch")
+            self.mlp_took.add((rows, "torch"))
         return False
     mp.setattr(ForwardContext, "fuses_mlp", torch_only)
 
@@ -658,8 +658,8 @@ PLANTS = {
                         args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_kernels.py",),
                         device="cuda"),
     "mlp-never-fused": Plant("every MLP takes torch's kernels where the fused one is configured (CUDA)",
-                             r"dispatch: mlp_kernel='triton' is configured and \d+ forward\(s\) of at most 32 "
-                             r"positions ran, but no MLP took the fused kernel", mlp_never_fused,
+                             r"dispatch: mlp_kernel='triton' is configured \(the fused kernel up to 32 rows\), but "
+                             r"MLPs of \d+ rows took torch", mlp_never_fused,
                              args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_smoke.py",),
                              device="cuda"),
     "registry-gap": Plant("the kernel registry leaves out the torch decode kernel (no kernel gate case checks it)",

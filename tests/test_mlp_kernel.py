@@ -77,7 +77,7 @@ def test_the_model_runs_the_fused_kernel_exactly_where_mlp_rows_says(monkeypatch
     caches = [(torch.zeros(pages, 64, 2, 64, device=DEVICE), torch.zeros(pages, 64, 2, 64, device=DEVICE))
               for _ in range(2)]
     out, took = {}, set()
-    for rows in (8, 40):
+    for rows in (8, 32, 33):
         for mlp_rows in (0, mlp.FUSED_ROWS):
             batch = kernels.AttnBatch([rows], [rows], torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEVICE),
                                       torch.tensor([rows], dtype=torch.int32, device=DEVICE),
@@ -88,10 +88,12 @@ def test_the_model_runs_the_fused_kernel_exactly_where_mlp_rows_says(monkeypatch
             tokens = torch.arange(rows, device=DEVICE) % 300
             with torch.inference_mode():
                 out[rows, mlp_rows] = model(tokens, torch.arange(rows, device=DEVICE), caches, ctx, None)
-    assert calls == [8, 8], f"the fused kernel ran at {calls} rows: expected two 8-row forwards' two layers each"
-    assert took == {"triton", "torch"}, f"the forwards recorded {took}"
+    assert calls == [8, 8, 32, 32], f"the fused kernel ran at {calls} rows: expected the 8- and 32-row forwards' two "\
+        f"layers each (at mlp_rows 32)"
+    assert took == {(8, "torch"), (8, "triton"), (32, "torch"), (32, "triton"), (33, "torch")}, \
+        f"the forwards recorded {took}"
 
-    for rows in (8, 40):
+    for rows in (8, 32, 33):
         diff = (out[rows, 0] - out[rows, mlp.FUSED_ROWS]).abs().max().item()
         assert diff < 1e-3, f"{rows} rows: logits with and without the fused MLP differ by {diff}"
 
@@ -124,9 +126,10 @@ def test_a_runner_that_runs_the_fused_mlp_unconfigured_fails_the_dispatch_check(
 
 
 def test_the_dispatch_check_holds_the_mlp_kernel_taken_against_the_configured_one():
-    """gates/dispatch.mlp_dispatch_problems (part of every gate engine run's dispatch check): the fused kernel never
-    taken where configured and a forward of at most 32 positions ran (the plant `mlp-never-fused`, a CUDA one), or
-    taken where torch's is configured; a CPU engine's run takes torch's only, and its check is clean."""
+    """gates/dispatch.mlp_dispatch_problems (part of every gate engine run's dispatch check): an MLP of at most 32
+    rows that took torch's kernels where the fused one is configured (the plant `mlp-never-fused`, a CUDA one), a
+    larger one that took the fused kernel, none recorded though a small forward ran, or the fused kernel taken where
+    torch's is configured; a CPU engine's run takes torch's only, and its check is clean."""
     from gates.dispatch import dispatch_problems, mlp_dispatch_problems
     from gates.reference import EngineReference
 
@@ -134,18 +137,26 @@ def test_the_dispatch_check_holds_the_mlp_kernel_taken_against_the_configured_on
         trace = [SimpleNamespace(prompt_positions=p, decode_tokens=d) for p, d in steps]
         return SimpleNamespace(runner=SimpleNamespace(mlp_dispatched=set(took)), trace=trace,
                                served=SimpleNamespace(mlp_kernel=kernel, forward=forward))
-    small, large = [(0, 8), (512, 4)], [(512, 31)]
-    assert mlp_dispatch_problems(engine("triton", {"torch", "triton"}, small)) == []
-    never = mlp_dispatch_problems(engine("triton", {"torch"}, small))
-    assert never == ["dispatch: mlp_kernel='triton' is configured and 1 forward(s) of at most 32 positions ran, but "
-                     "no MLP took the fused kernel (they took ['torch'])"], never
-    assert mlp_dispatch_problems(engine("triton", {"torch"}, large)) == [], "no forward was small enough"
+    small = [(0, 8), (512, 4)]
+    right = {(8, "triton"), (32, "triton"), (33, "torch"), (516, "torch")}
+    assert mlp_dispatch_problems(engine("triton", right, small)) == []
+    never = mlp_dispatch_problems(engine("triton", {(8, "torch"), (516, "torch")}, small))
+    assert never == ["dispatch: mlp_kernel='triton' is configured (the fused kernel up to 32 rows), but MLPs of 8 "
+                     "rows took torch"], never
+    # the threshold off by one either way
+    assert mlp_dispatch_problems(engine("triton", {(32, "torch")}, small))
+    assert mlp_dispatch_problems(engine("triton", {(33, "triton")}, small))
+    unrecorded = mlp_dispatch_problems(engine("triton", {(516, "torch")}, small))
+    assert unrecorded == ["dispatch: mlp_kernel='triton' is configured and 1 forward(s) of at most 32 positions "
+                          "ran, but no MLP of that size was recorded"], unrecorded
+    assert mlp_dispatch_problems(engine("triton", {(543, "torch")}, [(512, 31)])) == [], "no forward was that small"
     # the chunked forward runs a loaded step's decode rows as a forward of their own: 31 rows is one
-    assert mlp_dispatch_problems(engine("triton", {"torch"}, large, forward="chunked"))
-    assert mlp_dispatch_problems(engine("torch", {"torch", "triton"}, small)) == [
-        "dispatch: the fused MLP kernel ran, but mlp_kernel='torch' is configured"]
+    assert mlp_dispatch_problems(engine("triton", {(512, "torch")}, [(512, 31)], forward="chunked"))
+    assert mlp_dispatch_problems(engine("torch", right, small)) == [
+        "dispatch: MLPs of [8, 32] rows ran the fused kernel, but mlp_kernel='torch' is configured"]
     ref = EngineReference("fused", "small", device="cpu", cuda_graphs=False, progress=False)
     e = ref.engine()
     e.submit(list(range(3, 40)), 4, "r0")
     e.run()
-    assert e.runner.mlp_dispatched == {"torch"} and not [p for p in dispatch_problems(e) if "MLP" in p]
+    assert {kernel for _, kernel in e.runner.mlp_dispatched} == {"torch"}
+    assert not [p for p in dispatch_problems(e) if "MLP" in p]

@@ -96,8 +96,8 @@ def served_problems(engine) -> list[str]:
                        f"{'captured' if step_graphs.capture_graphs else 'uncaptured'}")
     # the MLP's fused kernel (kernels/mlp.py) runs where the runner's forwards say so (ForwardContext.mlp_rows)
     from kernels.mlp import FUSED_ROWS
-    mlp_rows = getattr(runner, "mlp_rows", None)
-    want_rows = FUSED_ROWS if served.mlp_kernel == "triton" else 0
+    mlp_rows = getattr(runner, "mlp_rows", None)      # (a tensor-parallel engine's forwards run in its ranks)
+    want_rows = FUSED_ROWS if mlp_rows is not None and served.mlp_kernel == "triton" else 0
     if mlp_rows is not None and mlp_rows != want_rows:
         out.append(f"served: mlp_kernel={served.mlp_kernel!r} is configured, the runner's forwards run the fused MLP "
                    f"kernel up to {mlp_rows} positions (expected {want_rows})")

@@ -2,7 +2,7 @@
 the gate/up GEMM in fp32, with the kernel gate's rule (gates/kernel_check.py): its max error may be at most twice
 that of the unfused arithmetic in the kernel's dtype (torch's GEMM rounded to the dtype, SiLU-mul in fp32, as the
 engine runs it without the kernel), plus a tiny epsilon. The GPU kernel gate runs it at row counts around
-the kernel's tilings (gates/test_kernels.py: test_mlp_kernel_gate), tests/test_mlp_kernel.py through Triton's
+the kernel's tilings (gates/test_mlp.py: test_mlp_kernel_gate), tests/test_mlp_kernel.py through Triton's
 interpreter on a CPU."""
 from __future__ import annotations
 

@@ -65,20 +65,6 @@ def test_kernel_gate(path, heads, kv_heads, head_dim, page_size, dtype, lens_nam
 REFUSED_HEAD_DIMS = (32, 80, 256)     # head dims no backend that declares its own was built for
 
 
-def test_mlp_kernel_gate(hidden, intermediate, dtype, device):
-    """The MLP's fused gate/up GEMM and SiLU-mul (kernels/mlp.py: what a CUDA engine's steps of at most
-    kernels.mlp.FUSED_ROWS positions run, EngineConfig.mlp_kernel) against the fp32 arithmetic at row counts around
-    its tilings (gates/mlp_check.py: the kernel gate's rule), at the model under test's MLP and the 1.5B shape's."""
-    from kernels import mlp
-    from .mlp_check import MLP_ROWS, mlp_kernel_problems
-    reason = mlp.why_unavailable(device)
-    if reason:
-        pytest.skip(f"the fused MLP kernel does not run here ({reason}); tests/test_mlp_kernel.py checks it on a CPU "
-                    f"through Triton's interpreter")
-    problems = [p for rows in MLP_ROWS for p in mlp_kernel_problems(rows, hidden, intermediate, dtype, device)]
-    assert not problems, "\n".join(problems)
-
-
 def test_unsupported_shapes_are_refused(backend, device):
     """A backend that declares its head dims, dtypes or GQA ratios refuses anything else with Unavailable before a
     kernel launches: an engine over such a model fails at construction, a call at its first layer, never with

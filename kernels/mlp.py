@@ -12,7 +12,7 @@ Numerics: gate and up are rounded to the output dtype as the GEMM's output is, a
 compiled piece does; only the products' summation order differs from cuBLAS's (last-bit differences in the model's
 dtype, under the token gates' 0.02 rule). fp32 inputs are multiplied in fp32 ("ieee"), as torch's cuBLAS does.
 
-Checked by the GPU kernel gate (gates/test_kernels.py: test_mlp_kernel_gate) against an fp32 reference at row
+Checked by the GPU kernel gate (gates/test_mlp.py: test_mlp_kernel_gate) against an fp32 reference at row
 counts around its tilings, and on CPU through Triton's interpreter (tests/test_mlp_kernel.py). Which kernel each
 forward's MLPs took is recorded (engine/model.py: ForwardContext.fuses_mlp) and held against the configuration by
 every gate run's dispatch check (gates/dispatch.py)."""

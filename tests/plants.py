@@ -655,7 +655,7 @@ PLANTS = {
                           args=("--device", "cuda", "--model", "small-trained"), device="cuda"),
     "mlp-up-row": Plant("the fused MLP kernel's up half reads one weight row late (CUDA)",
                         r"the fused MLP kernel \(kernels/mlp\.py\) at \d+ rows.*wrong values", mlp_up_row,
-                        args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_kernels.py",),
+                        args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_mlp.py",),
                         device="cuda"),
     "mlp-never-fused": Plant("every MLP takes torch's kernels where the fused one is configured (CUDA)",
                              r"dispatch: mlp_kernel='triton' is configured \(the fused kernel up to 32 rows\), but "

@@ -11,6 +11,7 @@ import pytest
 from .kernel_grid import device, pytest_generate_tests  # noqa: F401
 
 
+@pytest.mark.gpu       # a CUDA kernel: on a CPU nothing runs it (its interpreter tests are tests/test_mlp_kernel.py)
 def test_mlp_kernel_gate(hidden, intermediate, dtype, device):
     """The MLP's fused gate/up GEMM and SiLU-mul (kernels/mlp.py: what a CUDA engine's steps of at most
     kernels.mlp.FUSED_ROWS positions run, EngineConfig.mlp_kernel) against the fp32 arithmetic at row counts around

@@ -44,10 +44,14 @@ CHUNK = 256             # keys an item attends: one 256-slot page (flash's page 
 BLOCK_N = 64            # keys a program loads at a time; divides the page size
 ITEM_BLOCK = 32         # items the combine loads at once (kernels/triton_decode_kernels.py's ITEM_BLOCK)
 MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a group are padded to it
-# attend_items' launch: Triton's defaults (4 warps, 3 stages) unless set. scripts/probes/triton_sweep.py measured 54
-# tilings on the H200 (docs/RESULTS.md, k14): these are within 6% of the fastest (21.3 against 20.0 us a layer), so
-# the attention's third-of-bandwidth is not its tiling
-LAUNCH: dict = {}
+# attend_items' launch. scripts/probes/triton_sweep.py measured 54 tilings at 32 rows on the H200 (docs/RESULTS.md,
+# k14): all within 6% (21.3 against 20.0 us a layer), so the 32-row step's third-of-bandwidth is not its tiling. At
+# 200 rows (session 32, k24: the 512-row serving bench's decode steps, where the attention is half the step's device
+# time) 8 warps and 3 stages took 70.1 us a layer against Triton's defaults' (4, 3) 75.2, and 17.2 against 17.3 at
+# 32 rows: 8 warps keep more of a program's key and value loads in flight
+LAUNCH: dict = {"num_warps": 8, "num_stages": 3}
+# combine_items' launch (Triton's defaults unless set; the sweep's --combine-warps measures others)
+COMBINE_LAUNCH: dict = {}
 # attend_items' persistent grid: programs a multiprocessor (over all key/value heads; its three stages of K and V
 # tiles leave room for about two resident at D 128). A 32-row step of the mixed draw has about 150 items a key/value
 # head, fewer than 132 x 4 / 2 programs: one trip each, as with a program an item; a 512-row step loops
@@ -91,14 +95,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  chunk: int | None = None, items=None, block_n: int | None = None,
                  launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 programs: int | None = None) -> torch.Tensor:
+                 programs: int | None = None, combine_launch: dict | None = None) -> torch.Tensor:
     """q [rows, heads, d]; caches [pages, page_size, kv_heads, d]; block_table int32 [rows, width]; cached int32
     [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
     position `cached`). `items`: work_items(...) made once per step (else made here). `block_n`, `launch`
     (num_warps, num_stages): attend_items' tiling, BLOCK_N and LAUNCH unless given. `rope`: (cos, sin) [rows, d],
     each row's rotary embedding, with new_kv only: q and the new key are then given unrotated, and rotated here
     (the new key as it is written to the cache). `programs`: attend_items' persistent programs a key/value head
-    (None: persistent_programs). -> [rows, heads, d]."""
+    (None: persistent_programs). `combine_launch`: combine_items' (num_warps), COMBINE_LAUNCH unless given.
+    -> [rows, heads, d]."""
     attend_items, combine_items = _kernels()
     chunk = chunk or CHUNK
     block_n = block_n or BLOCK_N
@@ -141,7 +146,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
                                  lse.stride(0), out.stride(0), out.stride(1), D=d, MAX_COUNT=max_count,
-                                 STATIC_LOOP=not q.is_cuda)
+                                 STATIC_LOOP=not q.is_cuda,
+                                 **(COMBINE_LAUNCH if combine_launch is None else combine_launch))
     return out
 
 

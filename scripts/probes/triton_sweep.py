@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", default="32,64,128")
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="2,3,4")
+    ap.add_argument("--combine-warps", default="", help="combine_items' num_warps to time at the current tiling")
     probe_args(ap)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     W = max(need)
     bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32, device=dev)
 
-    def variant(chunk, block_n, launch):
+    def variant(chunk, block_n, launch, combine_launch=None):
         grid = td.max_items(a.rows, W * P, num_pages * P, chunk)
         items = td.work_items(cached, grid, chunk)
 
@@ -57,13 +58,13 @@ def main(argv=None) -> int:
             out = None
             for k, v in caches:
                 out = td.paged_decode(q, k, v, bt, cached, D ** -0.5, new_kv, chunk=chunk, items=items,
-                                      block_n=block_n, launch=launch)
+                                      block_n=block_n, launch=launch, combine_launch=combine_launch)
             return out
         return step
 
     us, ref = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH), a.reps, a.layers)
-    rows = [dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=None, num_stages=None, current=True,
-                 us_per_layer=us, max_abs_diff=0.0)]
+    rows = [dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=td.LAUNCH.get("num_warps"),
+                 num_stages=td.LAUNCH.get("num_stages"), current=True, us_per_layer=us, max_abs_diff=0.0)]
     for chunk, block_n, warps, stages in itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps),
                                                            ints(a.stages)):
         if chunk % block_n or P % block_n:
@@ -78,6 +79,11 @@ def main(argv=None) -> int:
             continue
         rows.append(dict(chunk=chunk, block_n=block_n, num_warps=warps, num_stages=stages, us_per_layer=us,
                          max_abs_diff=err))
+    for cw in ints(a.combine_warps):
+        us, out = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH, dict(num_warps=cw)), a.reps, a.layers)
+        rows.append(dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=f"{td.LAUNCH.get('num_warps')} c{cw}",
+                         num_stages=td.LAUNCH.get("num_stages"), combine_warps=cw, us_per_layer=us,
+                         max_abs_diff=(out - ref).abs().max().item()))
     kv_bytes = sum(hist) * Hk * D * 2 * 2
     print(f"triton decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max "
           f"{max(hist)}, {kv_bytes / 1e6:.1f} MB of K+V per layer; the current tiling first")

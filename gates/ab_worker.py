@@ -86,7 +86,10 @@ def build(a):
     wl_name = a.workload or ("mixed" if cuda and not small else "mixed-cpu")
     if wl_name not in WORKLOADS:
         raise ValueError(f"unknown workload {wl_name!r}; this revision knows {sorted(WORKLOADS)}")
-    case = ModelCase(a.model, WORKLOADS[wl_name])
+    workload = WORKLOADS[wl_name]
+    if a.rows and a.rows > workload.num_requests:   # the draw's first `rows` prompts, as bench.profile_steps takes them
+        workload = workload.scaled(a.rows)
+    case = ModelCase(a.model, workload)
     states = States(a.device, dtype)
     kinds = [str(k) for k in WORK_KINDS]
     benches, fixed = {}, {}

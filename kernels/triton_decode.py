@@ -50,8 +50,10 @@ MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a gr
 # time) 8 warps and 3 stages took 70.1 us a layer against Triton's defaults' (4, 3) 75.2, and 17.2 against 17.3 at
 # 32 rows: 8 warps keep more of a program's key and value loads in flight
 LAUNCH: dict = {"num_warps": 8, "num_stages": 3}
-# combine_items' launch (Triton's defaults unless set; the sweep's --combine-warps measures others)
-COMBINE_LAUNCH: dict = {}
+# combine_items' launch: one warp a program. A program merges one head of one row, a few items of 128 values; at
+# 200 rows that is 2,400 programs, and 4 warps each left them in two waves (the sweep's --combine-warps on the H100
+# in session 32, k24: 76.6 us a layer for the whole decode at 1 warp, 78.9 at 2, 82.2 at 4)
+COMBINE_LAUNCH: dict = {"num_warps": 1}
 # attend_items' persistent grid: programs a multiprocessor (over all key/value heads; its three stages of K and V
 # tiles leave room for about two resident at D 128). A 32-row step of the mixed draw has about 150 items a key/value
 # head, fewer than 132 x 4 / 2 programs: one trip each, as with a program an item; a 512-row step loops

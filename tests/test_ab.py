@@ -269,3 +269,16 @@ def test_refresh_baseline_saves_the_step_timings_with_their_commit(tmp_path):
     data = json.loads(saved[0].read_text())
     assert data["commit_info"]["id"] == ab_tree.git("rev-parse", "HEAD")
     assert f"new baseline: {saved[0]}" in p.stdout and data["benchmarks"]
+
+
+def test_more_rows_than_the_workload_has_requests_take_a_longer_draw():
+    """`--rows` past the workload's requests (the 512-row serving bench's 200 decode rows against the mixed draw's
+    32) builds the fixed state from the draw's first `rows` prompts, as bench.profile_steps does, not a ValueError."""
+    from gates import ab_worker
+    from engine.workload import WORKLOADS
+    rows = WORKLOADS["uniform-cpu"].num_requests + 2
+    a = ab_worker.parse(["--tree", str(REPO), "--workload", "uniform-cpu", "--rows", str(rows),
+                         "--bench", "fused:pure-decode"])
+    benches, info = ab_worker.build(a)
+    assert benches["fused:pure-decode"]["describe"]["rows"] == rows
+    assert info["workload"] == "uniform-cpu"

@@ -9,6 +9,8 @@
 #   ab       gates.ab, head (this tree) against BASE_TREE (.device/base: the tree before), pure decode and loaded,
 #            5 process pairs: the change's figure, both sides in this call
 #   psteps   bench/profile_steps.py at 32 rows (pure decode, loaded): where the device time goes now
+#   psteps512  bench/profile_steps.py's loaded step at 160 decode rows and chunk 16384: the 512-row closed run's
+#            prefill steps (14 of them took 1.49 s of its 2.17 s on an H100 in session 32)
 #   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
 #   fprefill scripts/probes/flash_prefill.py: a chunk's paged attention as the captured loaded step runs it (varlen,
 #            64-row pieces, one split) against with_kvcache's pieces by num_splits, at fitted and 128-page tables
@@ -75,6 +77,8 @@ part ab ${AB_S:-170} python3 -m gates.ab --base-tree .device/base --device cuda 
   --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/ab" --no-plot
 part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pure-decode,loaded --steps 30 \
   --out "$OUT/psteps.json"
+part psteps512 150 python3 -m bench.profile_steps --model $M15 --rows 160 --chunk 16384 --kinds loaded --steps 10 \
+  --out "$OUT/psteps512.json"
 part fprefill 60 python3 -m scripts.probes.flash_prefill --width fit --out "$OUT/fprefill-fit.json"
 want fprefill && timeout 60 python3 -m scripts.probes.flash_prefill --width 128 --histories 0,2048,4096 --splits 1,4,8,16 \
   --out "$OUT/fprefill-w128.json" > "$OUT/logs/fprefill-w128.log" 2>&1
@@ -134,6 +138,7 @@ grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)|engines built" "$OUT"/logs/test
 grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
 grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
+grep -A10 "^loaded:" "$OUT/logs/psteps512.log" 2>/dev/null | head -11
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/logs/fprefill.log" "$OUT/logs/fprefill-w128.log" 2>/dev/null | grep -E "^ *[0-9]|history" | head -60
 cat "$OUT/loaded/table.md" 2>/dev/null | head -40

@@ -147,8 +147,15 @@ def measure_pairs(sets: list[dict[str, Side]], specs: list[str], rounds: int, re
     for k, batch in enumerate(batches):
         # each batch still to run gets an equal share of the time left, so a slow start cannot starve the last set
         share = time.monotonic() + (deadline - time.monotonic()) / (len(batches) - k)
-        timings, cut = measure([side for _, st in batch for side in st.values()], specs, per_set, reps, share,
-                               startup_timeout, progress)
+        alive = [side for _, st in batch for side in st.values()]
+        try:
+            timings, cut = measure(alive, specs, per_set, reps, share, startup_timeout, progress)
+        except ABError as e:
+            if len(alive) > len(roles) and "out of memory" in str(e).lower():
+                # every pair's engines were alive at once (one GPU's memory for all of them): say how to fit
+                raise ABError(f"{e}\n{len(alive)} worker processes were alive at once: run fewer pairs "
+                              f"(--processes {len(batch) - 1}) or one pair at a time (--successive)") from e
+            raise
         notes += [f"pair {', '.join(str(number) for number, _ in batch)}: {n}" for n in cut]
         for number, st in batch:
             done = len(timings[st[roles[0]].name][CLOCKS[0]][specs[0]])

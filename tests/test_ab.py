@@ -282,3 +282,24 @@ def test_more_rows_than_the_workload_has_requests_take_a_longer_draw():
     benches, info = ab_worker.build(a)
     assert benches["fused:pure-decode"]["describe"]["rows"] == rows
     assert info["workload"] == "uniform-cpu"
+
+
+def test_out_of_memory_with_every_pair_alive_says_how_to_fit(monkeypatch):
+    """A worker that runs out of GPU memory while every pair is alive at once (session 32: three pairs of 200-row
+    engines on an 80 GB card) fails the run with the way out: fewer pairs or --successive. One pair alone, or any
+    other failure, is reported as it was."""
+    oom = "head-2 worker (/tree) failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB"
+
+    def failing(*a, **k):
+        raise ab_rounds.ABError(oom)
+    monkeypatch.setattr(ab_rounds, "measure", failing)
+    sets = [{"base": ab_rounds.Side(f"base-{i}", REPO, [], Path(f"b{i}")),
+             "head": ab_rounds.Side(f"head-{i}", REPO, [], Path(f"h{i}"))} for i in (1, 2, 3)]
+    with pytest.raises(ab_rounds.ABError) as e:
+        ab_rounds.measure_pairs(sets, ["x"], 4, 1, time.monotonic() + 60, 10, progress=lambda *a: None)
+    assert oom in str(e.value) and "6 worker processes were alive at once" in str(e.value)
+    assert "--processes 2" in str(e.value) and "--successive" in str(e.value)
+    with pytest.raises(ab_rounds.ABError) as e:      # one pair at a time: nothing to suggest
+        ab_rounds.measure_pairs(sets, ["x"], 4, 1, time.monotonic() + 60, 10, successive=True,
+                                progress=lambda *a: None)
+    assert str(e.value) == oom

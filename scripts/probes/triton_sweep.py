@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--combine-warps", default="", help="combine_items' num_warps to time at the current tiling")
+    ap.add_argument("--programs-per-sm", default="", help="attend_items' persistent programs a multiprocessor to time "
+                                                          f"at the current tiling (the kernel's: {td.PROGRAMS_PER_SM})")
     probe_args(ap)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -50,7 +52,7 @@ def main(argv=None) -> int:
     W = max(need)
     bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32, device=dev)
 
-    def variant(chunk, block_n, launch, combine_launch=None):
+    def variant(chunk, block_n, launch, combine_launch=None, programs=None):
         grid = td.max_items(a.rows, W * P, num_pages * P, chunk)
         items = td.work_items(cached, grid, chunk)
 
@@ -58,7 +60,8 @@ def main(argv=None) -> int:
             out = None
             for k, v in caches:
                 out = td.paged_decode(q, k, v, bt, cached, D ** -0.5, new_kv, chunk=chunk, items=items,
-                                      block_n=block_n, launch=launch, combine_launch=combine_launch)
+                                      block_n=block_n, launch=launch, combine_launch=combine_launch,
+                                      programs=programs)
             return out
         return step
 
@@ -83,6 +86,12 @@ def main(argv=None) -> int:
         us, out = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH, dict(num_warps=cw)), a.reps, a.layers)
         rows.append(dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=f"{td.LAUNCH.get('num_warps')} c{cw}",
                          num_stages=td.LAUNCH.get("num_stages"), combine_warps=cw, us_per_layer=us,
+                         max_abs_diff=(out - ref).abs().max().item()))
+    for per_sm in ints(a.programs_per_sm):
+        programs = max(1, -(-td.multiprocessors(dev.index) * per_sm // Hk))
+        us, out = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH, programs=programs), a.reps, a.layers)
+        rows.append(dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=f"{td.LAUNCH.get('num_warps')} p{per_sm}",
+                         num_stages=td.LAUNCH.get("num_stages"), programs_per_sm=per_sm, us_per_layer=us,
                          max_abs_diff=(out - ref).abs().max().item()))
     kv_bytes = sum(hist) * Hk * D * 2 * 2
     print(f"triton decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max "

@@ -358,16 +358,22 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
                   ONE_PAGE=one_page, ROPE=append, ITERS=1)
     target = GPUTarget("cuda", 90, 32)
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
-    attend = triton.compile(ASTSource(fn=k.attend_items, signature=sig, constexprs=consts), target=target)
+    # with the launch the engine uses (td.LAUNCH, td.COMBINE_LAUNCH): a warp count the kernel cannot be laid out
+    # for fails here
+    attend = triton.compile(ASTSource(fn=k.attend_items, signature=sig, constexprs=consts), target=target,
+                            options=dict(td.LAUNCH))
     ptx = attend.asm["ptx"]
     assert ".target sm_90" in ptx and "mma" in ptx, "no tensor-core dot in the PTX"
+    assert attend.metadata.num_warps == td.LAUNCH.get("num_warps", 4)
     sig_c = dict(o_ptr="*fp32", lse_ptr="*fp32", first_ptr="*i32", count_ptr="*i32", out_ptr="*fp16",
                  **dict.fromkeys(["o_stride_item", "o_stride_head", "lse_stride_item", "out_stride_row",
                                   "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr",
                  STATIC_LOOP="constexpr")
     consts_c = dict(D=128, MAX_COUNT=td.ITEM_BLOCK, STATIC_LOOP=False)
-    combine_k = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c), target=target)
+    combine_k = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c), target=target,
+                               options=dict(td.COMBINE_LAUNCH))
     assert ".target sm_90" in combine_k.asm["ptx"]
+    assert combine_k.metadata.num_warps == td.COMBINE_LAUNCH.get("num_warps", 4)
 
 
 def test_table_widths_share_compiled_kernels():

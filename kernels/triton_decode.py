@@ -54,9 +54,12 @@ LAUNCH: dict = {"num_warps": 8, "num_stages": 3}
 # 200 rows that is 2,400 programs, and 4 warps each left them in two waves (the sweep's --combine-warps on the H100
 # in session 32, k24: 76.6 us a layer for the whole decode at 1 warp, 78.9 at 2, 82.2 at 4)
 COMBINE_LAUNCH: dict = {"num_warps": 1}
-# attend_items' persistent grid: programs a multiprocessor (over all key/value heads; its three stages of K and V
-# tiles leave room for about two resident at D 128). A 32-row step of the mixed draw has about 150 items a key/value
-# head, fewer than 132 x 4 / 2 programs: one trip each, as with a program an item; a 512-row step loops
+# attend_items' persistent grid: programs a multiprocessor (over all key/value heads). At three stages a program
+# holds 71.7 KB of shared memory (compiled for sm_90 as the JIT compiles it, session 32), so 3 are resident on a
+# multiprocessor of 227 KB, and the grid's fourth runs when one of the first three has ended. A 32-row step of the
+# mixed draw has about 120 items a key/value head, fewer than 132 x 3 / 2 resident programs: one trip each; a
+# 200-row step (about 780 items a head) loops, and there the late quarter's items end last: untried (the sweep's
+# --programs-per-sm measures it)
 PROGRAMS_PER_SM = 4
 
 

@@ -51,8 +51,9 @@ MIN_GROUP = 16          # tl.dot needs at least 16 rows: the query heads of a gr
 # 32 rows: 8 warps keep more of a program's key and value loads in flight
 LAUNCH: dict = {"num_warps": 8, "num_stages": 3}
 # combine_items' launch: one warp a program. A program merges one head of one row, a few items of 128 values; at
-# 200 rows that is 2,400 programs, and 4 warps each left them in two waves (the sweep's --combine-warps on the H100
-# in session 32, k24: 76.6 us a layer for the whole decode at 1 warp, 78.9 at 2, 82.2 at 4)
+# 200 rows that is 2,400 programs, and at one warp each more of them are resident at once (the sweep's
+# --combine-warps on the H100 in session 32, k25: 76.6 us a layer for the whole decode at 1 warp, 78.9 at 2, 82.2 at
+# 4; at 32 rows 18.0 at 1 warp, 19.5 at 4)
 COMBINE_LAUNCH: dict = {"num_warps": 1}
 # attend_items' persistent grid: programs a multiprocessor (over all key/value heads). At three stages a program
 # holds 71.7 KB of shared memory (compiled for sm_90 as the JIT compiles it, session 32), so 3 are resident on a

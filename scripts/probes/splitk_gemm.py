@@ -21,12 +21,10 @@ import torch.nn.functional as F
 
 from bench.stats import graph_time
 
-SHAPES = {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "down": (1536, 8960, False)}
+from scripts.probes.skinny_gemm import SHAPES as ALL_SHAPES, ints
+
+SHAPES = {name: ALL_SHAPES[name] for name in ("qkv", "o", "down")}    # gate/up has its fused kernel (kernels/mlp.py)
 EPS = 1e-6
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
 
 
 def partials(x, w, splits, bn, bk, bm, warps, stages):

@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from bench.stats import graph_time
-
 from scripts.probes.skinny_gemm import SHAPES as ALL_SHAPES, ints
 
 SHAPES = {name: ALL_SHAPES[name] for name in ("qkv", "o", "down")}    # gate/up has its fused kernel (kernels/mlp.py)

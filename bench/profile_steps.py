@@ -26,9 +26,10 @@ from engine.config import LINEAGE
 from engine.scheduler import WORK_KINDS
 from engine.workload import MIXED
 
-# attention first: flash-attn's kernel names carry cutlass types; attend_items and combine_items: kernels/triton_decode
+# attention first: flash-attn's kernel names carry cutlass types; attend_items and combine_items: kernels/triton_decode;
+# gate_up_silu: kernels/mlp.py's GEMM with its SiLU-mul (until session 33 it fell under "other")
 FAMILIES = (("attention", r"flash|attn|fmha|attend_items|combine_items"),
-            ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|^aten::(mm|addmm|bmm)$"),
+            ("gemm", r"nvjet|gemm|cutlass|xmma|cublas|^gate_up_silu$|^aten::(mm|addmm|bmm)$"),
             ("pointwise (compiled)", r"^triton_"), ("copy / index", r"copy|index|gather|scatter|memcpy|memset|cat"))
 
 

@@ -160,6 +160,7 @@ def test_profile_steps_on_cpu(tmp_path):
                   "cutlass::half_t, Flash_kernel_traits<128, 64, 128, 4, cutlass::half_t>>, ...>") == "attention"
     assert family("triton_poi_fused_mul_silu_split_0") == "pointwise (compiled)"
     assert family("attend_items") == family("combine_items") == "attention"     # the Triton decode's two kernels
+    assert family("gate_up_silu") == "gemm"             # kernels/mlp.py's fused gate/up GEMM
     out = tmp_path / "p.json"
     assert main(["--model", "small", "--device", "cpu", "--dtype", "float32", "--engine", "fused", "--rows", "2",
                  "--kinds", "pure-decode,chunk-only", "--steps", "1", "--out", str(out)]) == 0

@@ -132,8 +132,9 @@ def _attend(q, k, v, scale):
 
 
 def test_flash_prefill_probe_layouts_agree_on_a_cpu(monkeypatch, capsys):
-    """scripts/probes/flash_prefill.py's layouts (the chunk whole, in 64-row pieces each with its own history, and
-    with_kvcache's pieces gathered from a packed step) compute the same attention: run here with flash-attn's two
+    """scripts/probes/flash_prefill.py's layouts (the chunk whole, in 64-row pieces each with its own history, the
+    captured loaded step's whole call with its decode rows and padding, and with_kvcache's pieces gathered from a
+    packed step) compute the same attention on the chunk's rows: run here with flash-attn's two
     calls emulated in torch and one call instead of a graph's replays, so a device call spends no time on a layout
     bug. A piece given the chunk's history instead of its own is seen."""
     import types
@@ -157,7 +158,8 @@ def test_flash_prefill_probe_layouts_agree_on_a_cpu(monkeypatch, capsys):
     args = ["--device", "cpu", "--layers", "1", "--chunk", "192", "--histories", "0,300", "--splits", "1,4"]
     assert fp.main(args) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert {r[1] for r in rows} == {"varlen", "varlen-pieces", "kvcache", "kvcache-pieces", "kvcache-pieces+gather"}
+    assert {r[1] for r in rows} == {"varlen", "varlen-pieces", "varlen-step", "varlen-step-1seq", "kvcache",
+                                    "kvcache-pieces", "kvcache-pieces+gather"}
     assert max(float(r[4]) for r in rows) < 2e-3, rows          # fp16 rounding of differently ordered sums
 
     def with_the_chunks_history(q, k, v, cache_seqlens, block_table, softmax_scale, causal, num_splits):

@@ -10,6 +10,9 @@ Layouts (all against the one-sequence varlen call's output):
 - varlen:          the chunk as one sequence (the eager step's call);
 - varlen-pieces:   the chunk as Q_TILE-row pieces, each a sequence whose history ends at its last row, all on the
                    chunk's table row (engine/step_graphs.py: what a captured loaded step runs now);
+- varlen-step:     the captured loaded step's whole varlen call: --lead decode rows first (each a sequence of one
+                   query over one key), the pieces, padding pieces up to --bucket;
+- varlen-step-1seq: the same with the decode rows as one sequence of --lead queries over one key;
 - kvcache:         `with_kvcache`, q [1, chunk, H, d], by num_splits;
 - kvcache-pieces:  `with_kvcache`, q [pieces, Q_TILE, H, d] with each piece's cache length, by num_splits: the
                    layout a captured step could give it (its pieces are Q_TILE rows; a shorter last piece would be
@@ -40,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--splits", default="1,2,4,8,16", help="num_splits values tried with with_kvcache")
     ap.add_argument("--width", default="fit", help="block-table width in pages: 'fit' or a number (a captured "
                     "step's table is as wide as its bucket)")
+    ap.add_argument("--lead", type=int, default=32, help="decode rows in front of the chunk (the varlen-step layouts)")
+    ap.add_argument("--bucket", type=int, default=640, help="the captured step's token bucket (the varlen-step "
+                    "layouts: 32 rows + chunk 512 take 640)")
     ap.add_argument("--device", default="cuda", help="cuda (tests/test_flash_splits.py runs the layouts on a CPU "
                     "with flash-attn's calls emulated)")
     probe_args(ap)
@@ -88,6 +94,32 @@ def main(argv=None) -> int:
         us, out = graph_time(varlen_pieces, a.reps, a.layers)
         rows.append(dict(history=hist, kernel="varlen-pieces", num_splits=1, us_per_layer=us,
                          max_abs_diff=(out - ref).abs().max().item()))
+        # the whole varlen call of a captured loaded step (engine/step_graphs.py): `lead` decode rows first, each
+        # a sequence of one query over one key, then the pieces, then padding pieces on the pad page (page 0 here)
+        # up to the bucket; and the same with the decode rows as ONE sequence of `lead` queries over one key (the
+        # rows a decode call's output replaces: only the chunk's rows are compared)
+        for name, one in (("varlen-step", False), ("varlen-step-1seq", True)):
+            pad = a.bucket - a.lead - a.chunk
+            pad_q = [min(Q_TILE, pad - Q_TILE * i) for i in range(-(-pad // Q_TILE))] if pad > 0 else []
+            lead_q, lead_k = ([a.lead], [1]) if one else ([1] * a.lead, [1] * a.lead)
+            qs = lead_q + piece_q + pad_q
+            ks = lead_k + ends + pad_q
+            cu_qs = torch.tensor([0] + torch.tensor(qs).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+            cu_ks = torch.tensor([0] + torch.tensor(ks).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+            bts = torch.cat([torch.zeros(len(lead_q), W, dtype=torch.int32, device=dev), btp,
+                             torch.zeros(len(pad_q), W, dtype=torch.int32, device=dev)])
+            qstep = torch.randn(a.bucket, Hq, D, generator=g, device=dev, dtype=dt)
+            qstep[a.lead:a.lead + a.chunk] = q
+
+            def varlen_step(cu_qs=cu_qs, cu_ks=cu_ks, bts=bts, qstep=qstep):
+                out = None
+                for k, v in caches:
+                    out = flash_attn_varlen_func(qstep, k, v, cu_qs, cu_ks, Q_TILE if not one else max(Q_TILE, a.lead),
+                                                 W * P, softmax_scale=D ** -0.5, causal=True, block_table=bts)
+                return out[a.lead:a.lead + a.chunk]
+            us, out = graph_time(varlen_step, a.reps, a.layers)
+            rows.append(dict(history=hist, kernel=name, num_splits=1, us_per_layer=us,
+                             max_abs_diff=(out - ref).abs().max().item()))
         # the packed step as a captured step holds it (decode rows first), and the pieces' rows in it
         lead = 32
         packed = torch.randn(lead + a.chunk, Hq, D, generator=g, device=dev, dtype=dt)

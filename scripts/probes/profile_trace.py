@@ -41,24 +41,31 @@ def profile_steps_of_run(engine: Engine, specs, max_steps: int, cuda: bool) -> l
             took["rec"] = engine.step()
             sync()
             took["wall"] = (time.perf_counter() - t0) * 1e3
-        fams = {f: us / 1e3 for f, us in by_family(kernels_per_step(step, 1, cuda)).items()}
+        per = kernels_per_step(step, 1, cuda)
+        fams = {f: us / 1e3 for f, us in by_family(per).items()}
         rec = took["rec"]
         rows.append(dict(index=len(rows), kind=str(rec.kind), prompt_positions=rec.prompt_positions,
                          decode_rows=rec.decode_tokens, wall_ms=took["wall"], device_ms=sum(fams.values()),
-                         families_ms=fams))
+                         families_ms=fams, kernels_us=per))
     return rows
 
 
-def by_kind(rows: list[dict]) -> dict[str, dict]:
-    """Per step kind: steps, median wall and device ms, and each family's median ms."""
+def by_kind(rows: list[dict], top: int = 10) -> dict[str, dict]:
+    """Per step kind: steps, median wall and device ms, each family's median ms, and the `top` kernels by their
+    total over the kind's steps (ms)."""
     out = {}
     for kind in dict.fromkeys(r["kind"] for r in rows):
         mine = [r for r in rows if r["kind"] == kind]
         fams = dict.fromkeys(f for r in mine for f in r["families_ms"])
+        total: dict[str, float] = {}
+        for r in mine:
+            for name, us in r.get("kernels_us", {}).items():
+                total[name] = total.get(name, 0.0) + us / 1e3
         out[kind] = dict(steps=len(mine), wall_ms_median=statistics.median(r["wall_ms"] for r in mine),
                          device_ms_median=statistics.median(r["device_ms"] for r in mine),
                          families_ms_median={f: statistics.median(r["families_ms"].get(f, 0.0) for r in mine)
-                                             for f in fams})
+                                             for f in fams},
+                         top_kernels_ms_total=dict(sorted(total.items(), key=lambda kv: -kv[1])[:top]))
     return out
 
 
@@ -86,6 +93,8 @@ def main(argv=None) -> int:
         print(f"{kind}: {k['steps']} steps, median wall {k['wall_ms_median']:.2f} ms, device "
               f"{k['device_ms_median']:.2f} ms: " + "; ".join(f"{f} {ms:.2f}" for f, ms in
                                                             k["families_ms_median"].items()))
+        for name, ms in k["top_kernels_ms_total"].items():
+            print(f"    {ms:9.2f} ms  {name[:110]}")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(report, indent=2))

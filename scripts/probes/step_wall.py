@@ -4,11 +4,15 @@ time) and the sampling after it. The profiler's device time sums kernel duration
 gaps between its kernels; the step bench adds the host's work before the launch and the readback after it.
 
     python -m scripts.probes.step_wall --model qwen2.5-1.5b-random --rows 32 --out results/step_wall.json
+    python -m scripts.probes.step_wall --profile 25      # and the host's work before the launch under cProfile
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import time
 from pathlib import Path
@@ -19,9 +23,12 @@ from engine.config import LINEAGE
 from engine.workload import MIXED
 
 
-def median_ms(fn, reps: int) -> float:
+def median_ms(fn, reps: int, before=None) -> float:
+    """Median wall ms of fn(); `before` runs untimed ahead of each call (a wait for the device's earlier work)."""
     out = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
@@ -38,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="pure-decode,loaded")
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print the top N functions by own time (cProfile) of the host's work before the launch")
     a = ap.parse_args(argv)
     from gates.step_states import FixedState, ModelCase, States
     states = States(a.device, a.dtype)
@@ -72,8 +81,7 @@ def main(argv=None) -> int:
             graph.replay()
             sync()
 
-        def host_pre():      # the packing and the launch, not waited for
-            sync()
+        def host_pre():      # the packing and the launch, not waited for (the wait before it is not timed)
             runner.logits(plan, owned, mode)
 
         logits = runner.logits(plan, owned, mode)
@@ -94,10 +102,21 @@ def main(argv=None) -> int:
             dev.append(ev[0].elapsed_time(ev[1]))
         r = dict(full=median_ms(full, a.reps), pre_and_graph=median_ms(pre_and_graph, a.reps),
                  graph_host=median_ms(graph_only, a.reps), graph_events=statistics.median(dev),
-                 host_pre_launch=median_ms(host_pre, a.reps), sample_tail=median_ms(tail, a.reps))
+                 host_pre_launch=median_ms(host_pre, a.reps, before=sync), sample_tail=median_ms(tail, a.reps))
         sync()
         report[kind] = r
         print(f"{kind}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in r.items()), flush=True)
+        if a.profile:
+            prof = cProfile.Profile()
+            for _ in range(a.reps):
+                sync()
+                prof.enable()
+                runner.logits(plan, owned, mode)
+                prof.disable()
+            sync()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(a.profile)
+            print(f"{kind}: host before the launch, {a.reps} steps under cProfile\n{text.getvalue()}", flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(dict(model=a.model, rows=a.rows, kinds=report), indent=1))

@@ -7,12 +7,15 @@ bucket's first R rows, which hold the step's decode rows. Their metadata lives i
 int32 buffer, refreshed in place by one host-to-device copy before each replay:
 
     [ tokens (T) | positions (T) | slots (T) | logit rows (R) | cache lengths (S) | cu_seqlens_q (S+1) |
-      lead lengths (R) | decode rows (1) | table (S x W) ]
+      lead lengths (R) | decode rows (1) | table ((R + S) x W) ]
 
 - Decode rows come first in a captured step (the eager step packs them last): row i of the decode call is packed
-  position i. The variable-length call sees each as a sequence of one query over ONE key (its first slot: a few
-  microseconds, where its whole history, read once per query head and never split, cost more than the rest of the
-  step's attention); the decode call reads the true lengths ("lead lengths", 1 for rows past the step's decode
+  position i, and the table's first R rows are the decode call's (row i: decode row i's pages; the pad page past
+  the step's decode rows). The variable-length call sees the decode rows as sequences of up to Q_TILE queries over
+  ONE key of the pad page (flash-attn writes 0 for a query whose causal mask is all zero): at 32 rows 12 CTAs,
+  where a sequence a row (until session 33) made 384, each loading a whole query tile and key block for one row;
+  reading each row's whole history there, once per query head and never split, had cost more than the rest of the
+  step's attention. The decode call reads the true lengths ("lead lengths", 1 for rows past the step's decode
   rows) and its output replaces the other's on the decode rows (a mask from "decode rows", built on the device).
 - Every prompt chunk is cut into pieces of at most Q_TILE = 64 query rows, each a sequence of its own whose history
   ends at its last position (flash-attn aligns causal masks bottom-right, so a piece sees its request's history,
@@ -25,12 +28,14 @@ int32 buffer, refreshed in place by one host-to-device copy before each replay:
   page, which no request owns: each piece writes and reads only the pad page's first slots, the same values for
   every piece, so padding is finite also in poison mode and never touches a request's page. Sequences past the
   padding have no query and no key (cu_seqlens flat).
-- Each piece's table row is its request's whole page list (as the eager step's table), then the pad page.
+- The variable-length call's table is the table's rows from R on, one a sequence: each piece's row is its
+  request's whole page list (as the eager step's table), then the pad page.
 - Logit rows keep the eager step's order (the last position of each chunk that completes its prompt, then the
   decode rows), so one sampling serves both; unused rows point at row 0 and are never sampled.
 - Bounds per bucket b: S(b) = min(b, max_batch + 1 + b // 64) sequences (a plan's chunks and decode rows are at
-  most max_batch requests), R(b) = min(b, max_batch) sampled rows and decode-call rows. A plan that needs more takes
-  a larger bucket, or runs eagerly (counted in `fallbacks`).
+  most max_batch requests, and a chunk of c positions is ceil(c / 64) pieces), R(b) = min(b, max_batch) sampled
+  rows and decode-call rows. A plan that needs more takes a larger bucket, or runs eagerly (counted in
+  `fallbacks`).
 
 Each bucket has a chunk-only step's graph (no decode call) and loaded steps' graphs, one per table width of the
 decode call (the pure decode steps' width ladder: the split-KV kernel divides the table's width among its splits, so
@@ -95,7 +100,10 @@ class StepGraphs(CapturedSteps):
         S, R = self.seqs_for(T), self.rows_for(T)
         super().__init__(runner, [("tokens", (T,)), ("positions", (T,)), ("slots", (T,)), ("logit_rows", (R,)),
                                   ("kv_lens", (S,)), ("cu_q", (S + 1,)), ("lead_kv", (R,)), ("decode_rows", (1,)),
-                                  ("table", (S, width))], logit_rows=R, capture=capture)
+                                  ("table", (R + S, width))], logit_rows=R, capture=capture)
+        self.R = R                      # the table's first R rows are the decode call's, the rest one a sequence
+        self.host_view["table"][:] = runner.pad_page
+        self._lead_filled = 0           # decode-call table rows the last fill wrote pages into
         self.q_lens = np.zeros(S, dtype=np.int64)         # host only: query rows per sequence
         self.pad_slot = runner.pad_page * runner.page_size
         self.fallbacks = 0                                  # plans no bucket holds: run eagerly
@@ -121,7 +129,7 @@ class StepGraphs(CapturedSteps):
         """The smallest captured token count whose sections hold this plan (tokens, sequences, sampled rows)."""
         d = len(decodes)
         t = sum(c.length for c in chunks) + d
-        seqs = d + sum(-(-c.length // Q_TILE) for c in chunks)
+        seqs = -(-d // Q_TILE) + sum(-(-c.length // Q_TILE) for c in chunks)
         rows = logit_row_count(chunks, decodes, all_logits=False)
         for b in self.sizes[bisect_left(self.sizes, t):]:
             if self.seqs_for(b) >= seqs + -(-(b - t) // self.pad_tile) and self.rows_for(b) >= rows:
@@ -134,7 +142,8 @@ class StepGraphs(CapturedSteps):
         device. Returns the number of sampled rows."""
         hv, ps, pad_page = self.host_view, self.runner.page_size, self.runner.pad_page
         tok, pos, slot, lr = hv["tokens"], hv["positions"], hv["slots"], hv["logit_rows"]
-        q, kv, table = self.q_lens, hv["kv_lens"], hv["table"]
+        q, kv = self.q_lens, hv["kv_lens"]
+        lead_table, table = hv["table"][:self.R], hv["table"][self.R:]     # the decode call's; a sequence's
         self.wait_copied()
         # decode rows first (the decode call reads packed rows [0, R)), chunk positions after them; the sampled rows
         # keep the eager step's order: chunk completions, then decode rows
@@ -144,14 +153,21 @@ class StepGraphs(CapturedSteps):
         lr[:nc] += d
         t, nrows = t + d, nrows + nc
         seqs, R = self.seqs_for(b), self.rows_for(b)
-        q[:d] = 1
-        kv[:d] = 1                  # the variable-length call: one key (the decode call computes these rows)
+        # the variable-length call: the decode rows in sequences of up to Q_TILE queries over one key of the pad
+        # page (the decode call computes these rows)
+        k = -(-d // Q_TILE)
+        q[:k] = Q_TILE
+        if k:
+            q[k - 1] = d - Q_TILE * (k - 1)
+        kv[:k] = 1
+        table[:k] = pad_page
         lead = hv["lead_kv"]
         lead[:d] = pos[:d] + 1
-        lead[d:R] = 1               # rows past the decode rows: their table row's first slot, masked out
+        lead[d:R] = 1               # rows past the decode rows: the pad page's first slot, masked out
         hv["decode_rows"][0] = d
-        page_rows([pages_of[r.request_id] for r in decodes], None, table[:d], pad_page)
-        k = d
+        page_rows([pages_of[r.request_id] for r in decodes], None, lead_table[:d], pad_page)
+        lead_table[d:self._lead_filled] = pad_page      # rows the step before filled
+        self._lead_filled = d
         for c in chunks:       # pieces of at most Q_TILE rows; each history ends at the piece's last position
             n = -(-c.length // Q_TILE)
             q[k:k + n] = Q_TILE
@@ -179,7 +195,7 @@ class StepGraphs(CapturedSteps):
         cu[0] = 0
         np.cumsum(q[:seqs], out=cu[1:seqs + 1])
         lr[nrows:self.rows_for(b)] = 0
-        self.upload(self.offsets["table"] + seqs * self.W)
+        self.upload(self.offsets["table"] + (self.R + seqs) * self.W)
         return nrows
 
     # -- capture and replay ----------------------------------------------------------------------------------
@@ -188,8 +204,9 @@ class StepGraphs(CapturedSteps):
         r, dv = self.runner, self.dev_view
         seqs, rows = self.seqs_for(b), self.rows_for(b)
         # bounds, not the step's lengths: a graph-safe prefill reads the true ones from the device tensors
-        batch = AttnBatch(shape_only_q_lens(b, seqs), [self.W * r.page_size] * seqs, dv["table"][:seqs],
-                          dv["kv_lens"][:seqs], dv["cu_q"][:seqs + 1], r.page_size)
+        batch = AttnBatch(shape_only_q_lens(b, seqs), [self.W * r.page_size] * seqs,
+                          dv["table"][self.R:self.R + seqs], dv["kv_lens"][:seqs], dv["cu_q"][:seqs + 1],
+                          r.page_size)
         r.backend.prepare(batch, "prefill")
         lead = None
         if w:

@@ -128,9 +128,10 @@ plans = st.lists(st.tuples(st.sampled_from(["chunk", "decode"]), st.integers(1, 
 def test_fill_matches_the_eager_packing(emulated_engine, spec):
     """For any plan: the real tokens, positions and slots are the eager step's with the decode rows moved first,
     and the sampled rows are the same positions in the same order; every chunk sequence is a piece of at most
-    Q_TILE rows whose history ends at its last position and whose table row is its request's pages; a decode row is
-    a sequence of one query over one key for the variable-length call, with its true length for the decode call;
-    padding writes and reads only the pad page; unused sequences have no query and no key."""
+    Q_TILE rows whose history ends at its last position and whose table row is its request's pages; the decode rows
+    are sequences of up to Q_TILE queries over one key of the pad page for the variable-length call, and for the
+    decode call its table's rows (their pages, the pad page past them) with their true lengths; padding writes and
+    reads only the pad page; unused sequences have no query and no key."""
     e = emulated_engine
     runner, sg, ps = e.runner, e.runner.step_graphs, e.pool.page_size
     chunks, decodes = [], []
@@ -158,18 +159,23 @@ def test_fill_matches_the_eager_packing(emulated_engine, spec):
         assert list(hv["slots"][:t]) == ctx.slot_mapping[order].tolist()
         assert [order[i] for i in hv["logit_rows"][:nrows]] == rows.tolist()
         seqs, R = sg.seqs_for(b), sg.rows_for(b)
-        cu, kv, table = hv["cu_q"][:seqs + 1], hv["kv_lens"][:seqs], hv["table"][:seqs]
-        lead = hv["lead_kv"][:R]
+        cu, kv, table = hv["cu_q"][:seqs + 1], hv["kv_lens"][:seqs], hv["table"][sg.R:sg.R + seqs]
+        lead, lead_table = hv["lead_kv"][:R], hv["table"][:R]
         q = np.diff(cu)
         assert cu[0] == 0 and cu[-1] == b and (q >= 0).all() and (q <= Q_TILE).all()
         assert hv["decode_rows"][0] == d and d <= R and (lead[d:] == 1).all()
-        owner = [r.request_id for r in decodes] + \
-            [c.request.request_id for c in chunks for _ in range(-(-c.length // Q_TILE))]
         pad = runner.pad_page
+        for i, r in enumerate(decodes):     # the decode call: each row's history through its pages
+            pages = e.pool.owned[r.request_id]
+            assert lead[i] == hv["positions"][i] + 1 and lead[i] <= len(pages) * ps
+            assert list(lead_table[i, :len(pages)]) == pages and (lead_table[i, len(pages):] == pad).all()
+        assert (lead_table[d:] == pad).all()
+        nd = -(-d // Q_TILE)
+        owner = [None] * nd + [c.request.request_id for c in chunks for _ in range(-(-c.length // Q_TILE))]
         for s in range(seqs):
             lo, hi = cu[s], cu[s + 1]
-            if s < d:                   # a decode row: one query, one key here; its history in the decode call
-                assert q[s] == 1 and kv[s] == 1 and lo == s and lead[s] == hv["positions"][s] + 1
+            if s < nd:                  # decode rows: one key of the pad page here (the decode call's rows)
+                assert kv[s] == 1 and lo == Q_TILE * s and hi == min(d, Q_TILE * (s + 1)) and (table[s] == pad).all()
             elif s < len(owner):        # a chunk piece: its positions are the last of its history
                 assert list(hv["positions"][lo:hi]) == list(range(kv[s] - q[s], kv[s]))
             elif hi > lo:               # padding: the pad page only, positions from 0, reads what it wrote
@@ -177,12 +183,57 @@ def test_fill_matches_the_eager_packing(emulated_engine, spec):
                 assert (hv["slots"][lo:hi] // ps == pad).all() and (table[s] == pad).all()
             else:
                 assert kv[s] == 0
-            if s < len(owner):
+            if nd <= s < len(owner):
                 pages = e.pool.owned[owner[s]]
                 assert list(table[s, :len(pages)]) == pages and (table[s, len(pages):] == pad).all()
         assert pad not in {p for ps_ in e.pool.owned.values() for p in ps_}
     finally:
         for r in [c.request for c in chunks] + decodes:
+            e.pool.release(r.request_id)
+        e.pool.end_step()
+
+
+@torch.inference_mode()    # as the runner replays (a loaded step's decode rows are merged in place, out=)
+def test_many_decode_rows_are_few_sequences_of_the_variable_length_call(graph_emulation):
+    """More decode rows than Q_TILE (70): the variable-length call sees them as two sequences (64 and 6 queries, one
+    key of the pad page each) where it saw 70; the decode call's table rows hold their pages, and a later step with
+    fewer decode rows (10) puts the pad page back in the rows it no longer uses. The emulated replay's logits are
+    the eager step's."""
+    with pytest.MonkeyPatch.context() as mp:
+        graph_emulation(mp, prefill=True)
+        e = Engine(lineage_config("fused", chunk_tokens=128, max_batch=80, cuda_graphs=True, max_model_len=256,
+                                  num_pages=400, progress=False))
+    runner, sg, ps, pad = e.runner, e.runner.step_graphs, e.pool.page_size, e.runner.pad_page
+    reqs = []
+    try:
+        for i in range(70):
+            r = Request(f"d{i}", [3 + (i + j) % 50 for j in range(20 + i)], 8)
+            e.pool.reserve(r.request_id, r.slots_needed)
+            r.state, r.num_cached, r.output = State.DECODE, 20 + i, [5]
+            reqs.append(r)
+        c = Request("c", [7 + j % 40 for j in range(100)], 8)
+        e.pool.reserve(c.request_id, c.slots_needed)
+        c.state = State.PREFILL
+        chunk = Chunk(c, 0, 100)
+        for n in (70, 10):
+            decodes = reqs[:n]
+            b = sg.bucket_for([chunk], decodes)
+            sg.fill([chunk], decodes, e.pool.owned, b)
+            hv, nd = sg.host_view, -(-n // Q_TILE)
+            q = np.diff(hv["cu_q"][:sg.seqs_for(b) + 1])
+            assert list(q[:nd]) == [min(Q_TILE, n - Q_TILE * s) for s in range(nd)]
+            assert list(hv["kv_lens"][:nd]) == [1] * nd and (hv["table"][sg.R:sg.R + nd] == pad).all()
+            assert list(q[nd:nd + 2]) == [64, 36] and hv["kv_lens"][nd + 1] == 100      # the chunk's two pieces
+            lead_table = hv["table"][:sg.R]
+            for i, r in enumerate(decodes):
+                pages = e.pool.owned[r.request_id]
+                assert list(lead_table[i, :len(pages)]) == pages and (lead_table[i, len(pages):] == pad).all()
+            assert (lead_table[n:] == pad).all()
+            graphed = sg.replay([chunk], decodes, e.pool.owned).clone()
+            eager = runner.forward([chunk], decodes, e.pool.owned)
+            torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4)
+    finally:
+        for r in reqs + [c]:
             e.pool.release(r.request_id)
         e.pool.end_step()
 

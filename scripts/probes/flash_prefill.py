@@ -10,9 +10,10 @@ Layouts (all against the one-sequence varlen call's output):
 - varlen:          the chunk as one sequence (the eager step's call);
 - varlen-pieces:   the chunk as Q_TILE-row pieces, each a sequence whose history ends at its last row, all on the
                    chunk's table row (engine/step_graphs.py: what a captured loaded step runs now);
-- varlen-step:     the captured loaded step's whole varlen call: --lead decode rows first (each a sequence of one
-                   query over one key), the pieces, padding pieces up to --bucket;
-- varlen-step-1seq: the same with the decode rows as one sequence of --lead queries over one key;
+- varlen-step:     the captured loaded step's whole varlen call before session 33: --lead decode rows first (each a
+                   sequence of one query over one key), the pieces, padding pieces up to --bucket;
+- varlen-step-1seq: the same with the decode rows as one sequence of --lead queries over one key (at most 64 rows:
+                   the captured step's layout since session 33, which cuts them into sequences of Q_TILE);
 - kvcache:         `with_kvcache`, q [1, chunk, H, d], by num_splits;
 - kvcache-pieces:  `with_kvcache`, q [pieces, Q_TILE, H, d] with each piece's cache length, by num_splits: the
                    layout a captured step could give it (its pieces are Q_TILE rows; a shorter last piece would be

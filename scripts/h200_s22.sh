@@ -9,8 +9,9 @@
 #   ab       gates.ab, head (this tree) against BASE_TREE (.device/base: the tree before), pure decode and loaded,
 #            5 process pairs: the change's figure, both sides in this call
 #   psteps   bench/profile_steps.py at 32 rows (pure decode, loaded): where the device time goes now
-#   psteps512  bench/profile_steps.py's loaded step at 160 decode rows and chunk 16384: the 512-row closed run's
-#            prefill steps (14 of them took 1.49 s of its 2.17 s on an H100 in session 32)
+#   psteps512  bench/profile_steps.py's loaded step at 160 decode rows and chunk 16384: ONE 16k chunk after 16k cached
+#            positions (session 33, H100: 77% flash-attn), not the 512-row closed run's prefill steps, which carry
+#            several whole prompts (scripts/h200_loaded.sh's ptrace512 profiles those)
 #   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
 #   fprefill scripts/probes/flash_prefill.py: a chunk's paged attention as the captured loaded step runs it (varlen,
 #            64-row pieces, one split) against with_kvcache's pieces by num_splits, at fitted and 128-page tables

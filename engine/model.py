@@ -49,9 +49,10 @@ class ForwardContext:
     decode: AttnBatch | None
     backend: AttentionBackend
     # a captured loaded step's lead decode rows (engine/step_graphs.py): (their decode batch, a [rows] bool mask of
-    # the rows that are decode rows in this replay). They are the first packed positions; the prefill kernel covers
-    # them too, over one key, and the decode kernel's output replaces its output there
-    lead: tuple[AttnBatch, torch.Tensor] | None = None
+    # the rows that are decode rows in this replay, their count: int32 [1]). They are the first packed positions;
+    # the prefill kernel covers them too, over one key, and the decode kernel's output replaces its output there
+    # (AttentionBackend.decode_into)
+    lead: tuple[AttnBatch, torch.Tensor, torch.Tensor] | None = None
     # a forward of at most this many positions runs the MLP's gate/up GEMM and SiLU-mul as one Triton kernel
     # (kernels/mlp.py; EngineConfig.mlp_kernel "triton": the runner's mlp_rows); 0: never
     mlp_rows: int = 0
@@ -269,11 +270,10 @@ class Attention(nn.Module):
             outs.append(ctx.backend.decode(q[n:], k_cache, v_cache, ctx.decode, self.scale, **kw))
         o = outs[0] if len(outs) == 1 else torch.cat(outs)
         if ctx.lead is not None:
-            lead, is_decode = ctx.lead
+            lead, is_decode, count = ctx.lead
             rows = lead.num_seqs
-            od = ctx.backend.decode(q[:rows], k_cache, v_cache, lead, self.scale)
-            # in place: one kernel a layer (a where and a copy were two)
-            torch.where(is_decode[:, None, None], od, o[:rows], out=o[:rows])
+            # in place: the decode rows' outputs replace the variable-length call's there
+            ctx.backend.decode_into(q[:rows], k_cache, v_cache, lead, self.scale, o[:rows], is_decode, count)
         return self.o_proj(o.reshape(T, -1))
 
 

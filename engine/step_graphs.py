@@ -16,7 +16,8 @@ int32 buffer, refreshed in place by one host-to-device copy before each replay:
   where a sequence a row (until session 33) made 384, each loading a whole query tile and key block for one row;
   reading each row's whole history there, once per query head and never split, had cost more than the rest of the
   step's attention. The decode call reads the true lengths ("lead lengths", 1 for rows past the step's decode
-  rows) and its output replaces the other's on the decode rows (a mask from "decode rows", built on the device).
+  rows) and its output replaces the other's on the decode rows ("decode rows", read on the device:
+  AttentionBackend.decode_into, where the Triton decode writes only those rows, with no merge kernel after it).
 - Every prompt chunk is cut into pieces of at most Q_TILE = 64 query rows, each a sequence of its own whose history
   ends at its last position (flash-attn aligns causal masks bottom-right, so a piece sees its request's history,
   the earlier pieces and itself causally: the same keys, in the same key blocks, as the whole chunk would). So
@@ -213,7 +214,7 @@ class StepGraphs(CapturedSteps):
             dec = AttnBatch([1] * rows, [w * r.page_size] * rows, dv["table"][:rows, :w], dv["lead_kv"][:rows],
                             self.lead_cu[:rows + 1], r.page_size)
             r.backend.prepare(dec, "decode")
-            lead = (dec, self.lead_ids[:rows] < dv["decode_rows"])
+            lead = (dec, self.lead_ids[:rows] < dv["decode_rows"], dv["decode_rows"])
         ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend, lead=lead, mlp_rows=r.mlp_rows,
                              mlp_took=r.mlp_dispatched)
         return r.model(dv["tokens"][:b].long(), dv["positions"][:b], r.kv_caches, ctx, dv["logit_rows"][:rows].long(),

@@ -222,3 +222,11 @@ class AttentionBackend:
         (cos, sin) [num_seqs, head_dim], given only with new_kv where rotates_decode: q and the new keys are then
         unrotated, and the kernel rotates them."""
         raise NotImplementedError
+
+    def decode_into(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
+                    scale: float, out: torch.Tensor, is_decode: torch.Tensor, count: torch.Tensor) -> None:
+        """A captured loaded step's decode call (engine/step_graphs.py): decode's rows written into `out` [rows,
+        heads, head_dim] (the variable-length call's output over the same packed rows) where they are decode rows
+        (`is_decode`, a [rows] bool mask: the first `count`, an int32 [1] device tensor); the others keep out's
+        values. Here one merge kernel after decode; a kernel that can write only those rows itself overrides it."""
+        torch.where(is_decode[:, None, None], self.decode(q, k_cache, v_cache, batch, scale), out, out=out)

@@ -102,7 +102,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  chunk: int | None = None, items=None, block_n: int | None = None,
                  launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 programs: int | None = None, combine_launch: dict | None = None) -> torch.Tensor:
+                 programs: int | None = None, combine_launch: dict | None = None, out: torch.Tensor | None = None,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [rows, heads, d]; caches [pages, page_size, kv_heads, d]; block_table int32 [rows, width]; cached int32
     [rows]: keys in the cache (the new one excluded where new_kv is given, which is then attended and written at
     position `cached`). `items`: work_items(...) made once per step (else made here). `block_n`, `launch`
@@ -110,7 +111,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     each row's rotary embedding, with new_kv only: q and the new key are then given unrotated, and rotated here
     (the new key as it is written to the cache). `programs`: attend_items' persistent programs a key/value head
     (None: persistent_programs). `combine_launch`: combine_items' (num_warps), COMBINE_LAUNCH unless given.
-    -> [rows, heads, d]."""
+    `out` [rows, heads, d] (its last dimension contiguous): written instead of a new tensor; with `out_rows`, an
+    int32 [1] device tensor, only its rows below that count (a captured loaded step's decode rows: no merge kernel
+    after). -> [rows, heads, d] (`out` where given)."""
     attend_items, combine_items = _kernels()
     chunk = chunk or CHUNK
     block_n = block_n or BLOCK_N
@@ -119,6 +122,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if page_size % block_n or chunk % block_n or heads % kv_heads or d & (d - 1):
         raise ValueError(f"triton decode: page size {page_size} and item {chunk} (multiples of {block_n}), heads "
                          f"{heads} over {kv_heads} key/value heads, head dim {d} (a power of two)")
+    if out is not None and (out.shape != q.shape or out.stride(-1) != 1):
+        raise ValueError(f"triton decode: out {tuple(out.shape)} must be q's shape {tuple(q.shape)}, its last "
+                         f"dimension contiguous")
+    if out_rows is not None and out is None:
+        raise ValueError("triton decode: out_rows limits the rows written into a given out")
     if rope is not None and new_kv is None:
         raise ValueError("triton decode: rope (cos, sin) only with new_kv: a key written to the cache elsewhere "
                          "must have been rotated there")
@@ -150,10 +158,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
         ROPE=rope is not None, ITERS=-(-n_items // programs) if not q.is_cuda else 1,
         **(LAUNCH if launch is None else launch))
-    out = torch.empty_like(q)
-    combine_items[(rows, heads)](o_part, lse, firsts, counts, out, o_part.stride(0), o_part.stride(1),
-                                 lse.stride(0), out.stride(0), out.stride(1), D=d, MAX_COUNT=max_count,
-                                 STATIC_LOOP=not q.is_cuda,
+    if out is None:
+        out = torch.empty_like(q)
+    combine_items[(rows, heads)](o_part, lse, firsts, counts, out, counts if out_rows is None else out_rows,
+                                 o_part.stride(0), o_part.stride(1), lse.stride(0), out.stride(0), out.stride(1),
+                                 D=d, MAX_COUNT=max_count, STATIC_LOOP=not q.is_cuda, LIMIT_ROWS=out_rows is not None,
                                  **(COMBINE_LAUNCH if combine_launch is None else combine_launch))
     return out
 

@@ -220,13 +220,19 @@ def merge_items(o_ptr, lse_ptr, first, count, head, b, m, total, acc, o_stride_i
 
 
 @triton.jit
-def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, o_stride_item, o_stride_head,
+def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, out_rows_ptr, o_stride_item, o_stride_head,
                   lse_stride_item, out_stride_row, out_stride_head, D: tl.constexpr, MAX_COUNT: tl.constexpr,
-                  STATIC_LOOP: tl.constexpr):
-    """Each row's items merged, a program per (row, query head) (a one-item row is copied)."""
+                  STATIC_LOOP: tl.constexpr, LIMIT_ROWS: tl.constexpr):
+    """Each row's items merged, a program per (row, query head) (a one-item row is copied). LIMIT_ROWS: only rows
+    below the count at out_rows_ptr are written (a captured loaded step's decode rows, in the variable-length call's
+    output: the rest of `out` keeps its values)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     res = combine_head(o_ptr, lse_ptr, tl.load(first_ptr + row), tl.load(count_ptr + row), head, o_stride_item,
                        o_stride_head, lse_stride_item, D, MAX_COUNT, STATIC_LOOP)
-    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + tl.arange(0, D),
-             res.to(out_ptr.dtype.element_ty))
+    d = tl.arange(0, D)
+    keep = d < D
+    if LIMIT_ROWS:
+        keep = keep & (row < tl.load(out_rows_ptr))
+    tl.store(out_ptr + row * out_stride_row + head * out_stride_head + d, res.to(out_ptr.dtype.element_ty),
+             mask=keep)

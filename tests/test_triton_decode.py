@@ -236,11 +236,36 @@ def test_a_planted_off_by_one_in_the_cache_length_is_caught():
         torch.testing.assert_close(out, dense(q, keys, values, 128 ** -0.5), atol=2e-3, rtol=2e-3)
 
 
+@kernel_test
+def test_it_writes_only_the_decode_rows_into_a_given_output():
+    """out and out_rows (a captured loaded step's decode call, kernels/base.py: decode_into): rows below the device
+    count get the decode output, written into `out`; the rows past it keep out's values (they are the chunk's rows,
+    the variable-length call's output). A count of 0 writes nothing."""
+    lengths = [40, 300, 700, 1]
+    q, k, v, table, keys, values = paged_case(lengths, seed=5)
+    want = dense(q, keys, values, 0.1)
+    for count in (3, 0, 4):
+        out = torch.full(q.shape, 7.0, dtype=q.dtype, device=DEVICE)
+        got = td.paged_decode(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
+                              torch.tensor(lengths, dtype=torch.int32, device=DEVICE), 0.1, out=out,
+                              out_rows=torch.tensor([count], dtype=torch.int32, device=DEVICE))
+        assert got is out
+        got = got.float().cpu()
+        torch.testing.assert_close(got[:count], want[:count], atol=2e-3, rtol=2e-3)
+        assert (got[count:] == 7.0).all(), f"a row at or past the count {count} was written"
+
+
 def test_bad_shapes_are_refused_with_the_reason():
     q = torch.zeros(1, 3, 96, dtype=torch.float16)
     cache = torch.zeros(1, PAGE, 2, 96, dtype=torch.float16)
     with pytest.raises(ValueError, match="heads 3 over 2 key/value heads, head dim 96"):
         td.paged_decode(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+    q, cache = torch.zeros(2, 4, 64, dtype=torch.float16), torch.zeros(1, PAGE, 2, 64, dtype=torch.float16)
+    args = (q, cache, cache, torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="out .3, 4, 64. must be q's shape"):
+        td.paged_decode(*args, out=torch.zeros(3, 4, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out_rows limits the rows written into a given out"):
+        td.paged_decode(*args, out_rows=torch.ones(1, dtype=torch.int32))
 
 
 def flash_with_triton_decode(monkeypatch):
@@ -287,6 +312,13 @@ def test_the_flash_backend_decodes_through_it_when_asked(monkeypatch, append):
     if append:      # the new keys are in the cache now: a decode without the append reads them there
         cached = backend.decode(q.to(DEVICE), kd, vd, batch, 0.1)
         torch.testing.assert_close(cached.float().cpu(), want, atol=2e-3, rtol=2e-3)
+    else:           # a captured loaded step's decode call: its first two rows into the given output, in place
+        into = torch.full(q.shape, 7.0, dtype=q.dtype, device=DEVICE)
+        count = torch.tensor([2], dtype=torch.int32, device=DEVICE)
+        backend.decode_into(q.to(DEVICE), kd, vd, batch, 0.1, into, torch.arange(3, device=DEVICE) < count, count)
+        torch.testing.assert_close(into[:2].float().cpu(), want[:2], atol=2e-3, rtol=2e-3)
+        assert (into[2:] == 7.0).all()
+        assert backend.dispatched == {("decode", "triton", False)}
 
 
 def test_an_unknown_decode_kernel_is_refused(monkeypatch):
@@ -366,14 +398,16 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
     assert ".target sm_90" in ptx and "mma" in ptx, "no tensor-core dot in the PTX"
     assert attend.metadata.num_warps == td.LAUNCH.get("num_warps", 4)
     sig_c = dict(o_ptr="*fp32", lse_ptr="*fp32", first_ptr="*i32", count_ptr="*i32", out_ptr="*fp16",
+                 out_rows_ptr="*i32",
                  **dict.fromkeys(["o_stride_item", "o_stride_head", "lse_stride_item", "out_stride_row",
                                   "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr",
-                 STATIC_LOOP="constexpr")
-    consts_c = dict(D=128, MAX_COUNT=td.ITEM_BLOCK, STATIC_LOOP=False)
-    combine_k = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c), target=target,
-                               options=dict(td.COMBINE_LAUNCH))
-    assert ".target sm_90" in combine_k.asm["ptx"]
-    assert combine_k.metadata.num_warps == td.COMBINE_LAUNCH.get("num_warps", 4)
+                 STATIC_LOOP="constexpr", LIMIT_ROWS="constexpr")
+    for limit in (False, True):         # a pure decode step's combine; a captured loaded step's (decode_into)
+        consts_c = dict(D=128, MAX_COUNT=td.ITEM_BLOCK, STATIC_LOOP=False, LIMIT_ROWS=limit)
+        combine_k = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c),
+                                   target=target, options=dict(td.COMBINE_LAUNCH))
+        assert ".target sm_90" in combine_k.asm["ptx"]
+        assert combine_k.metadata.num_warps == td.COMBINE_LAUNCH.get("num_warps", 4)
 
 
 def test_table_widths_share_compiled_kernels():

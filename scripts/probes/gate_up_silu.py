@@ -1,7 +1,7 @@
 """The MLP's gate/up GEMM and SiLU-mul fused in one Triton kernel, against cuBLAS (F.linear) followed by the compiled
 SiLU-mul piece, as the engine runs them: the 1.5B shape (hidden 1536, intermediate 8960) at decode-step row counts,
 28 calls over 28 layers' own weights inside a CUDA graph, microseconds a layer. Usage:
-python -m scripts.probes.gate_up_silu [--rows 1,8,32,64] [--out FILE.json]
+python -m scripts.probes.gate_up_silu [--rows 1,8,32,64] [--block-m 64,128] [--out FILE.json]
 
 Why (session 31): on the H100 the 32-row pure decode step's gate/up GEMM is cuBLAS's 192x32 tiling, 94 CTAs for 132
 multiprocessors: 24.9 us a layer for 55 MB of weights (2.2 TB/s of 3.35), and SiLU-mul a kernel of its own after it.
@@ -44,6 +44,9 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=8960)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--block-m", default="", help="BLOCK_M values (default: the engine's for each row count: 16, "
+                    "32 or 64); from 64 on Triton compiles tl.dot to Hopper's wgmma (session 33: a loaded step's 544 "
+                    "rows, where cuBLAS's gate/up GEMM and the SiLU-mul kernel after it took 47.5 + 9.2 us a layer)")
     ap.add_argument("--block-n", default="16,32,64")
     ap.add_argument("--block-k", default="64,128,256")
     ap.add_argument("--warps", default="4,8")
@@ -79,8 +82,9 @@ def main(argv=None) -> int:
 
         base_us, ref = graph_time(run(lambda x_, w_: silu_mul(F.linear(x_, w_))), a.reps, a.layers)
         gemm_us, _ = graph_time(run(F.linear), a.reps, a.layers)
-        bm = 16 if m <= 16 else 32 if m <= 32 else 64
-        for bn, bk, wp, st in itertools.product(ints(a.block_n), ints(a.block_k), ints(a.warps), ints(a.stages)):
+        bms = ints(a.block_m) or [16 if m <= 16 else 32 if m <= 32 else 64]
+        for bm, bn, bk, wp, st in itertools.product(bms, ints(a.block_n), ints(a.block_k), ints(a.warps),
+                                                    ints(a.stages)):
             if k % bk:
                 continue
             launch = dict(num_warps=wp, num_stages=st)

@@ -22,18 +22,22 @@ def mlp_case(rows: int, hidden: int, intermediate: int, dtype, device, seed: int
     return x.to(device, dtype), w.to(device, dtype)
 
 
-def mlp_kernel_problems(rows: int, hidden: int, intermediate: int, dtype, device, seed: int = 0) -> list[str]:
-    """[] when the fused kernel is within the rule at this shape, else what is wrong (non-finite output, the errors)."""
+def mlp_kernel_problems(rows: int, hidden: int, intermediate: int, dtype, device, seed: int = 0,
+                        **tiling) -> list[str]:
+    """[] when the fused kernel is within the rule at this shape, else what is wrong (non-finite output, the errors).
+    `tiling`: the kernel's blocks and group_m, where not the engine's (kernels/mlp.py: gate_up_silu). The output
+    starts as NaN: a block no program writes is named as non-finite."""
     from kernels import mlp
     x, w = mlp_case(rows, hidden, intermediate, dtype, device, seed)
-    out = mlp.gate_up_silu(x, w).float()
+    out = torch.full((rows, intermediate), float("nan"), device=device, dtype=dtype)
+    out = mlp.gate_up_silu(x, w, out, **tiling).float()
     n = intermediate
     gu = x.float() @ w.float().T
     exact = F.silu(gu[:, :n]) * gu[:, n:]
     gu_dt = F.linear(x, w).float()                     # the GEMM in the dtype, as the engine runs it unfused
     unfused = (F.silu(gu_dt[:, :n]) * gu_dt[:, n:]).to(dtype).float()
     label = (f"the fused MLP kernel (kernels/mlp.py) at {rows} rows, hidden {hidden}, intermediate {intermediate}, "
-             f"{str(dtype).removeprefix('torch.')}")
+             f"{str(dtype).removeprefix('torch.')}" + "".join(f", {k} {v}" for k, v in tiling.items()))
     if out.shape != exact.shape:
         return [f"{label}: output {tuple(out.shape)}, expected {tuple(exact.shape)}"]
     if not torch.isfinite(out).all():

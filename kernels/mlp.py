@@ -44,8 +44,16 @@ def tiling(rows: int, k: int) -> tuple[int, int, int]:
     return block_m, block_n, block_k
 
 
-def gate_up_silu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(x @ w[:N]^T) * (x @ w[N:]^T) for x [M, K] and the fused [gate; up] weight w [2N, K] -> [M, N]."""
+GROUP_M = 8     # row blocks a program group shares its weight tiles over (the kernel's grid order says why)
+LAUNCH = dict(num_warps=4, num_stages=3)
+
+
+def gate_up_silu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+                 blocks: tuple[int, int, int] | None = None, group_m: int = GROUP_M,
+                 launch: dict | None = None) -> torch.Tensor:
+    """silu(x @ w[:N]^T) * (x @ w[N:]^T) for x [M, K] and the fused [gate; up] weight w [2N, K] -> [M, N].
+    `blocks` (BLOCK_M, BLOCK_N, BLOCK_K), `group_m` and `launch` (num_warps, num_stages): the engine's (tiling(),
+    GROUP_M, LAUNCH) unless given (the probe's sweep, scripts/probes/gate_up_silu.py)."""
     from .compile_cache import use_compile_cache
     use_compile_cache()
     from .mlp_kernels import gate_up_silu as kernel
@@ -56,11 +64,11 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
                          f"contiguous rows")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    bm, bn, bk = tiling(m, k)
-    kernel[(-(-n // bn), -(-m // bm))](x, w, out, m, x.stride(0), w.stride(0), out.stride(0), N=n, K=k,
-                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                                       num_warps=4, num_stages=3)
+    bm, bn, bk = blocks or tiling(m, k)
+    programs = -(-m // bm) * (-(-n // bn))
+    kernel[(programs,)](x, w, out, m, x.stride(0), w.stride(0), out.stride(0), N=n, K=k, BLOCK_M=bm, BLOCK_N=bn,
+                        BLOCK_K=bk, GROUP_M=group_m, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        **(launch or LAUNCH))
     return out
 
 
@@ -72,4 +80,4 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]).to(x.dtype)
 
 
-__all__ = ["FUSED_ROWS", "KERNELS", "gate_up_silu", "reference", "tiling", "why_unavailable"]
+__all__ = ["FUSED_ROWS", "GROUP_M", "KERNELS", "LAUNCH", "gate_up_silu", "reference", "tiling", "why_unavailable"]

@@ -9,14 +9,24 @@ import triton.language as tl
 # it would compile the kernel again for nothing (it only masks rows)
 @triton.jit(do_not_specialize=["M"])
 def gate_up_silu(x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om, N: tl.constexpr, K: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """out[M, N] = silu(x @ w[:N]^T) * (x @ w[N:]^T), w the fused [gate; up] weight [2N, K]. A program computes
     BLOCK_N columns of gate and the same columns of up for BLOCK_M rows over the whole K (each x tile loaded once
     for both), rounds each to the output dtype as the GEMM's output is rounded, and applies SiLU-mul in fp32, as the
     compiled piece does (engine/model.py's silu_mul). PRECISION: "ieee" for fp32 inputs (cuBLAS multiplies them in
     fp32 unless torch allows TF32; tl.dot's default would round them to TF32)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    # a one-dimensional grid ordered in groups of GROUP_M row blocks: within a group, the row blocks of a column
+    # block are neighbours, so each weight tile comes from DRAM once a group and from L2 for the group's other row
+    # blocks. With the row block slowest (a two-dimensional grid's order), a loaded step's 544 rows (9 blocks of 64)
+    # would stream a layer's 55 MB of weights 9 times, past the 50 MB L2. One row block (a decode step's rows): the
+    # column blocks in order, as before
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(tl.cdiv(M, BLOCK_M) - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)

@@ -14,6 +14,8 @@
 #            several whole prompts (scripts/h200_loaded.sh's ptrace512 profiles those)
 #   gateup544  scripts/probes/gate_up_silu.py at a loaded step's 544 rows, wgmma tiles (BLOCK_M 64, 128) against
 #            cuBLAS's GEMM + the SiLU-mul kernel (47.5 + 9.2 us a layer on an H100 in session 33)
+#   gateupbig  the same at a prefill step's 4,096 and 16,384 rows (8 layers' weights): the SiLU-mul fused into the
+#            GEMM saves writing and reading back the gate/up output, if the Triton GEMM comes near cuBLAS's there
 #   ptrace512  scripts/probes/profile_trace.py: the 512-row closed run's own steps (prefill steps with several whole
 #            prompts), each profiled alone, top kernels by step kind
 #   steps    gates/test_step_timings.py on the 1.5B shape, flash, captured and eager (the step bench's figures)
@@ -84,8 +86,10 @@ part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pur
   --out "$OUT/psteps.json"
 part psteps512 150 python3 -m bench.profile_steps --model $M15 --rows 160 --chunk 16384 --kinds loaded --steps 10 \
   --out "$OUT/psteps512.json"
-part gateup544 120 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 64,128 --block-n 64,128 --block-k 64 \
-  --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
+part gateup544 150 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 64,128 --block-n 64,128 --block-k 64 \
+  --group-m 4,16 --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
+part gateupbig 200 python3 -m scripts.probes.gate_up_silu --rows 4096,16384 --layers 8 --reps 10 --block-m 128 \
+  --block-n 64,128 --block-k 64 --group-m 8 --warps 8 --stages 3,4 --out "$OUT/gateupbig.json"
 part ptrace512 200 python3 -m scripts.probes.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 24 \
   --out "$OUT/ptrace512.json"
 part fprefill 60 python3 -m scripts.probes.flash_prefill --width fit --out "$OUT/fprefill-fit.json"
@@ -148,7 +152,7 @@ grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
 grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -A10 "^loaded:" "$OUT/logs/psteps512.log" 2>/dev/null | head -11
-grep -A3 "^fastest" "$OUT/logs/gateup544.log" 2>/dev/null
+grep -A3 "^fastest" "$OUT/logs/gateup544.log" "$OUT/logs/gateupbig.log" 2>/dev/null
 grep -vE "capturing|warn" "$OUT/logs/ptrace512.log" 2>/dev/null | tail -24
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/logs/fprefill.log" "$OUT/logs/fprefill-w128.log" 2>/dev/null | grep -E "^ *[0-9]|history" | head -60

@@ -46,6 +46,31 @@ def test_the_kernel_matches_the_fp32_arithmetic(hidden, intermediate, dtype):
 
 
 @kernel_test
+@pytest.mark.parametrize("group_m", [1, 3, 16])
+def test_every_grid_order_writes_every_block_once(group_m):
+    """The grid runs in groups of GROUP_M row blocks (kernels/mlp_kernels.py): 150 rows in 16-row blocks are 10
+    row blocks, so groups of 3 leave a last group of one, and 16 is one group of all; 80 columns in 32-column blocks
+    end in a partial block. Every output element written (it starts as NaN) and right."""
+    problems = mlp_kernel_problems(150, 96, 80, torch.float32, DEVICE, blocks=(16, 32, 32), group_m=group_m)
+    assert not problems, "\n".join(problems)
+
+
+@kernel_test
+def test_a_grid_one_program_short_fails_the_check(monkeypatch):
+    """A grid whose order skips a block (here: one program short, the last column block of the last row block)
+    leaves output unwritten; the check names it as non-finite."""
+    from kernels import mlp_kernels
+    kernel = mlp_kernels.gate_up_silu
+
+    class Short:
+        def __getitem__(self, grid):
+            return kernel[(grid[0] - 1,)]
+    monkeypatch.setattr(mlp_kernels, "gate_up_silu", Short())
+    problems = mlp_kernel_problems(150, 96, 80, torch.float32, DEVICE, blocks=(16, 32, 32), group_m=3)
+    assert problems and "group_m 3: non-finite output at [[144, 64]" in problems[0], problems
+
+
+@kernel_test
 def test_an_off_by_one_in_the_up_half_fails_the_check(monkeypatch):
     """The plant `mlp-up-row` (tests/plants.py, which the GPU plant table runs against the kernel gate): the up
     half's rows read one row late, as a kernel whose up offset is off by one would. The gate's check names the
@@ -160,3 +185,25 @@ def test_the_dispatch_check_holds_the_mlp_kernel_taken_against_the_configured_on
     e.run()
     assert {kernel for _, kernel in e.runner.mlp_dispatched} == {"torch"}
     assert not [p for p in dispatch_problems(e) if "MLP" in p]
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
+@pytest.mark.parametrize("rows,blocks,dot", [(32, None, "mma.sync"), (544, (64, 64, 64), "wgmma")])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(rows, blocks, dot):
+    """The kernel as a GPU runs it, compiled through Triton's CUDA backend to PTX for sm_90 (a GPU-only type or
+    syntax error fails here, on CPU): at the engine's 32-row tiling its dots are mma.sync; from 64-row blocks (the
+    probe's candidates for a loaded step's 544 rows) Hopper's wgmma."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import mlp_kernels
+    bm, bn, bk = blocks or mlp.tiling(rows, 1536)
+    sig = dict(x_ptr="*fp16", w_ptr="*fp16", out_ptr="*fp16", M="i32", stride_xm="i32", stride_wn="i32",
+               stride_om="i32", N="constexpr", K="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
+               BLOCK_K="constexpr", GROUP_M="constexpr", PRECISION="constexpr")
+    consts = dict(N=8960, K=1536, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=mlp.GROUP_M, PRECISION="tf32")
+    compiled = triton.compile(ASTSource(fn=mlp_kernels.gate_up_silu, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32), options=dict(mlp.LAUNCH))
+    ptx = compiled.asm["ptx"]
+    assert ".target sm_90" in ptx and dot in ptx, f"no {dot} in the PTX at {rows} rows, blocks {(bm, bn, bk)}"
+    assert compiled.metadata.num_warps == mlp.LAUNCH["num_warps"]

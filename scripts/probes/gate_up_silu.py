@@ -25,16 +25,11 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def fused(x, w, blocks, launch):
-    """kernels/mlp.py's kernel at the given tiling and launch (the engine's: kernels.mlp.tiling)."""
-    from kernels.mlp_kernels import gate_up_silu
-    m, k = x.shape
-    n = w.shape[0] // 2
-    bm, bn, bk = blocks
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    gate_up_silu[(-(-n // bn), -(-m // bm))](x, w, out, m, x.stride(0), w.stride(0), out.stride(0), N=n, K=k,
-                                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PRECISION="tf32", **launch)
-    return out
+def fused(x, w, blocks, group_m, launch):
+    """kernels/mlp.py's kernel at the given tiling, grid grouping and launch (the engine's: kernels.mlp.tiling,
+    GROUP_M and LAUNCH)."""
+    from kernels.mlp import gate_up_silu
+    return gate_up_silu(x, w, blocks=blocks, group_m=group_m, launch=launch)
 
 
 def main(argv=None) -> int:
@@ -51,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-k", default="64,128,256")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--stages", default="3,4,5")
+    ap.add_argument("--group-m", default="8", help="GROUP_M values: row blocks a program group shares its weight "
+                    "tiles over (matters from two row blocks: kernels/mlp_kernels.py)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -83,19 +80,19 @@ def main(argv=None) -> int:
         base_us, ref = graph_time(run(lambda x_, w_: silu_mul(F.linear(x_, w_))), a.reps, a.layers)
         gemm_us, _ = graph_time(run(F.linear), a.reps, a.layers)
         bms = ints(a.block_m) or [16 if m <= 16 else 32 if m <= 32 else 64]
-        for bm, bn, bk, wp, st in itertools.product(bms, ints(a.block_n), ints(a.block_k), ints(a.warps),
-                                                    ints(a.stages)):
-            if k % bk:
-                continue
+        for bm, bn, bk, gm, wp, st in itertools.product(bms, ints(a.block_n), ints(a.block_k), ints(a.group_m),
+                                                        ints(a.warps), ints(a.stages)):
+            if k % bk or (gm != ints(a.group_m)[0] and -(-m // bm) == 1):
+                continue            # one row block: every GROUP_M orders the grid alike
             launch = dict(num_warps=wp, num_stages=st)
-            label = f"({bm},{bn},{bk}) w{wp}s{st}"
+            label = f"({bm},{bn},{bk}) g{gm} w{wp}s{st}"
             try:
-                us, out = graph_time(run(lambda x_, w_: fused(x_, w_, (bm, bn, bk), launch)), a.reps, a.layers)
+                us, out = graph_time(run(lambda x_, w_: fused(x_, w_, (bm, bn, bk), gm, launch)), a.reps, a.layers)
             except Exception as e:      # a tiling the compiler refuses (shared memory, registers): say so
                 print(f"{m:>4} {label:>26}  {type(e).__name__}: {str(e)[:80]}", flush=True)
                 continue
             err = (out - ref).abs().max().item()
-            r = dict(rows=m, blocks=(bm, bn, bk), launch=launch, us=us, base_us=base_us, gemm_us=gemm_us,
+            r = dict(rows=m, blocks=(bm, bn, bk), group_m=gm, launch=launch, us=us, base_us=base_us, gemm_us=gemm_us,
                      gbps=wbytes / us / 1e3, max_abs_diff=err)
             rows.append(r)
             if err < 5e-2 and (m not in best or us < best[m]["us"]):
@@ -104,7 +101,7 @@ def main(argv=None) -> int:
                   f"{base_us / us:>5.2f} {err:>9.2e}", flush=True)
     print("fastest per row count, against cuBLAS + the compiled SiLU-mul (us a layer):")
     for m, r in best.items():
-        print(f"  {m:>3} rows: {r['blocks']} {r['launch']} {r['us']:.2f} against {r['base_us']:.2f} "
+        print(f"  {m:>3} rows: {r['blocks']} g{r['group_m']} {r['launch']} {r['us']:.2f} against {r['base_us']:.2f} "
               f"(cuBLAS alone {r['gemm_us']:.2f}): {r['base_us'] / r['us']:.2f}x")
     if a.out:
         with open(a.out, "w") as f:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37 on one H200 (sessions 21-22): a change measured against the tree before it, the GPU gate suite from an empty
 # compile cache, and the serving figures beside nano-vllm. PARTS (default: all, in this order):
-#   tests    tests/test_triton_decode.py and test_mlp_kernel.py natively on the GPU (runs while flash-attn builds, if it must)
+#   tests    tests/test_triton_decode.py, test_mlp_kernel.py and test_linear_kernel.py natively on the GPU (runs while flash-attn builds, if it must)
 #   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
 #   flashgates  the flash configuration's kernel, token, graph, smoke, page safety and request gates (-n 4, from an
 #            empty compile cache)
@@ -14,6 +14,8 @@
 #            several whole prompts (scripts/h200_loaded.sh's ptrace512 profiles those)
 #   gateup544  scripts/probes/gate_up_silu.py at a loaded step's 544 rows, wgmma tiles (BLOCK_M 64, 128) against
 #            cuBLAS's GEMM + the SiLU-mul kernel (47.5 + 9.2 us a layer on an H100 in session 33)
+#   serialk  scripts/probes/splitk_gemm.py --kernel serial: kernels/linear.py's split-K kernel (its last program of a
+#            tile adds the splits) for q/k/v, o and down at 8 and 32 rows against cuBLAS, o and down with their norm
 #   gateupbig  the same at a prefill step's 4,096 and 16,384 rows (8 layers' weights): the SiLU-mul fused into the
 #            GEMM saves writing and reading back the gate/up output, if the Triton GEMM comes near cuBLAS's there
 #   ptrace512  scripts/probes/profile_trace.py: the 512-row closed run's own steps (prefill steps with several whole
@@ -71,7 +73,7 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
   echo "$name: rc=$? in $(( $(date +%s) - t0 ))s (limit ${max}s)" >> "$OUT/logs/status.txt"
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
-part tests 120 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kernel.py -q -p no:cacheprovider -rfEs
+part tests 150 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kernel.py tests/test_linear_kernel.py -q -p no:cacheprovider -rfEs
 need_flash
 part gputests 200 python3 -m pytest tests/test_graph_buffers.py tests/test_step_graphs.py tests/test_overlap.py \
   --device cuda -q -p no:cacheprovider -rfEs
@@ -88,6 +90,8 @@ part psteps512 150 python3 -m bench.profile_steps --model $M15 --rows 160 --chun
   --out "$OUT/psteps512.json"
 part gateup544 150 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 64,128 --block-n 64,128 --block-k 64 \
   --group-m 4,16 --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
+part serialk 200 python3 -m scripts.probes.splitk_gemm --kernel serial --rows 8,32 --splits 2,4,6,8 --block-n 32,64 \
+  --block-k 64,128 --warps 4 --stages 3,4 --out "$OUT/serialk.json"
 part gateupbig 200 python3 -m scripts.probes.gate_up_silu --rows 4096,16384 --layers 8 --reps 10 --block-m 128 \
   --block-n 64,128 --block-k 64 --group-m 8 --warps 8 --stages 3,4 --out "$OUT/gateupbig.json"
 part ptrace512 200 python3 -m scripts.probes.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 24 \
@@ -153,6 +157,7 @@ grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -1
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -A10 "^loaded:" "$OUT/logs/psteps512.log" 2>/dev/null | head -11
 grep -A3 "^fastest" "$OUT/logs/gateup544.log" "$OUT/logs/gateupbig.log" 2>/dev/null
+grep -A8 "^fastest" "$OUT/logs/serialk.log" 2>/dev/null
 grep -vE "capturing|warn" "$OUT/logs/ptrace512.log" 2>/dev/null | tail -24
 grep -E "test_step_time|test_decode_kernel" "$OUT/logs/steps.log" 2>/dev/null | head -12
 cat "$OUT/logs/fprefill.log" "$OUT/logs/fprefill-w128.log" 2>/dev/null | grep -E "^ *[0-9]|history" | head -60

@@ -38,25 +38,10 @@ def tiling(m: int, n: int, k: int, sms: int = SMS) -> tuple[int, int, int]:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: tuple[int, int, int],
            launch: dict | None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [M, K], weight [N, K] by the kernel, at the given tiling."""
-    from .skinny_gemm_kernel import skinny_linear
-    m, k = x.shape
-    n = weight.shape[0]
-    bm, bn, bk = blocks
-    out = torch.empty(m, n, device=x.device, dtype=x.dtype)
-    skinny_linear[(-(-n // bn), -(-m // bm))](
-        x, weight, bias if bias is not None else weight, out, m, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, **(launch or {"num_warps": 4, "num_stages": 4}))
-    return out
-
-
-SHAPES = {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
-          "down": (1536, 8960, False)}
-
-
-def ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """F.linear(x, weight, bias) for x [M, K], weight [N, K] at the given tiling: kernels/linear.py's kernel at one
+    split (a program per BLOCK_N columns over the whole K; until session 34 a kernel of this probe's own)."""
+    from kernels.linear import splitk_linear
+    return splitk_linear(x, weight, bias, splits=1, blocks=blocks, launch=launch or {"num_warps": 4, "num_stages": 4})
 
 
 def main(argv=None) -> int:

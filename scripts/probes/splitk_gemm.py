@@ -7,7 +7,11 @@ Why: at 32 rows cuBLAS runs q/k/v (with its bias) as 64 programs and o as 96 for
 a layer for 4.7-6.3 MB (about a quarter of the copy rate), and down as split-K. A split over K gives every
 multiprocessor a program; the sum of the splits moves into the kernel that reads the output anyway.
 
-    python -m scripts.probes.splitk_gemm [--rows 1,8,32] [--out FILE.json]
+Session 34 added `--kernel serial`: kernels/linear.py's split-K kernel, whose last program of each output tile adds
+the splits (and q/k/v's bias) in the same launch and writes the output in the model's dtype, so o and down are
+timed with the same compiled add + RMSNorm after them as cuBLAS is; the variant `auto` is the kernel's own tiling.
+
+    python -m scripts.probes.splitk_gemm [--rows 1,8,32] [--kernel partials|serial] [--out FILE.json]
 """
 from __future__ import annotations
 
@@ -27,17 +31,11 @@ EPS = 1e-6
 
 
 def partials(x, w, splits, bn, bk, bm, warps, stages):
-    from scripts.probes.splitk_gemm_kernel import splitk_partials
-    m, k = x.shape
-    n = w.shape[0]
-    steps = -(-k // bk)
-    k_per = -(-steps // splits) * bk
-    s = -(-k // k_per)
-    part = torch.empty(s, m, n, device=x.device, dtype=torch.float32)
-    splitk_partials[(-(-n // bn), s, -(-m // bm))](x, w, part, m, x.stride(0), w.stride(0), N=n, K=k, K_PER=k_per,
-                                                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                                   num_stages=stages)
-    return part
+    """The splits' fp32 sums [splits, M, N], unadded: kernels/linear.py's kernel stopped before its last program adds
+    them (until session 34 a kernel of this probe's own)."""
+    from kernels.linear import splitk_linear
+    return splitk_linear(x, w, splits=splits, blocks=(bm, bn, bk), launch=dict(num_warps=warps, num_stages=stages),
+                         partials=True)
 
 
 def norm_of(s, weight):
@@ -61,11 +59,13 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--splits", default="1,2,3,4,6,8")
+    ap.add_argument("--splits", default="2,3,4,6,8")
     ap.add_argument("--block-n", default="32,64,128")
     ap.add_argument("--block-k", default="64,128")
     ap.add_argument("--warps", default="4")
     ap.add_argument("--stages", default="3,4")
+    ap.add_argument("--kernel", default="partials", choices=("partials", "serial"),
+                    help="partials: the consumer sums the splits; serial: kernels/linear.py (its last program does)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -99,29 +99,43 @@ def main(argv=None) -> int:
             nobias = None
             if has_bias:
                 nobias, _ = graph_time(lambda: [F.linear(x, w) for w in ws][-1], a.reps, a.layers)
-            variants = itertools.product(ints(a.splits), ints(a.block_n), ints(a.block_k), ints(a.warps),
-                                         ints(a.stages))
+            variants = list(itertools.product(ints(a.splits), ints(a.block_n), ints(a.block_k), ints(a.warps),
+                                              ints(a.stages)))
+            if a.kernel == "serial":
+                variants.insert(0, (0, 0, 0, 0, 0))         # kernels/linear.py's own tiling and launch
             for splits, bn, bk, warps, stages in variants:
-                if bk * splits > k:
-                    continue
+                if bk * splits > k or splits == 1 and a.kernel == "partials":
+                    continue        # partials of one split: scripts/probes/skinny_gemm.py's case
                 bm = 16 if m <= 16 else 32 if m <= 32 else 64
+
+                def serial(w, b):
+                    from kernels.linear import splitk_linear
+                    if not splits:
+                        return splitk_linear(x, w, b)
+                    return splitk_linear(x, w, b, splits=splits, blocks=(bm, bn, bk),
+                                         launch=dict(num_warps=warps, num_stages=stages))
 
                 def step():
                     out = None
                     for w, b in zip(ws, bs):
+                        if a.kernel == "serial":        # the output, in the model's dtype, bias added
+                            out = serial(w, b)
+                            if not has_bias:
+                                out = c_add_norm(out, res, nw)[0]
+                            continue
                         p = partials(x, w, splits, bn, bk, bm, warps, stages)
                         if has_bias:        # the consumer (attend_items) would add the splits and the bias
                             out = p
                         else:
                             out = c_add_norm_parts(p, res, nw)[0]
                     return out
-                label = f"s{splits} n{bn} k{bk} w{warps} st{stages}"
+                label = "auto" if not splits else f"s{splits} n{bn} k{bk} w{warps} st{stages}"
                 try:
                     us, out = graph_time(step, a.reps, a.layers)
                 except Exception as e:  # noqa: BLE001 (a tiling the compiler refuses: say so)
                     print(f"{name:>6} {m:>4} {label:>26}  {type(e).__name__}: {str(e)[:80]}")
                     continue
-                if has_bias:
+                if has_bias and a.kernel == "partials":
                     out = (out.sum(0) + bs[-1].float()).half().float()
                 err = (out - ref).abs().max().item()
                 r = dict(shape=name, rows=m, splits=splits, block_n=bn, block_k=bk, warps=warps, stages=stages,
@@ -137,8 +151,10 @@ def main(argv=None) -> int:
     print("fastest per shape and rows (GEMM + its consumer norm for o and down; q/k/v: the GEMM alone):")
     for key, r in best.items():
         extra = f", cuBLAS without bias {r['cublas_nobias_us']:.2f}" if r["cublas_nobias_us"] else ""
-        print(f"  {key}: s{r['splits']} n{r['block_n']} k{r['block_k']} w{r['warps']} st{r['stages']} "
-              f"{r['us']:.2f} us against cuBLAS {r['cublas_us']:.2f}{extra} ({r['cublas_us'] / r['us']:.2f}x)")
+        tiling = "auto" if not r["splits"] else \
+            f"s{r['splits']} n{r['block_n']} k{r['block_k']} w{r['warps']} st{r['stages']}"
+        print(f"  {key}: {tiling} {r['us']:.2f} us against cuBLAS {r['cublas_us']:.2f}{extra} "
+              f"({r['cublas_us'] / r['us']:.2f}x)")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(rows=results, best=best), f, indent=1)

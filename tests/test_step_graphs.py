@@ -9,6 +9,11 @@ buffers, with the torch backend standing in for flash: its prefill reads lengths
 gathers the whole table width the host bounds give)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +32,7 @@ from gates.compare import compare
 from gates.reference import EngineReference
 
 # short prompts (cheap emulated steps), two-piece chunks (chunk 128 = 2 x Q_TILE), more requests than rows
+REPO = Path(__file__).resolve().parent.parent
 WORKLOAD = Workload("step-graphs-cpu", (4, 16, 64, 200), (8, 24), 14, chunk_tokens=128)
 MAX_BATCH = 8
 MAX_LEN = 200 + 24
@@ -310,8 +316,30 @@ def plant_stale(monkeypatch, section: str):
     monkeypatch.setattr(StepGraphs, "fill", stale_fill)
 
 
+CHILD_ENV = "STEPGATE_STALE_CHILD"
+
+
+def crashes_contained(request) -> bool:
+    """Run this test in a child process (True: this one is done) where a CUDA fault would end the test process: a
+    stale history of 0 under a piece's queries takes flash-attn's split-KV kernel down its early exit, whose LSE
+    write ignores the variable-length layout (Dao-AILab/flash-attention issue 2842): an illegal memory access on the
+    H100 in session 34, which poisons the CUDA context for every later test. Caught either way: the child fails the
+    comparison (its own assertion), or dies of that fault; anything else fails here."""
+    if os.environ.get(CHILD_ENV):
+        return False
+    r = subprocess.run([sys.executable, "-m", "pytest", request.node.nodeid, "--device", "cuda", "-q",
+                        "-p", "no:cacheprovider"], cwd=REPO, env={**os.environ, CHILD_ENV: "1"},
+                       capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 or "illegal memory access" in out, \
+        f"the child run of {request.node.nodeid} neither caught the plant nor faulted:\n{out[-3000:]}"
+    return True
+
+
 @pytest.mark.parametrize("section", ["cu_q", "table", "kv_lens", "lead_kv", "decode_rows"])
-def test_stale_metadata_is_caught(mode, monkeypatch, section):
+def test_stale_metadata_is_caught(mode, monkeypatch, section, request):
+    if mode["device"] == "cuda" and section == "kv_lens" and crashes_contained(request):
+        return
     mode = plant_mode(mode)
     eager_ref, eager = eager_run(mode)
     plant_stale(monkeypatch, section)

@@ -13,7 +13,9 @@ partials (in split order: the result does not depend on which program came last)
 output in the model's dtype. One launch a projection, nothing for the consumer to do.
 
 State: a count a tile (int32, zero between calls: the last program sets it back) and the partials' workspace, one
-pair a device, made before a CUDA graph captures a call (`workspace`) and read by every call after.
+pair a device, made before a CUDA graph captures a call (`workspace`) and read by every call after. Calls on one
+device run one at a time (one stream, as the engine's steps do): two at once would share the counts. A workspace
+that grows keeps its old buffers alive, since a captured graph still writes to the ones it was captured with.
 
 Not yet in the engine: scripts/probes/splitk_gemm.py (`--kernel serial`) times it against cuBLAS in a graph over 28
 layers' weights; the engine takes it where that wins. Checked on CPU through Triton's interpreter
@@ -25,6 +27,7 @@ import torch
 MIN_ROWS = 16               # tl.dot needs 16 rows at least: the row block
 LAUNCH = dict(num_warps=4, num_stages=3)
 _WORKSPACE: dict = {}       # device -> (counts int32, partials fp32)
+_RETIRED: list = []         # buffers a grown workspace replaced: graphs captured with them still write to them
 
 
 def tiling(rows: int, n: int, k: int, programs: int) -> tuple[int, int, int, int]:
@@ -49,6 +52,8 @@ def workspace(device, tiles: int, floats: int) -> tuple[torch.Tensor, torch.Tens
             raise RuntimeError(f"splitk_linear: its workspace on {device} is too small for this call ({tiles} tiles, "
                                f"{floats} floats) and cannot grow while a CUDA graph captures: call it once before "
                                f"the capture")
+        if counts is not None:
+            _RETIRED.append((counts, part))
         tiles = max(tiles, 0 if counts is None else counts.numel())
         floats = max(floats, 0 if part is None else part.numel())
         counts = torch.zeros(tiles, dtype=torch.int32, device=device)

@@ -116,10 +116,13 @@ def test_a_count_left_over_from_an_earlier_call_is_caught():
 
 @kernel_test
 def test_the_workspace_grows_and_keeps_its_counts_zero():
+    """It grows to a larger call, is reused by a smaller one, and keeps the buffers it replaced alive."""
     before, _ = linear.workspace(DEVICE, 1, 1)
     counts, part = linear.workspace(DEVICE, before.numel() + 5, 1 << 12)
     assert counts.numel() >= before.numel() + 5 and part.numel() >= 1 << 12 and int(counts.abs().sum()) == 0
     assert linear.workspace(DEVICE, 1, 1)[0] is counts, "a smaller call must reuse the workspace, not shrink it"
+    assert any(c is before for c, _ in linear._RETIRED), \
+        "the replaced counts were freed: a graph captured with them would write to freed memory"
 
 
 def test_bad_arguments_are_refused():

@@ -22,6 +22,8 @@ layers' weights; the engine takes it where that wins. Checked on CPU through Tri
 (tests/test_linear_kernel.py) and compiled there to sm_90 PTX."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 MIN_ROWS = 16               # tl.dot needs 16 rows at least: the row block
@@ -40,6 +42,12 @@ def tiling(rows: int, n: int, k: int, programs: int) -> tuple[int, int, int, int
     tiles = -(-rows // bm) * -(-n // bn)
     splits = max(1, min(-(-programs // tiles), k // (2 * bk)))
     return splits, bm, bn, bk
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The programs a launch fills the device with: its multiprocessors (the interpreter on a CPU: any count)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def workspace(device, tiles: int, floats: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,11 +85,7 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1 or bias is not None and bias.shape != (n,):
         raise ValueError(f"splitk_linear: x {tuple(x.shape)}, weight {tuple(w.shape)} (both with contiguous rows) "
                          f"and bias {None if bias is None else tuple(bias.shape)}: expected [M, K], [N, K] and [N]")
-    if x.device.type == "cuda":
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    else:
-        programs = 8            # the interpreter: any count
-    s, bm, bn, bk = tiling(m, n, k, programs)
+    s, bm, bn, bk = tiling(m, n, k, multiprocessors(x.device))
     if blocks is not None:
         bm, bn, bk = blocks
     s = splits or s
@@ -103,10 +107,4 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
-def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The product in fp32, rounded to x's dtype: what the kernel must match to within its dtype's rounding."""
-    y = x.float() @ w.float().T
-    return (y if bias is None else y + bias.float()).to(x.dtype)
-
-
-__all__ = ["LAUNCH", "MIN_ROWS", "reference", "splitk_linear", "tiling", "workspace"]
+__all__ = ["LAUNCH", "MIN_ROWS", "splitk_linear", "tiling", "workspace"]

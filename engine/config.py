@@ -66,6 +66,17 @@ def number(name: str, value) -> None:
         raise ConfigError(f"{name}={value!r}: must be a real number")
 
 
+# The layers' Triton kernels: EngineConfig field -> whether None picks the kernel where it can run (CUDA). Each
+# field's module (layer_kernel_module) says its KERNELS and why_unavailable(device).
+LAYER_KERNELS = {"mlp_kernel": True, "linear_kernel": False}
+
+
+def layer_kernel_module(name: str):
+    import kernels.linear
+    import kernels.mlp
+    return {"mlp_kernel": kernels.mlp, "linear_kernel": kernels.linear}[name]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     forward: str = "fused"          # "chunked": two forwards per loaded step; "fused": one
@@ -107,6 +118,9 @@ class EngineConfig:
     # the MLP's gate/up GEMM and SiLU-mul at a step of at most kernels.mlp.FUSED_ROWS positions: "triton", one fused
     # kernel (kernels/mlp.py: CUDA only); "torch", F.linear and the SiLU-mul piece (None: triton on CUDA)
     mlp_kernel: str | None = None
+    # the q/k/v, o and down projections at a step of at most kernels.linear.SKINNY_ROWS positions: "triton", the
+    # split-K kernel of kernels/linear.py (CUDA only); "torch", F.linear (None: torch)
+    linear_kernel: str | None = None
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -135,7 +149,7 @@ class EngineConfig:
             self.backend_options()
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        self.check_mlp_kernel()
+        self.check_layer_kernels()
         try:
             canonical_dtype(self.dtype)
         except ValueError as e:
@@ -149,21 +163,25 @@ class EngineConfig:
         if not 0 < self.tp_timeout < math.inf:
             raise ConfigError(f"tp_timeout={self.tp_timeout!r}: must be a finite number of seconds > 0")
 
-    def check_mlp_kernel(self) -> None:
-        from kernels.mlp import KERNELS, why_unavailable
-        if self.mlp_kernel is None:
-            return
-        choice("mlp_kernel", self.mlp_kernel, KERNELS)
-        why = why_unavailable(self.device) if self.mlp_kernel == "triton" else None
-        if why and device_problem(self.device) is None:
-            raise ConfigError(f"mlp_kernel='triton' on {self.device}: {why}")
+    def check_layer_kernels(self) -> None:
+        for name in LAYER_KERNELS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            module = layer_kernel_module(name)
+            choice(name, value, module.KERNELS)
+            why = module.why_unavailable(self.device) if value == "triton" else None
+            if why and device_problem(self.device) is None:
+                raise ConfigError(f"{name}={value!r} on {self.device}: {why}")
 
-    def resolved_mlp_kernel(self) -> str:
-        """mlp_kernel with None decided: the fused Triton kernel where it can run (CUDA), else torch's."""
-        if self.mlp_kernel is not None:
-            return self.mlp_kernel
-        from kernels.mlp import why_unavailable
-        return "triton" if why_unavailable(self.device) is None else "torch"
+    def resolved_layer_kernel(self, name: str) -> str:
+        """A layer kernel field (LAYER_KERNELS) with None decided: its Triton kernel where it can run (CUDA) and it
+        is the default, else torch's."""
+        value = getattr(self, name)
+        if value is not None:
+            return value
+        triton = LAYER_KERNELS[name] and layer_kernel_module(name).why_unavailable(self.device) is None
+        return "triton" if triton else "torch"
 
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)
@@ -190,7 +208,7 @@ class EngineConfig:
                        compile_warmup=on_cuda if self.compile_warmup is None else self.compile_warmup,
                        decode_kernel=opts["decode_kernel"], decode_splits=opts["decode_splits"],
                        decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"],
-                       mlp_kernel=self.resolved_mlp_kernel())
+                       **{name: self.resolved_layer_kernel(name) for name in LAYER_KERNELS})
 
     def describe(self) -> dict:
         """Every field, as given (None where undecided): `resolved().describe()` says what runs."""
@@ -199,7 +217,8 @@ class EngineConfig:
     def key(self) -> str:
         """A resolved configuration's choices that pick what runs, in one short line for a benchmark row:
         forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows/tp (then
-        the prefill share where not 1, and mlp-triton where the MLP's fused kernel runs)."""
+        the prefill share where not 1, mlp-triton where the MLP's fused kernel runs, linear-triton where the
+        projections' split-K kernel does)."""
         c = self
         kernel = f"{c.decode_kernel}{'+append' if c.decode_append else ''}"
         if c.decode_splits is not None:
@@ -208,7 +227,8 @@ class EngineConfig:
                          "graphs" if c.cuda_graphs else "eager", "overlap" if c.overlap else "serial",
                          "prefix" if c.prefix_cache else "noprefix", f"chunk{c.chunk_tokens}", f"rows{c.max_batch}",
                          f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else [])
-                        + (["mlp-triton"] if c.mlp_kernel == "triton" else []))
+                        + [f"{name.removesuffix('_kernel')}-triton" for name in LAYER_KERNELS
+                           if getattr(c, name, None) == "triton"])
 
 
 # Fields that say how a run is observed or sized, not what it computes: two configurations that differ only in

@@ -332,8 +332,7 @@ class DecodeGraphs(CapturedSteps):
         # reads the true lengths from the device tensor
         batch = AttnBatch([1] * b, [w * r.page_size] * b, table, sec["kv_lens"], self.cu_q[:b + 1], r.page_size)
         r.backend.prepare(batch, "decode")
-        ctx = ForwardContext(sec["slots"].long(), 0, None, batch, r.backend, mlp_rows=r.mlp_rows,
-                             mlp_took=r.mlp_dispatched)
+        ctx = ForwardContext(sec["slots"].long(), 0, None, batch, r.backend, **r.layer_kernels())
         return r.model(sec["tokens"].long(), sec["positions"], r.kv_caches, ctx, None, out=self.logits[:b])
 
     def estimate_pool_bytes(self, key: tuple) -> int:

@@ -59,13 +59,31 @@ class ForwardContext:
     # where the MLP's kernel choices are recorded ((rows, "triton" or "torch"), as the layers take them; in a captured
     # step, at capture): the runner's mlp_dispatched, which the gates' dispatch check holds against the configuration
     mlp_took: set | None = None
+    # the same for the q/k/v, o and down projections and kernels/linear.py's split-K kernel (EngineConfig.linear_kernel
+    # "triton": the runner's linear_rows, linear_dispatched)
+    linear_rows: int = 0
+    linear_took: set | None = None
 
     def fuses_mlp(self, rows: int) -> bool:
         """Whether an MLP of `rows` rows runs the fused kernel; the choice recorded."""
-        fused = rows <= self.mlp_rows
-        if self.mlp_took is not None:
-            self.mlp_took.add((rows, "triton" if fused else "torch"))
-        return fused
+        return _chosen(self.mlp_took, rows, self.mlp_rows)
+
+    def linear(self, x, weight, bias=None):
+        """x @ weight^T (+ bias): at most linear_rows rows through the split-K kernel, else F.linear (cuBLAS); the
+        choice recorded."""
+        if _chosen(self.linear_took, x.shape[0], self.linear_rows):
+            from kernels.linear import splitk_linear
+            return splitk_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+
+def _chosen(took: set | None, rows: int, limit: int) -> bool:
+    """Whether a layer of `rows` rows takes its Triton kernel (at most `limit` rows), recorded in `took` as (rows,
+    "triton" or "torch")."""
+    triton = rows <= limit
+    if took is not None:
+        took.add((rows, "triton" if triton else "torch"))
+    return triton
 
 
 # -- elementwise pieces ----------------------------------------------------------------------------------------
@@ -220,6 +238,14 @@ class Rotary(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class Linear(nn.Linear):
+    """A projection whose forward's context picks its kernel (ForwardContext.linear): o and down (q/k/v run as one
+    fused weight, Attention.fuse). Without a context, F.linear."""
+
+    def forward(self, x, ctx: ForwardContext | None = None):
+        return F.linear(x, self.weight, self.bias) if ctx is None else ctx.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -227,7 +253,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=True)
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=True)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=True)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.o_proj = Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
         self.scale = s.head_dim ** -0.5
 
     def fuse(self) -> None:
@@ -244,7 +270,7 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, k_cache, v_cache, ctx: ForwardContext):
         T = x.shape[0]
         s = self.s
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
+        qkv = ctx.linear(x, self.qkv_weight, self.qkv_bias).view(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim)
         # a pure decode step over a backend that appends K/V in its kernel writes nothing here, and one whose kernel
         # also rotates (rotates_decode) gets the queries and keys unrotated, with cos and sin: no rotary kernel
         append = ctx.prefill is None and ctx.lead is None and ctx.decode is not None and ctx.backend.appends_decode_kv
@@ -274,7 +300,7 @@ class Attention(nn.Module):
             rows = lead.num_seqs
             # in place: the decode rows' outputs replace the variable-length call's there
             ctx.backend.decode_into(q[:rows], k_cache, v_cache, lead, self.scale, o[:rows], is_decode, count)
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj(o.reshape(T, -1), ctx)
 
 
 class MLP(nn.Module):
@@ -282,7 +308,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.down_proj = Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def fuse(self) -> None:
         """One [gate; up] projection, as Attention.fuse does for q, k, v."""
@@ -297,8 +323,8 @@ class MLP(nn.Module):
         (kernels/mlp.py)."""
         if ctx is not None and ctx.fuses_mlp(x.shape[0]):
             from kernels.mlp import gate_up_silu
-            return self.down_proj(gate_up_silu(x, self.gate_up_weight))
-        return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)))
+            return self.down_proj(gate_up_silu(x, self.gate_up_weight), ctx)
+        return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)), ctx)
 
 
 class DecoderLayer(nn.Module):

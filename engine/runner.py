@@ -63,8 +63,10 @@ class ModelRunner:
 
     # forwards of at most this many positions run the MLP's fused kernel (kernels/mlp.py; build_runner sets it from
     # EngineConfig.mlp_kernel): every ForwardContext this runner makes carries it, and `mlp_dispatched` collects the
-    # kernels its forwards' MLPs took (ForwardContext.fuses_mlp)
+    # kernels its forwards' MLPs took (ForwardContext.fuses_mlp). linear_rows, linear_dispatched: the same for the
+    # projections' split-K kernel (kernels/linear.py, EngineConfig.linear_kernel; ForwardContext.linear)
     mlp_rows = 0
+    linear_rows = 0
 
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
                  poison: bool = False, record_topk: int = 0, pad_page: bool = False,
@@ -88,6 +90,7 @@ class ModelRunner:
             raise Unavailable(f"attention backend {backend!r} cannot serve this model: {reason}")
         self.census: Counter = Counter()     # the paths this runner's steps took (path_census)
         self.mlp_dispatched: set[tuple[int, str]] = set()
+        self.linear_dispatched: set[tuple[int, str]] = set()
         s = self.shape
         fill = float("nan") if poison else 0.0
         self.pad_page = num_pages if pad_page else None
@@ -153,6 +156,11 @@ class ModelRunner:
                          torch.tensor(kv_lens, dtype=torch.int32, device=self.device),
                          torch.tensor(cu, dtype=torch.int32, device=self.device), self.page_size)
 
+    def layer_kernels(self) -> dict:
+        """A ForwardContext's layer kernel choices and where it records them (every forward this runner makes)."""
+        return dict(mlp_rows=self.mlp_rows, mlp_took=self.mlp_dispatched, linear_rows=self.linear_rows,
+                    linear_took=self.linear_dispatched)
+
     def build(self, chunks: list[Chunk], decodes, pages_of: dict[str, list[int]], all_logits: bool = False):
         """Packed inputs for one forward: chunk positions first, decode tokens last (engine/packing.py), copied to
         the device in one piece."""
@@ -171,8 +179,7 @@ class ModelRunner:
                                       [pages_of[r.request_id] for r in decodes])
             self.backend.prepare(decode, "decode")
         t = torch.from_numpy(flat).to(self.device)
-        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend, mlp_rows=self.mlp_rows,
-                             mlp_took=self.mlp_dispatched)
+        ctx = ForwardContext(t[2 * n:3 * n], num_prefill, prefill, decode, self.backend, **self.layer_kernels())
         return t[:n], t[n:2 * n], ctx, t[3 * n:]
 
     @torch.inference_mode()
@@ -313,6 +320,19 @@ def warm_mlp(model, device, dtype) -> None:
         gate_up_silu(torch.zeros(rows, model.shape.hidden_size, device=device, dtype=dtype), mlp.gate_up_weight)
 
 
+@torch.inference_mode()
+def warm_linear(model, device, dtype) -> None:
+    """The split-K linear kernel (kernels/linear.py) at each of its row tilings over the first layer's q/k/v, o and
+    down: compiled, and its workspace made at its largest, before any CUDA graph captures a call (a capture cannot
+    grow it)."""
+    from kernels.linear import SKINNY_ROWS, splitk_linear
+    layer = getattr(model, "shard", model).model.layers[0]
+    attn, down = layer.self_attn, layer.mlp.down_proj
+    for rows in (1, SKINNY_ROWS):
+        for w, b in ((attn.qkv_weight, attn.qkv_bias), (attn.o_proj.weight, None), (down.weight, None)):
+            splitk_linear(torch.zeros(rows, w.shape[1], device=device, dtype=dtype), w, b)
+
+
 def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
                  graphs: bool = False, runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
     """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
@@ -340,12 +360,17 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     runner.compiled_elementwise = compiled      # what this build did, for the gates to hold against Engine.served
     runner.build_cost = cost
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
-    if config.resolved_mlp_kernel() == "triton":
+    if config.resolved_layer_kernel("mlp_kernel") == "triton":
         from kernels.mlp import FUSED_ROWS
         runner.mlp_rows = FUSED_ROWS
         if warm:     # its two row tilings compiled now, so that no step or capture compiles
             with timed(cost, "warmup_s"):
                 warm_mlp(model, runner.device, dtype)
+    if config.resolved_layer_kernel("linear_kernel") == "triton":
+        from kernels.linear import SKINNY_ROWS
+        runner.linear_rows = SKINNY_ROWS
+        with timed(cost, "warmup_s"):      # warm or not: a captured step needs the workspace made first
+            warm_linear(model, runner.device, dtype)
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile
         with timed(cost, "warmup_s"):

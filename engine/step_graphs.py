@@ -215,8 +215,7 @@ class StepGraphs(CapturedSteps):
                             self.lead_cu[:rows + 1], r.page_size)
             r.backend.prepare(dec, "decode")
             lead = (dec, self.lead_ids[:rows] < dv["decode_rows"], dv["decode_rows"])
-        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend, lead=lead, mlp_rows=r.mlp_rows,
-                             mlp_took=r.mlp_dispatched)
+        ctx = ForwardContext(dv["slots"][:b].long(), b, batch, None, r.backend, lead=lead, **r.layer_kernels())
         return r.model(dv["tokens"][:b].long(), dv["positions"][:b], r.kv_caches, ctx, dv["logit_rows"][:rows].long(),
                        out=self.logits[:rows])
 

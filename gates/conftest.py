@@ -47,7 +47,7 @@ def pytest_testnodedown(node, error):
 # Cheap decisive gates first, slow ones last, so that a broken engine fails the run in seconds, not minutes. A file
 # not named here keeps its place among them; tests keep their order within a file.
 # test_redo.py and test_requests.py right after test_tokens.py: they reuse the mixed workload's undisturbed run.
-GATE_ORDER = ["test_smoke.py", "test_kernels.py", "test_mlp.py", "test_admission.py", "test_tokens.py", "test_redo.py",
+GATE_ORDER = ["test_smoke.py", "test_kernels.py", "test_mlp.py", "test_linear.py", "test_admission.py", "test_tokens.py", "test_redo.py",
               "test_requests.py", "test_page_safety.py", "test_prefix_cache.py", "test_tp.py", "test_graphs.py", "test_prefill_share.py",
               "test_step_timings.py"]
 

@@ -20,34 +20,53 @@ def dispatch_problems(engine) -> list[str]:
     out += [f"dispatch: a {op} call ran {KernelPath(backend.name, op, kernel, append).name}, but the {backend.name} "
             f"backend is configured to run {backend.name}.{op}.{configured[op]}"
             for op, kernel, append in sorted(backend.dispatched) if kernel != configured[op]]
-    return out + mlp_dispatch_problems(engine)
+    return out + layer_kernel_problems(engine)
 
 
-def mlp_dispatch_problems(engine) -> list[str]:
-    """The MLP's kernel as its forwards took it (ModelRunner.mlp_dispatched: ForwardContext.fuses_mlp records each
-    layer's (rows, kernel); in a captured step, at capture) against EngineConfig.mlp_kernel: with "triton", every MLP
-    of at most kernels.mlp.FUSED_ROWS rows takes the fused kernel (kernels/mlp.py) and every larger one torch's, and
-    some MLP was recorded if a forward that small ran; with "torch", none takes the fused kernel. A forward that
-    ignored its context's choice, or a runner built with another threshold, passes the served record and the
-    tokens alike."""
-    took = getattr(engine.runner, "mlp_dispatched", None)
+# The layers' Triton kernels (engine.config.LAYER_KERNELS): the configuration field -> the runner's rows and record
+# (ModelRunner.mlp_rows / mlp_dispatched, ...), the module's row limit, the kernel and the layers in a message
+LAYERS = {"mlp_kernel": ("mlp", "FUSED_ROWS", "the fused kernel", "the fused MLP kernel", "MLP"),
+          "linear_kernel": ("linear", "SKINNY_ROWS", "the split-K kernel", "the projections' split-K kernel",
+                            "projection")}
+
+
+def layer_limit(name: str) -> int:
+    from engine.config import layer_kernel_module
+    return getattr(layer_kernel_module(name), LAYERS[name][1])
+
+
+def layer_kernel_problems(engine) -> list[str]:
+    """layer_dispatch_problems for every layer kernel (the MLP's, the projections')."""
+    return [p for name in LAYERS for p in layer_dispatch_problems(engine, name)]
+
+
+def layer_dispatch_problems(engine, name: str) -> list[str]:
+    """A layer's kernel as its forwards took it (ModelRunner.mlp_dispatched: ForwardContext.fuses_mlp records each
+    layer's (rows, kernel); in a captured step, at capture; linear_dispatched the same for ForwardContext.linear)
+    against the configuration (EngineConfig.mlp_kernel, linear_kernel): with "triton", every layer of at most the
+    kernel's rows (kernels.mlp.FUSED_ROWS, kernels.linear.SKINNY_ROWS) takes the Triton kernel and every larger one
+    torch's, and some layer was recorded if a forward that small ran; with "torch", none takes the Triton kernel. A
+    forward that ignored its context's choice, or a runner built with another threshold, passes the served record and
+    the tokens alike."""
+    prefix, _, short, _, layer = LAYERS[name]
+    took = getattr(engine.runner, f"{prefix}_dispatched", None)
     if took is None:
         return []           # (a tensor-parallel engine's forwards run in its ranks)
-    from kernels.mlp import FUSED_ROWS
-    if engine.served.mlp_kernel != "triton":
+    limit = layer_limit(name)
+    if getattr(engine.served, name) != "triton":
         fused = sorted(n for n, kernel in took if kernel == "triton")
-        return [f"dispatch: MLPs of {fused[:4]} rows ran the fused kernel, but mlp_kernel='torch' is configured"] \
+        return [f"dispatch: {layer}s of {fused[:4]} rows ran {short}, but {name}='torch' is configured"] \
             if fused else []
-    wrong = sorted((n, kernel) for n, kernel in took if kernel != ("triton" if n <= FUSED_ROWS else "torch"))
-    out = [f"dispatch: mlp_kernel='triton' is configured (the fused kernel up to {FUSED_ROWS} rows), but MLPs of "
+    wrong = sorted((n, kernel) for n, kernel in took if kernel != ("triton" if n <= limit else "torch"))
+    out = [f"dispatch: {name}='triton' is configured ({short} up to {limit} rows), but {layer}s of "
            f"{', '.join(f'{n} rows took {kernel}' for n, kernel in wrong[:4])}"] if wrong else []
     chunked = engine.served.forward == "chunked"
     forwards = [n for r in engine.trace for n in ((r.prompt_positions, r.decode_tokens) if chunked else
                                                     (r.prompt_positions + r.decode_tokens,))]
-    small = sum(0 < n <= FUSED_ROWS for n in forwards)
-    if small and not any(n <= FUSED_ROWS for n, _ in took):
-        out.append(f"dispatch: mlp_kernel='triton' is configured and {small} forward(s) of at most {FUSED_ROWS} "
-                   f"positions ran, but no MLP of that size was recorded")
+    small = sum(0 < n <= limit for n in forwards)
+    if small and not any(n <= limit for n, _ in took):
+        out.append(f"dispatch: {name}='triton' is configured and {small} forward(s) of at most {limit} "
+                   f"positions ran, but no {layer} of that size was recorded")
     return out
 
 
@@ -94,13 +113,14 @@ def served_problems(engine) -> list[str]:
         elif step_graphs.capture_graphs != served.capture_graphs:
             out.append(f"served: capture_graphs={served.capture_graphs} is configured, the runner's loaded steps are "
                        f"{'captured' if step_graphs.capture_graphs else 'uncaptured'}")
-    # the MLP's fused kernel (kernels/mlp.py) runs where the runner's forwards say so (ForwardContext.mlp_rows)
-    from kernels.mlp import FUSED_ROWS
-    mlp_rows = getattr(runner, "mlp_rows", None)      # (a tensor-parallel engine's forwards run in its ranks)
-    want_rows = FUSED_ROWS if mlp_rows is not None and served.mlp_kernel == "triton" else 0
-    if mlp_rows is not None and mlp_rows != want_rows:
-        out.append(f"served: mlp_kernel={served.mlp_kernel!r} is configured, the runner's forwards run the fused MLP "
-                   f"kernel up to {mlp_rows} positions (expected {want_rows})")
+    # the layers' Triton kernels (kernels/mlp.py, kernels/linear.py) run where the runner's forwards say so
+    # (ForwardContext.mlp_rows, linear_rows)
+    for name, (prefix, _, _, kernel, _) in LAYERS.items():
+        rows = getattr(runner, f"{prefix}_rows", None)      # (a tensor-parallel engine's forwards run in its ranks)
+        want_rows = layer_limit(name) if getattr(served, name, None) == "triton" else 0
+        if rows is not None and rows != want_rows:
+            out.append(f"served: {name}={getattr(served, name, None)!r} is configured, the runner's forwards run "
+                       f"{kernel} up to {rows} positions (expected {want_rows})")
     caches = getattr(runner, "kv_caches", None)
     if caches:
         # the pool is sized from free memory by ModelRunner.bytes_per_page (engine/served.py): it must be what a page

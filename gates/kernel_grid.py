@@ -79,16 +79,26 @@ def grid_params(config):
     return out
 
 
-def mlp_shapes(config) -> list[tuple[int, int]]:
-    """The fused MLP kernel's (hidden, intermediate) shapes: the model under test's and the 1.5B shape's."""
+def model_shapes(config) -> list[tuple[int, int, int, int, int]]:
+    """(hidden, intermediate, heads, kv heads, head dim) of the model under test and of the 1.5B shape: the layer
+    kernels' gates run both."""
     from engine.loader import QWEN25_1P5B, model_config
-    out = [(QWEN25_1P5B["hidden_size"], QWEN25_1P5B["intermediate_size"])]
+
+    def shape(c):
+        heads = c["num_attention_heads"]
+        return (c["hidden_size"], c["intermediate_size"], heads, c.get("num_key_value_heads") or heads,
+                c.get("head_dim") or c["hidden_size"] // heads)
+    out = [shape(QWEN25_1P5B)]
     try:
-        c = model_config(gate_options(config).model_arg)
-        own = (c["hidden_size"], c["intermediate_size"])
+        own = shape(model_config(gate_options(config).model_arg))
     except (OSError, ValueError, KeyError):   # a model the loader cannot read fails its engine gates, with the reason
         return out
     return ([own] if own not in out else []) + out
+
+
+def mlp_shapes(config) -> list[tuple[int, int]]:
+    """The fused MLP kernel's (hidden, intermediate) shapes: the model under test's and the 1.5B shape's."""
+    return list(dict.fromkeys(s[:2] for s in model_shapes(config)))
 
 
 def pytest_generate_tests(metafunc):
@@ -96,6 +106,10 @@ def pytest_generate_tests(metafunc):
         cases = [pytest.param(h, n, dt, id=f"mlp-{h}x{n}-{SHORT[dt]}") for h, n in mlp_shapes(metafunc.config)
                  for dt in dtypes(metafunc.config)]
         metafunc.parametrize("hidden,intermediate,dtype", cases)
+    elif metafunc.function.__name__ == "test_linear_kernel_gate":
+        cases = [pytest.param(s, dt, id=f"linear-{s[0]}x{s[1]}-h{s[2]}kv{s[3]}d{s[4]}-{SHORT[dt]}")
+                 for s in model_shapes(metafunc.config) for dt in dtypes(metafunc.config)]
+        metafunc.parametrize("shape,dtype", cases)
     elif metafunc.function.__name__ == "test_kernel_gate":
         metafunc.parametrize("path,heads,kv_heads,head_dim,page_size,dtype,lens_name",
                              grid_params(metafunc.config))

@@ -27,9 +27,17 @@ import functools
 import torch
 
 MIN_ROWS = 16               # tl.dot needs 16 rows at least: the row block
+SKINNY_ROWS = 32            # the most rows a step's q/k/v, o and down run this kernel (EngineConfig.linear_kernel)
+KERNELS = ("torch", "triton")   # EngineConfig.linear_kernel's choices: F.linear (cuBLAS), or this kernel
 LAUNCH = dict(num_warps=4, num_stages=3)
 _WORKSPACE: dict = {}       # device -> (counts int32, partials fp32)
 _RETIRED: list = []         # buffers a grown workspace replaced: graphs captured with them still write to them
+
+
+def why_unavailable(device) -> str | None:
+    """Why the kernel cannot run on `device` (None: it can): as the fused MLP kernel's."""
+    from .mlp import why_unavailable as triton_unavailable
+    return triton_unavailable(device)
 
 
 def tiling(rows: int, n: int, k: int, programs: int) -> tuple[int, int, int, int]:
@@ -107,4 +115,4 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return out
 
 
-__all__ = ["LAUNCH", "MIN_ROWS", "splitk_linear", "tiling", "workspace"]
+__all__ = ["KERNELS", "LAUNCH", "MIN_ROWS", "SKINNY_ROWS", "splitk_linear", "tiling", "why_unavailable", "workspace"]

@@ -27,7 +27,7 @@ KERNELS = ("torch", "triton")   # EngineConfig.mlp_kernel's choices: F.linear + 
 def why_unavailable(device) -> str | None:
     """Why the fused kernel cannot run on `device` (None: it can)."""
     if torch.device(device).type != "cuda":
-        return "it is a Triton kernel for CUDA devices (the engine runs F.linear and the SiLU-mul piece elsewhere)"
+        return "it is a Triton kernel for CUDA devices (the engine runs torch's kernels elsewhere)"
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -16,6 +16,9 @@
 #            cuBLAS's GEMM + the SiLU-mul kernel (47.5 + 9.2 us a layer on an H100 in session 33)
 #   serialk  scripts/probes/splitk_gemm.py --kernel serial: kernels/linear.py's split-K kernel (its last program of a
 #            tile adds the splits) for q/k/v, o and down at 8 and 32 rows against cuBLAS, o and down with their norm
+#   lingates linab  a copy of this tree with the split-K linear kernel (kernels/linear.py) the default on CUDA
+#            (/tmp/linflip): its kernel, smoke, token, graph and page safety gates (flash, -n 4), and gates.ab of its pure
+#            decode step against this tree (EngineConfig.linear_kernel's default decided by the figure)
 #   gateupbig  the same at a prefill step's 4,096 and 16,384 rows (8 layers' weights): the SiLU-mul fused into the
 #            GEMM saves writing and reading back the gate/up output, if the Triton GEMM comes near cuBLAS's there
 #   ptrace512  scripts/probes/profile_trace.py: the 512-row closed run's own steps (prefill steps with several whole
@@ -92,6 +95,20 @@ part gateup544 150 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 6
   --group-m 4,16 --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
 part serialk 200 python3 -m scripts.probes.splitk_gemm --kernel serial --rows 8,32 --splits 2,4,6,8 --block-n 32,64 \
   --block-k 64,128 --warps 4 --stages 3,4 --out "$OUT/serialk.json"
+flip() {   # /tmp/linflip: this tree with the split-K linear kernel the default on CUDA (engine/config.py's
+  # LAYER_KERNELS), for lingates and linab: the kernel's gates and its step figure against this tree in one call
+  [ -d /tmp/linflip ] && return 0
+  mkdir -p /tmp/linflip && tar -c --exclude=./.device . | tar -x -C /tmp/linflip
+  sed -i 's/"linear_kernel": False/"linear_kernel": True/' /tmp/linflip/engine/config.py
+  grep -q '"linear_kernel": True' /tmp/linflip/engine/config.py || echo "flip: LAYER_KERNELS not found" >> "$OUT/logs/status.txt"
+}
+if want lingates || want linab; then flip; fi
+rm -rf /tmp/sg-cache-lingates
+part lingates 150 bash -c "cd /tmp/linflip && STEPGATE_COMPILE_CACHE=/tmp/sg-cache-lingates python3 -m pytest \
+  gates/test_linear.py gates/test_smoke.py gates/test_tokens.py gates/test_graphs.py gates/test_page_safety.py \
+  --device cuda --model small-trained -k 'flash or linear' -n 4 -p no:cacheprovider -q -rfEs"
+part linab ${AB_S:-170} python3 -m gates.ab --base-tree "$PWD" --head-tree /tmp/linflip --device cuda \
+  --kinds pure-decode --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/linab" --no-plot
 part gateupbig 200 python3 -m scripts.probes.gate_up_silu --rows 4096,16384 --layers 8 --reps 10 --block-m 128 \
   --block-n 64,128 --block-k 64 --group-m 8 --warps 8 --stages 3,4 --out "$OUT/gateupbig.json"
 part ptrace512 200 python3 -m scripts.probes.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 24 \
@@ -149,11 +166,11 @@ gates gates_noprewarm --no-prewarm
 part eagerprof 150 python3 -m scripts.probes.gate_run_profile --device cuda --model small-trained
 cat "$OUT/logs/status.txt"
 need_flash
-tar czf "$OUT/s22.tgz" -C "$OUT" logs $(cd "$OUT" && ls -d ab loaded serve *.json 2>/dev/null) 2>/dev/null
+tar czf "$OUT/s22.tgz" -C "$OUT" logs $(cd "$OUT" && ls -d ab linab loaded serve *.json 2>/dev/null) 2>/dev/null
 grep -hE "^(FAILED|ERROR)|[0-9]+ (passed|failed)|engines built" "$OUT"/logs/tests.log "$OUT"/logs/gputests.log \
-  "$OUT"/logs/flashgates.log "$OUT"/logs/gates*.log 2>/dev/null | tail -24
+  "$OUT"/logs/flashgates.log "$OUT"/logs/lingates.log "$OUT"/logs/gates*.log 2>/dev/null | tail -24
 grep -A12 "us a call" "$OUT/logs/blas.log" 2>/dev/null | head -14
-grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" 2>/dev/null | head -12
+grep -E "verdict|ratio|pure-decode|loaded" "$OUT/ab/ab.md" "$OUT/linab/ab.md" 2>/dev/null | head -16
 grep -E "^(pure-decode|loaded):|^  [a-z]" "$OUT/logs/psteps.log" 2>/dev/null | head -8
 grep -A10 "^loaded:" "$OUT/logs/psteps512.log" 2>/dev/null | head -11
 grep -A3 "^fastest" "$OUT/logs/gateup544.log" "$OUT/logs/gateupbig.log" 2>/dev/null

@@ -232,6 +232,20 @@ def mlp_never_fused(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ForwardContext, "fuses_mlp", torch_only)
 
 
+def linear_bias_late(mp: pytest.MonkeyPatch) -> None:
+    """The split-K linear kernel adds each column the next column's bias (column j gets bias j + 1), as an
+    off-by-one in its bias offset would: q/k/v of every CUDA step of at most 32 positions would be wrong where the
+    kernel is configured, and the kernel gate checks it whether or not it is."""
+    import torch
+
+    import kernels.linear as linear
+    kernel = linear.splitk_linear
+
+    def planted(x, w, bias=None, out=None, **kw):
+        return kernel(x, w, None if bias is None else torch.cat([bias[1:], bias[-1:]]), out, **kw)
+    mp.setattr(linear, "splitk_linear", planted)
+
+
 def registry_gap(mp: pytest.MonkeyPatch) -> None:
     """The kernel registry loses one path: the torch backend no longer declares its decode kernel, so the kernel
     gate (whose cases come from the registry) never checks it, while every engine still decodes with it."""
@@ -662,6 +676,10 @@ PLANTS = {
                              r"MLPs of \d+ rows took torch", mlp_never_fused,
                              args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_smoke.py",),
                              device="cuda"),
+    "linear-bias-late": Plant("the split-K linear kernel adds each column the next column's bias (CUDA)",
+                              r"the split-K linear kernel \(kernels/linear\.py\) \(q/k/v\) at .*wrong values",
+                              linear_bias_late, args=("--device", "cuda", "--model", "small-trained"),
+                              paths=("gates/test_linear.py",), device="cuda"),
     "registry-gap": Plant("the kernel registry leaves out the torch decode kernel (no kernel gate case checks it)",
                           r"torch\.decode\.gather: taken in \d+ steps by the gates' engines, never checked by the "
                           r"kernel gate", registry_gap, args=("-k", "torch"),

@@ -7,14 +7,20 @@ interpreter, in a child process (tests/interpreter.py), and its GPU path is comp
 with --device cuda."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-import torch.nn.functional as F
+
+from engine.config import EngineConfig, lineage_config
+from engine.errors import ConfigError
+from gates.linear_check import linear_case, linear_problems
 
 triton = pytest.importorskip("triton", reason="the split-K linear kernel needs triton (pip install triton)")
 
 from kernels import linear  # noqa: E402
 
+from tests.tiny_model import tiny_forwards  # noqa: E402
 from tests.interpreter import interpreting, kernel_test_mark, run_kernel_tests_interpreted  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,7 +28,6 @@ INTERPRETING = interpreting(triton)
 RUNS_HERE = DEVICE == "cuda" or INTERPRETING
 kernel_test = kernel_test_mark(triton)
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-EPS = 1e-5
 
 
 @pytest.mark.skipif(RUNS_HERE, reason="the kernel tests run in this process")
@@ -33,28 +38,13 @@ def test_in_the_interpreter():
 
 
 def case(rows, n, k, dtype, bias: bool, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, k, generator=g)
-    w = torch.randn(n, k, generator=g) * k ** -0.5
-    b = torch.randn(n, generator=g) if bias else None
-    return x.to(DEVICE, dtype), w.to(DEVICE, dtype), None if b is None else b.to(DEVICE, dtype)
+    return linear_case(rows, n, k, bias, dtype, DEVICE, seed)
 
 
 def problems(x, w, b, **tiling) -> list[str]:
-    """[] when the kernel's output is within twice the error of torch's linear in the same dtype (both against
-    the fp32 arithmetic), plus a tiny epsilon; else what is wrong. The output starts as NaN: a tile no program
-    writes shows."""
-    out = torch.full((x.shape[0], w.shape[0]), float("nan"), device=x.device, dtype=x.dtype)
-    got = linear.splitk_linear(x, w, b, out, **tiling).float()
-    exact = x.float() @ w.float().T + (0 if b is None else b.float())
-    base = (F.linear(x, w, b).float() - exact).abs().max().item()
-    label = f"splitk_linear at {tuple(x.shape)} x {tuple(w.shape)}, bias {b is not None}, {tiling or 'its tiling'}"
-    if not torch.isfinite(got).all():
-        return [f"{label}: non-finite output at {torch.nonzero(~torch.isfinite(got))[:4].tolist()}"]
-    err = (got - exact).abs().max().item()
-    if err > 2 * base + EPS * max(1.0, exact.abs().max().item()):
-        return [f"{label}: wrong values: max error {err:.3g} against the fp32 arithmetic, torch's {base:.3g}"]
-    return []
+    """The kernel gate's check (gates/linear_check.py): [] when within twice the error of torch's linear in the
+    same dtype (both against the fp32 arithmetic), plus a tiny epsilon; else what is wrong."""
+    return linear_problems(x, w, b, **tiling)
 
 
 @kernel_test
@@ -141,6 +131,98 @@ def test_the_tiling_fills_the_device_with_whole_k_blocks():
     assert linear.tiling(32, 1536, 8960, 132) == (6, 32, 64, 128)       # down: 24 tiles x 6
     assert linear.tiling(1, 1536, 1536, 132) == (3, 16, 32, 128)        # 48 tiles x 3
     assert linear.tiling(32, 64, 256, 132)[0] == 1                      # K of two blocks: one split
+
+
+@kernel_test
+def test_an_off_by_one_in_the_bias_fails_the_gate_check(monkeypatch):
+    """The plant `linear-bias-late` (tests/plants.py, which the GPU plant table runs against the kernel gate): each
+    column gets the next column's bias. The gate's check (gates/linear_check.py, as gates/test_linear.py runs it)
+    names the kernel, the projection, the shape and the error."""
+    from tests.plants import PLANTS
+    PLANTS["linear-bias-late"].patch(monkeypatch)
+    found = linear_problems(*linear_case(17, 96, 200, True, torch.float16, DEVICE), label="(q/k/v) ")
+    assert found and re.search(PLANTS["linear-bias-late"].cause, found[0]), found
+
+
+@kernel_test
+def test_the_model_runs_the_split_k_kernel_exactly_where_linear_rows_says(monkeypatch):
+    """A forward's linear_rows (ForwardContext: the runner's, from EngineConfig.linear_kernel) sends q/k/v, o and
+    down of at most that many rows to the kernel, and larger ones to F.linear; both give the same logits."""
+    calls = []
+    kernel = linear.splitk_linear
+    monkeypatch.setattr(linear, "splitk_linear", lambda x, w, b=None: calls.append((x.shape[0], tuple(w.shape),
+                                                                                     b is not None)) or kernel(x, w, b))
+    took = set()
+    out = tiny_forwards(DEVICE, [(rows, limit, dict(linear_rows=limit, linear_took=took)) for rows in (8, 32, 33)
+                                 for limit in (0, linear.SKINNY_ROWS)])
+    layer = [(((4 + 2 * 2) * 64, 256), True), ((256, 256), False), ((256, 512), False)]     # q/k/v, o, down
+    assert calls == [(rows, *w) for rows in (8, 32) for _ in range(2) for w in layer], \
+        f"the kernel ran {calls}: expected q/k/v, o and down of both layers at 8 and 32 rows (at linear_rows 32)"
+    assert took == {(8, "torch"), (8, "triton"), (32, "torch"), (32, "triton"), (33, "torch")}, \
+        f"the forwards recorded {took}"
+    for rows in (8, 32, 33):
+        diff = (out[rows, 0] - out[rows, linear.SKINNY_ROWS]).abs().max().item()
+        assert diff < 1e-3, f"{rows} rows: logits with and without the split-K kernel differ by {diff}"
+
+
+def test_the_configuration_picks_the_kernel_per_device():
+    """None: torch's (F.linear) everywhere until the kernel is the default; "triton" on a CPU and an unknown kernel
+    are refused, naming why; the served key names it where it runs."""
+    from dataclasses import asdict
+    from types import SimpleNamespace
+    cfg = lineage_config("flash", device="cpu")
+    assert cfg.resolved().linear_kernel == "torch" and "linear" not in cfg.resolved().key()
+    with pytest.raises(ConfigError, match=r"linear_kernel='triton' on cpu: it is a Triton kernel for CUDA devices"):
+        EngineConfig(linear_kernel="triton")
+    with pytest.raises(ConfigError, match=r"linear_kernel='cublaslt': must be one of 'torch', 'triton'"):
+        EngineConfig(linear_kernel="cublaslt")
+    on = SimpleNamespace(**{**asdict(cfg.resolved()), "mlp_kernel": "triton", "linear_kernel": "triton"})
+    assert EngineConfig.key(on).endswith("/tp1/mlp-triton/linear-triton")
+
+
+def test_a_runner_that_runs_the_kernel_unconfigured_fails_the_served_check():
+    """gates/dispatch.served_problems: a runner whose forwards run the split-K kernel where the configuration says
+    F.linear is named."""
+    from gates.dispatch import served_problems
+    from gates.reference import EngineReference
+    engine = EngineReference("fused", "small", device="cpu", cuda_graphs=False, progress=False).engine()
+    assert not [p for p in served_problems(engine) if "linear" in p]
+    engine.runner.linear_rows = linear.SKINNY_ROWS
+    problems = served_problems(engine)
+    assert any("linear_kernel='torch' is configured, the runner's forwards run the projections' split-K kernel up "
+               "to 32 positions (expected 0)" in p for p in problems), problems
+
+
+def test_the_dispatch_check_holds_the_kernel_taken_against_the_configured_one():
+    """gates/dispatch.layer_dispatch_problems for the projections (every gate engine run's dispatch check): a
+    projection of at most 32 rows that took F.linear where the kernel is configured, a larger one that took the
+    kernel, none recorded though a small forward ran, the kernel taken where F.linear is configured; a CPU engine's
+    run records F.linear only, and its check is clean."""
+    from gates.dispatch import dispatch_problems, layer_dispatch_problems
+    from gates.reference import EngineReference
+
+    def problems_of(kernel, took, steps=((0, 8), (512, 4))):
+        trace = [SimpleNamespace(prompt_positions=p, decode_tokens=d) for p, d in steps]
+        e = SimpleNamespace(runner=SimpleNamespace(linear_dispatched=set(took)), trace=trace,
+                            served=SimpleNamespace(linear_kernel=kernel, forward="fused"))
+        return layer_dispatch_problems(e, "linear_kernel")
+    from types import SimpleNamespace
+    right = {(8, "triton"), (32, "triton"), (33, "torch"), (516, "torch")}
+    assert problems_of("triton", right) == []
+    assert problems_of("triton", {(8, "torch"), (516, "torch")}) == [
+        "dispatch: linear_kernel='triton' is configured (the split-K kernel up to 32 rows), but projections of 8 "
+        "rows took torch"]
+    assert problems_of("triton", {(32, "torch")}) and problems_of("triton", {(33, "triton")})
+    assert problems_of("triton", {(516, "torch")}) == [
+        "dispatch: linear_kernel='triton' is configured and 1 forward(s) of at most 32 positions ran, but no "
+        "projection of that size was recorded"]
+    assert problems_of("torch", right) == [
+        "dispatch: projections of [8, 32] rows ran the split-K kernel, but linear_kernel='torch' is configured"]
+    e = EngineReference("fused", "small", device="cpu", cuda_graphs=False, progress=False).engine()
+    e.submit(list(range(3, 40)), 4, "r0")
+    e.run()
+    assert {kernel for _, kernel in e.runner.linear_dispatched} == {"torch"}
+    assert not [p for p in dispatch_problems(e) if "projection" in p]
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")

@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton", reason="the fused MLP kernel needs triton
 
 from kernels import mlp  # noqa: E402
 
+from tests.tiny_model import tiny_forwards  # noqa: E402
 from tests.interpreter import interpreting, kernel_test_mark, run_kernel_tests_interpreted  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,32 +89,12 @@ def test_the_model_runs_the_fused_kernel_exactly_where_mlp_rows_says(monkeypatch
     """A forward's mlp_rows (ForwardContext: the runner's, from EngineConfig.mlp_kernel) sends an MLP of at most
     that many rows to the kernel, and a larger one to F.linear and the SiLU-mul piece; both give the same logits.
     Built from the small model's shape with random weights (the interpreter: no engine, one forward a case)."""
-    from engine.model import ForwardContext, ModelShape, Qwen2
-    from engine.loader import qwen2_config
-    import kernels
     calls = []
     fused = mlp.gate_up_silu
     monkeypatch.setattr(mlp, "gate_up_silu", lambda x, w, out=None: calls.append(x.shape[0]) or fused(x, w, out))
-    torch.manual_seed(0)
-    shape = ModelShape.of(qwen2_config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=300))
-    model = Qwen2(shape).to(DEVICE).eval().fuse()
-    backend = kernels.get_backend("torch", DEVICE, 64)
-    pages = 4
-    caches = [(torch.zeros(pages, 64, 2, 64, device=DEVICE), torch.zeros(pages, 64, 2, 64, device=DEVICE))
-              for _ in range(2)]
-    out, took = {}, set()
-    for rows in (8, 32, 33):
-        for mlp_rows in (0, mlp.FUSED_ROWS):
-            batch = kernels.AttnBatch([rows], [rows], torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEVICE),
-                                      torch.tensor([rows], dtype=torch.int32, device=DEVICE),
-                                      torch.tensor([0, rows], dtype=torch.int32, device=DEVICE), 64)
-            backend.prepare(batch, "prefill")
-            slots = torch.arange(64, 64 + rows, device=DEVICE)
-            ctx = ForwardContext(slots, rows, batch, None, backend, mlp_rows=mlp_rows, mlp_took=took)
-            tokens = torch.arange(rows, device=DEVICE) % 300
-            with torch.inference_mode():
-                out[rows, mlp_rows] = model(tokens, torch.arange(rows, device=DEVICE), caches, ctx, None)
+    took = set()
+    out = tiny_forwards(DEVICE, [(rows, mlp_rows, dict(mlp_rows=mlp_rows, mlp_took=took)) for rows in (8, 32, 33)
+                                 for mlp_rows in (0, mlp.FUSED_ROWS)])
     assert calls == [8, 8, 32, 32], f"the fused kernel ran at {calls} rows: expected the 8- and 32-row forwards' two "\
         f"layers each (at mlp_rows 32)"
     assert took == {(8, "torch"), (8, "triton"), (32, "torch"), (32, "triton"), (33, "torch")}, \
@@ -152,11 +133,11 @@ def test_a_runner_that_runs_the_fused_mlp_unconfigured_fails_the_dispatch_check(
 
 
 def test_the_dispatch_check_holds_the_mlp_kernel_taken_against_the_configured_one():
-    """gates/dispatch.mlp_dispatch_problems (part of every gate engine run's dispatch check): an MLP of at most 32
+    """gates/dispatch.layer_dispatch_problems (part of every gate engine run's dispatch check): an MLP of at most 32
     rows that took torch's kernels where the fused one is configured (the plant `mlp-never-fused`, a CUDA one), a
     larger one that took the fused kernel, none recorded though a small forward ran, or the fused kernel taken where
     torch's is configured; a CPU engine's run takes torch's only, and its check is clean."""
-    from gates.dispatch import dispatch_problems, mlp_dispatch_problems
+    from gates.dispatch import dispatch_problems, layer_dispatch_problems
     from gates.reference import EngineReference
 
     def engine(kernel, took, steps, forward="fused"):
@@ -164,21 +145,24 @@ def test_the_dispatch_check_holds_the_mlp_kernel_taken_against_the_configured_on
         return SimpleNamespace(runner=SimpleNamespace(mlp_dispatched=set(took)), trace=trace,
                                served=SimpleNamespace(mlp_kernel=kernel, forward=forward))
     small = [(0, 8), (512, 4)]
+
+    def mlp_problems(e):
+        return layer_dispatch_problems(e, "mlp_kernel")
     right = {(8, "triton"), (32, "triton"), (33, "torch"), (516, "torch")}
-    assert mlp_dispatch_problems(engine("triton", right, small)) == []
-    never = mlp_dispatch_problems(engine("triton", {(8, "torch"), (516, "torch")}, small))
+    assert mlp_problems(engine("triton", right, small)) == []
+    never = mlp_problems(engine("triton", {(8, "torch"), (516, "torch")}, small))
     assert never == ["dispatch: mlp_kernel='triton' is configured (the fused kernel up to 32 rows), but MLPs of 8 "
                      "rows took torch"], never
     # the threshold off by one either way
-    assert mlp_dispatch_problems(engine("triton", {(32, "torch")}, small))
-    assert mlp_dispatch_problems(engine("triton", {(33, "triton")}, small))
-    unrecorded = mlp_dispatch_problems(engine("triton", {(516, "torch")}, small))
+    assert mlp_problems(engine("triton", {(32, "torch")}, small))
+    assert mlp_problems(engine("triton", {(33, "triton")}, small))
+    unrecorded = mlp_problems(engine("triton", {(516, "torch")}, small))
     assert unrecorded == ["dispatch: mlp_kernel='triton' is configured and 1 forward(s) of at most 32 positions "
                           "ran, but no MLP of that size was recorded"], unrecorded
-    assert mlp_dispatch_problems(engine("triton", {(543, "torch")}, [(512, 31)])) == [], "no forward was that small"
+    assert mlp_problems(engine("triton", {(543, "torch")}, [(512, 31)])) == [], "no forward was that small"
     # the chunked forward runs a loaded step's decode rows as a forward of their own: 31 rows is one
-    assert mlp_dispatch_problems(engine("triton", {(512, "torch")}, [(512, 31)], forward="chunked"))
-    assert mlp_dispatch_problems(engine("torch", right, small)) == [
+    assert mlp_problems(engine("triton", {(512, "torch")}, [(512, 31)], forward="chunked"))
+    assert mlp_problems(engine("torch", right, small)) == [
         "dispatch: MLPs of [8, 32] rows ran the fused kernel, but mlp_kernel='torch' is configured"]
     ref = EngineReference("fused", "small", device="cpu", cuda_graphs=False, progress=False)
     e = ref.engine()

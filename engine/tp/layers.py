@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from ..model import ModelShape, Qwen2, Rotary
+from ..model import Linear, ModelShape, Qwen2, Rotary
 
 # ids travel as fp32 beside the logits (one gather per step): exact below 2**24
 MAX_VOCAB = 1 << 24
@@ -94,13 +94,13 @@ def shard_state(state: dict[str, torch.Tensor], s: ModelShape, tp: int, rank: in
     return out
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """o and down: this rank's slice of the input features times its columns of the weight gives a partial sum;
     the all-reduce over `group` (anything with an in-place all_reduce) adds the ranks' partials."""
     group = None
 
-    def forward(self, x):
-        out = F.linear(x, self.weight)
+    def forward(self, x, ctx=None):
+        out = super().forward(x, ctx)
         self.group.all_reduce(out)
         return out
 

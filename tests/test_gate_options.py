@@ -315,7 +315,7 @@ def test_the_real_gates_collect_in_that_order_and_deselect_what_is_not_selected(
     assert r.ret == 0, r.stdout.str()[-2000:]
     ids = [line for line in r.stdout.lines if "::" in line]
     files = list(dict.fromkeys(i.split("::")[0] for i in ids))
-    assert files == ["gates/test_smoke.py", "gates/test_kernels.py", "gates/test_mlp.py",
+    assert files == ["gates/test_smoke.py", "gates/test_kernels.py", "gates/test_mlp.py", "gates/test_linear.py",
                      "gates/test_admission.py", "gates/test_tokens.py",
                      "gates/test_redo.py", "gates/test_requests.py", "gates/test_page_safety.py",
                      "gates/test_prefix_cache.py",

@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 
 from engine import Engine, EngineConfig
+from engine.model import Linear
 from engine.tp import layers as tp_layers, runner as parallel
 from engine.tp.shard import ShardRunner
 from engine.errors import RankDisagreementError, WorkerError
@@ -76,7 +76,7 @@ def without_o_allreduce(rank, setattr=setattr):
     def bugged(*a, **kw):
         m = build(*a, **kw)
         for layer in m.model.layers:      # o's partial sums, never added up
-            layer.self_attn.o_proj.__class__ = nn.Linear
+            layer.self_attn.o_proj.__class__ = Linear
         return m
     setattr(tp_layers, "local_model", bugged)
 

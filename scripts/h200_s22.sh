@@ -91,10 +91,6 @@ part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pur
   --out "$OUT/psteps.json"
 part psteps512 150 python3 -m bench.profile_steps --model $M15 --rows 160 --chunk 16384 --kinds loaded --steps 10 \
   --out "$OUT/psteps512.json"
-part gateup544 150 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 64,128 --block-n 64,128 --block-k 64 \
-  --group-m 4,16 --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
-part serialk 200 python3 -m scripts.probes.splitk_gemm --kernel serial --rows 8,32 --splits 2,4,6,8 --block-n 32,64 \
-  --block-k 64,128 --warps 4 --stages 3,4 --out "$OUT/serialk.json"
 flip() {   # /tmp/linflip: this tree with the split-K linear kernel the default on CUDA (engine/config.py's
   # LAYER_KERNELS), for lingates and linab: the kernel's gates and its step figure against this tree in one call
   [ -d /tmp/linflip ] && return 0
@@ -103,12 +99,16 @@ flip() {   # /tmp/linflip: this tree with the split-K linear kernel the default 
   grep -q '"linear_kernel": True' /tmp/linflip/engine/config.py || echo "flip: LAYER_KERNELS not found" >> "$OUT/logs/status.txt"
 }
 if want lingates || want linab; then flip; fi
+part linab ${AB_S:-170} python3 -m gates.ab --base-tree "$PWD" --head-tree /tmp/linflip --device cuda \
+  --kinds pure-decode --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/linab" --no-plot
 rm -rf /tmp/sg-cache-lingates
 part lingates 150 bash -c "cd /tmp/linflip && STEPGATE_COMPILE_CACHE=/tmp/sg-cache-lingates python3 -m pytest \
   gates/test_linear.py gates/test_smoke.py gates/test_tokens.py gates/test_graphs.py gates/test_page_safety.py \
   --device cuda --model small-trained -k 'flash or linear' -n 4 -p no:cacheprovider -q -rfEs"
-part linab ${AB_S:-170} python3 -m gates.ab --base-tree "$PWD" --head-tree /tmp/linflip --device cuda \
-  --kinds pure-decode --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/linab" --no-plot
+part gateup544 150 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 64,128 --block-n 64,128 --block-k 64 \
+  --group-m 4,16 --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
+part serialk 200 python3 -m scripts.probes.splitk_gemm --kernel serial --rows 8,32 --splits 2,4,6,8 --block-n 32,64 \
+  --block-k 64,128 --warps 4 --stages 3,4 --out "$OUT/serialk.json"
 part gateupbig 200 python3 -m scripts.probes.gate_up_silu --rows 4096,16384 --layers 8 --reps 10 --block-m 128 \
   --block-n 64,128 --block-k 64 --group-m 8 --warps 8 --stages 3,4 --out "$OUT/gateupbig.json"
 part ptrace512 200 python3 -m scripts.probes.profile_trace --model $M15 --rows 512 --chunk 16384 --steps 24 \

@@ -8,6 +8,8 @@ with --device cuda."""
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -168,8 +170,6 @@ def test_the_model_runs_the_split_k_kernel_exactly_where_linear_rows_says(monkey
 def test_the_configuration_picks_the_kernel_per_device():
     """None: torch's (F.linear) everywhere until the kernel is the default; "triton" on a CPU and an unknown kernel
     are refused, naming why; the served key names it where it runs."""
-    from dataclasses import asdict
-    from types import SimpleNamespace
     cfg = lineage_config("flash", device="cpu")
     assert cfg.resolved().linear_kernel == "torch" and "linear" not in cfg.resolved().key()
     with pytest.raises(ConfigError, match=r"linear_kernel='triton' on cpu: it is a Triton kernel for CUDA devices"):
@@ -206,7 +206,6 @@ def test_the_dispatch_check_holds_the_kernel_taken_against_the_configured_one():
         e = SimpleNamespace(runner=SimpleNamespace(linear_dispatched=set(took)), trace=trace,
                             served=SimpleNamespace(linear_kernel=kernel, forward="fused"))
         return layer_dispatch_problems(e, "linear_kernel")
-    from types import SimpleNamespace
     right = {(8, "triton"), (32, "triton"), (33, "torch"), (516, "torch")}
     assert problems_of("triton", right) == []
     assert problems_of("triton", {(8, "torch"), (516, "torch")}) == [

@@ -20,11 +20,13 @@ from engine import Engine, RequestSpec, lineage_config
 from engine.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
+# every probe, found rather than listed: a GPU-only probe that stops importing is otherwise first seen on a device
+# call (session 36: splitk_gemm's import of skinny_gemm's shapes, lost in a tidy-up); the two left out read log files
+# named on their command line, not --help
+PROBES = sorted(f"scripts.probes.{p.stem}" for p in (ROOT / "scripts" / "probes").glob("*.py")
+                if p.stem not in ("__init__", "durations_by_file", "prof_report"))
 CLIS = ["bench.serving", "bench.disturbance", "bench.chunk_sweep", "bench.kernel_bench", "bench.tp_bench",
-        "bench.profile_steps", "scripts.probes.profile_decode", "scripts.probes.flash_splits",
-        "scripts.probes.host_step_time", "scripts.probes.compile_cost", "scripts.probes.loaded_table",
-        "scripts.probes.sdpa_probe", "scripts.probes.flash_prefill", "scripts.probes.elementwise",
-        "scripts.probes.gate_run_profile"]
+        "bench.profile_steps", *PROBES]
 
 
 @pytest.fixture(scope="module")

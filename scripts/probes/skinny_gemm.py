@@ -44,6 +44,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blo
     return splitk_linear(x, weight, bias, splits=1, blocks=blocks, launch=launch or {"num_warps": 4, "num_stages": 4})
 
 
+# (N, K, bias): Qwen2.5-1.5B's q/k/v (fused), o, gate/up (fused) and down projections
+SHAPES = {"qkv": (2048, 1536, True), "o": (1536, 1536, False), "gate_up": (17920, 1536, False),
+          "down": (1536, 8960, False)}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.skinny_gemm", description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,32,64")

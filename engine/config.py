@@ -119,7 +119,8 @@ class EngineConfig:
     # kernel (kernels/mlp.py: CUDA only); "torch", F.linear and the SiLU-mul piece (None: triton on CUDA)
     mlp_kernel: str | None = None
     # the q/k/v, o and down projections at a step of at most kernels.linear.SKINNY_ROWS positions: "triton", the
-    # split-K kernel of kernels/linear.py (CUDA only); "torch", F.linear (None: torch)
+    # split-K kernel of kernels/linear.py (CUDA only); "torch", F.linear (None: torch; the kernel made the H200's
+    # pure decode step 1.071x slower in session 36)
     linear_kernel: str | None = None
 
     def __post_init__(self):

@@ -107,7 +107,8 @@ part lingates 150 bash -c "cd /tmp/linflip && STEPGATE_COMPILE_CACHE=/tmp/sg-cac
   --device cuda --model small-trained -k 'flash or linear' -n 4 -p no:cacheprovider -q -rfEs"
 part gateup544 150 python3 -m scripts.probes.gate_up_silu --rows 544 --block-m 64,128 --block-n 64,128 --block-k 64 \
   --group-m 4,16 --warps 4,8 --stages 3,4 --out "$OUT/gateup544.json"
-part serialk 200 python3 -m scripts.probes.splitk_gemm --kernel serial --rows 8,32 --splits 2,4,6,8 --block-n 32,64 \
+# splits 3-6 around one wave of programs on 132 multiprocessors (the default tiling gives q/k/v 160, o and down 144)
+part serialk 200 python3 -m scripts.probes.splitk_gemm --kernel serial --rows 32,8 --splits 3,4,5,6,8 --block-n 32,64 \
   --block-k 64,128 --warps 4 --stages 3,4 --out "$OUT/serialk.json"
 part gateupbig 200 python3 -m scripts.probes.gate_up_silu --rows 4096,16384 --layers 8 --reps 10 --block-m 128 \
   --block-n 64,128 --block-k 64 --group-m 8 --warps 8 --stages 3,4 --out "$OUT/gateupbig.json"

@@ -71,6 +71,11 @@ def number(name: str, value) -> None:
 LAYER_KERNELS = {"mlp_kernel": True, "linear_kernel": False}
 
 
+# EngineConfig.pdl's None: whether a step's Triton kernels are launched with programmatic dependent launch where the
+# device can (kernels/pdl.py). Off until a measured step says it pays (scripts/probes/pdl_chain.py, then gates.ab)
+PDL_DEFAULT = False
+
+
 def layer_kernel_module(name: str):
     import kernels.linear
     import kernels.mlp
@@ -122,6 +127,10 @@ class EngineConfig:
     # split-K kernel of kernels/linear.py (CUDA only); "torch", F.linear (None: torch; the kernel made the H200's
     # pure decode step 1.071x slower in session 36)
     linear_kernel: str | None = None
+    # programmatic dependent launch of a step's Triton kernels (decode, MLP, split-K projections: kernels/pdl.py,
+    # CUDA sm_90 and later): each starts while the kernel before it ends, prefetching its weights into L2, and waits
+    # for it before reading its output (None: PDL_DEFAULT where the device can)
+    pdl: bool | None = None
 
     def __post_init__(self):
         """Every field checked when the config is made: a ConfigError names the field and the value. What needs the
@@ -140,7 +149,7 @@ class EngineConfig:
         for name in ("poison", "sync_trace", "progress", "prefix_cache", "capture_graphs"):
             flag(name, getattr(self, name))
         for name in ("compile_warmup", "cuda_graphs", "compile_elementwise", "overlap", "decode_append",
-                     "flex_dynamic"):
+                     "flex_dynamic", "pdl"):
             flag(name, getattr(self, name), none=True)
         integer("decode_splits", self.decode_splits, 0, none="per call, from the table's width and the rows")
         if self.decode_kernel is not None and not isinstance(self.decode_kernel, str):
@@ -151,6 +160,8 @@ class EngineConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.check_layer_kernels()
+        if self.pdl and device_problem(self.device) is None and (why := pdl_problem(self.device)):
+            raise ConfigError(f"pdl=True on {self.device}: {why}")
         try:
             canonical_dtype(self.dtype)
         except ValueError as e:
@@ -184,6 +195,12 @@ class EngineConfig:
         triton = LAYER_KERNELS[name] and layer_kernel_module(name).why_unavailable(self.device) is None
         return "triton" if triton else "torch"
 
+    def resolved_pdl(self) -> bool:
+        """pdl with None decided: PDL_DEFAULT where the device can launch with it."""
+        if self.pdl is not None:
+            return self.pdl
+        return PDL_DEFAULT and pdl_problem(self.device) is None
+
     def with_(self, **kw) -> "EngineConfig":
         return replace(self, **kw)
 
@@ -209,6 +226,7 @@ class EngineConfig:
                        compile_warmup=on_cuda if self.compile_warmup is None else self.compile_warmup,
                        decode_kernel=opts["decode_kernel"], decode_splits=opts["decode_splits"],
                        decode_append=opts["decode_append"], flex_dynamic=opts["dynamic"],
+                       pdl=self.resolved_pdl(),
                        **{name: self.resolved_layer_kernel(name) for name in LAYER_KERNELS})
 
     def describe(self) -> dict:
@@ -219,7 +237,7 @@ class EngineConfig:
         """A resolved configuration's choices that pick what runs, in one short line for a benchmark row:
         forward/backend/page size/decode kernel(+append)/captured or eager/overlap/prefix cache/chunk/rows/tp (then
         the prefill share where not 1, mlp-triton where the MLP's fused kernel runs, linear-triton where the
-        projections' split-K kernel does)."""
+        projections' split-K kernel does, pdl where the Triton kernels launch with programmatic dependent launch)."""
         c = self
         kernel = f"{c.decode_kernel}{'+append' if c.decode_append else ''}"
         if c.decode_splits is not None:
@@ -229,7 +247,7 @@ class EngineConfig:
                          "prefix" if c.prefix_cache else "noprefix", f"chunk{c.chunk_tokens}", f"rows{c.max_batch}",
                          f"tp{c.tp}"] + ([f"share{c.prefill_share:g}"] if c.prefill_share != 1.0 else [])
                         + [f"{name.removesuffix('_kernel')}-triton" for name in LAYER_KERNELS
-                           if getattr(c, name, None) == "triton"])
+                           if getattr(c, name, None) == "triton"] + (["pdl"] if c.pdl else []))
 
 
 # Fields that say how a run is observed or sized, not what it computes: two configurations that differ only in
@@ -247,6 +265,12 @@ def config_differences(recorded: dict, current: dict) -> list[str]:
     return [f"{k}: {recorded[k]!r} -> {current[k]!r}" for k in sorted(current)
             if k not in OBSERVING_FIELDS and k in recorded and recorded[k] != current[k]
             and (resolved or recorded[k] is not None)]
+
+
+def pdl_problem(device) -> str | None:
+    """Why a step's Triton kernels cannot launch with programmatic dependent launch on `device` (None: they can)."""
+    from kernels.pdl import why_unavailable
+    return why_unavailable(device)
 
 
 def device_type(device) -> str:

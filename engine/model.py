@@ -63,6 +63,9 @@ class ForwardContext:
     # "triton": the runner's linear_rows, linear_dispatched)
     linear_rows: int = 0
     linear_took: set | None = None
+    # the Triton kernels (the MLP's and the projections' here, the decode's in the backend) launched with
+    # programmatic dependent launch (EngineConfig.pdl; kernels/pdl.py): the runner's pdl
+    pdl: bool = False
 
     def fuses_mlp(self, rows: int) -> bool:
         """Whether an MLP of `rows` rows runs the fused kernel; the choice recorded."""
@@ -73,7 +76,8 @@ class ForwardContext:
         choice recorded."""
         if _chosen(self.linear_took, x.shape[0], self.linear_rows):
             from kernels.linear import splitk_linear
-            return splitk_linear(x, weight, bias)
+            from kernels.pdl import LINEAR_PREFETCH
+            return splitk_linear(x, weight, bias, pdl=self.pdl, prefetch=LINEAR_PREFETCH)
         return F.linear(x, weight, bias)
 
 
@@ -323,7 +327,8 @@ class MLP(nn.Module):
         (kernels/mlp.py)."""
         if ctx is not None and ctx.fuses_mlp(x.shape[0]):
             from kernels.mlp import gate_up_silu
-            return self.down_proj(gate_up_silu(x, self.gate_up_weight), ctx)
+            from kernels.pdl import MLP_PREFETCH
+            return self.down_proj(gate_up_silu(x, self.gate_up_weight, pdl=ctx.pdl, prefetch=MLP_PREFETCH), ctx)
         return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)), ctx)
 
 

@@ -67,6 +67,7 @@ class ModelRunner:
     # projections' split-K kernel (kernels/linear.py, EngineConfig.linear_kernel; ForwardContext.linear)
     mlp_rows = 0
     linear_rows = 0
+    pdl = False         # the Triton kernels launched with PDL (EngineConfig.pdl; build_runner sets it)
 
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
                  poison: bool = False, record_topk: int = 0, pad_page: bool = False,
@@ -159,7 +160,7 @@ class ModelRunner:
     def layer_kernels(self) -> dict:
         """A ForwardContext's layer kernel choices and where it records them (every forward this runner makes)."""
         return dict(mlp_rows=self.mlp_rows, mlp_took=self.mlp_dispatched, linear_rows=self.linear_rows,
-                    linear_took=self.linear_dispatched)
+                    linear_took=self.linear_dispatched, pdl=self.pdl)
 
     def build(self, chunks: list[Chunk], decodes, pages_of: dict[str, list[int]], all_logits: bool = False):
         """Packed inputs for one forward: chunk positions first, decode tokens last (engine/packing.py), copied to
@@ -312,25 +313,29 @@ class ModelRunner:
 
 
 @torch.inference_mode()
-def warm_mlp(model, device, dtype) -> None:
+def warm_mlp(model, device, dtype, pdl: bool = False) -> None:
     """The fused MLP kernel at each of its row tilings (kernels/mlp.py), over the first layer's weights."""
     from kernels.mlp import FUSED_ROWS, gate_up_silu
     mlp = getattr(model, "shard", model).model.layers[0].mlp      # a tensor-parallel rank's model wraps its shard
+    from kernels.pdl import MLP_PREFETCH
     for rows in (1, FUSED_ROWS):
-        gate_up_silu(torch.zeros(rows, model.shape.hidden_size, device=device, dtype=dtype), mlp.gate_up_weight)
+        gate_up_silu(torch.zeros(rows, model.shape.hidden_size, device=device, dtype=dtype), mlp.gate_up_weight,
+                     pdl=pdl, prefetch=MLP_PREFETCH)
 
 
 @torch.inference_mode()
-def warm_linear(model, device, dtype) -> None:
+def warm_linear(model, device, dtype, pdl: bool = False) -> None:
     """The split-K linear kernel (kernels/linear.py) at each of its row tilings over the first layer's q/k/v, o and
     down: compiled, and its workspace made at its largest, before any CUDA graph captures a call (a capture cannot
     grow it)."""
     from kernels.linear import SKINNY_ROWS, splitk_linear
+    from kernels.pdl import LINEAR_PREFETCH
     layer = getattr(model, "shard", model).model.layers[0]
     attn, down = layer.self_attn, layer.mlp.down_proj
     for rows in (1, SKINNY_ROWS):
         for w, b in ((attn.qkv_weight, attn.qkv_bias), (attn.o_proj.weight, None), (down.weight, None)):
-            splitk_linear(torch.zeros(rows, w.shape[1], device=device, dtype=dtype), w, b)
+            splitk_linear(torch.zeros(rows, w.shape[1], device=device, dtype=dtype), w, b, pdl=pdl,
+                          prefetch=LINEAR_PREFETCH)
 
 
 def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
@@ -360,17 +365,19 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
     runner.compiled_elementwise = compiled      # what this build did, for the gates to hold against Engine.served
     runner.build_cost = cost
     warm = config.compile_warmup if config.compile_warmup is not None else runner.device.type == "cuda"
+    # before the warm-ups: they compile the kernels as the steps will launch them
+    runner.pdl = runner.backend.pdl = config.resolved_pdl()
     if config.resolved_layer_kernel("mlp_kernel") == "triton":
         from kernels.mlp import FUSED_ROWS
         runner.mlp_rows = FUSED_ROWS
         if warm:     # its two row tilings compiled now, so that no step or capture compiles
             with timed(cost, "warmup_s"):
-                warm_mlp(model, runner.device, dtype)
+                warm_mlp(model, runner.device, dtype, runner.pdl)
     if config.resolved_layer_kernel("linear_kernel") == "triton":
         from kernels.linear import SKINNY_ROWS
         runner.linear_rows = SKINNY_ROWS
         with timed(cost, "warmup_s"):      # warm or not: a captured step needs the workspace made first
-            warm_linear(model, runner.device, dtype)
+            warm_linear(model, runner.device, dtype, runner.pdl)
     if warm and hasattr(runner.backend, "warmup"):
         # compile every shape a step can reach now, so that no measured step includes a compile
         with timed(cost, "warmup_s"):

@@ -121,6 +121,13 @@ def served_problems(engine) -> list[str]:
         if rows is not None and rows != want_rows:
             out.append(f"served: {name}={getattr(served, name, None)!r} is configured, the runner's forwards run "
                        f"{kernel} up to {rows} positions (expected {want_rows})")
+    # programmatic dependent launch (EngineConfig.pdl): the layers' kernels read the runner's, the decode the backend's
+    # (a tensor-parallel engine's runner records none: its ranks build theirs)
+    for holder, what in ((runner, "the runner's layer kernels"), (backend, f"the {backend.name} backend's decode")):
+        pdl = getattr(holder, "pdl", None)
+        if pdl is not None and bool(pdl) != bool(served.pdl):
+            out.append(f"served: pdl={served.pdl} is configured, {what} launch "
+                       f"{'with' if pdl else 'without'} programmatic dependent launch")
     caches = getattr(runner, "kv_caches", None)
     if caches:
         # the pool is sized from free memory by ModelRunner.bytes_per_page (engine/served.py): it must be what a page

@@ -95,6 +95,9 @@ class AttentionBackend:
     # True when the backend compiles a kernel for each head shape and dtype it meets (FlexAttention): the GPU gate run
     # compiles those of its kernel gate ahead, in parallel processes (gates/prewarm.py)
     compiles_per_shape: bool = False
+    # its Triton decode launched with programmatic dependent launch (EngineConfig.pdl: build_runner sets it; the
+    # flash backend's Triton decode reads it, kernels/pdl.py)
+    pdl: bool = False
     # the decode kernels this backend can run (EngineConfig.decode_kernel); the first is its default
     decode_kernels: tuple[str, ...] = ("default",)
     prefill_kernel: str = "default"

@@ -248,7 +248,7 @@ class FlashBackend(AttentionBackend):
             grid = td.max_items(q.shape[0], bt.shape[1] * page_size, pages * page_size, self.triton_chunk)
             items = batch.prepared[key] = td.work_items(cached, grid, self.triton_chunk)
         return td.paged_decode(q, k_cache, v_cache, bt, cached, scale, new_kv, chunk=self.triton_chunk,
-                               items=items, rope=rope, out=out, out_rows=out_rows)
+                               items=items, rope=rope, out=out, out_rows=out_rows, pdl=self.pdl)
 
     def prefill(self, q, k_cache, v_cache, batch, scale):
         if self._fallback is not None:

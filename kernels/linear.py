@@ -83,14 +83,18 @@ def workspace(device, tiles: int, floats: int) -> tuple[torch.Tensor, torch.Tens
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                   splits: int | None = None, blocks: tuple[int, int, int] | None = None,
-                  launch: dict | None = None, partials: bool = False) -> torch.Tensor:
+                  launch: dict | None = None, partials: bool = False, pdl: bool = False,
+                  prefetch: int = 0) -> torch.Tensor:
     """x [M, K] @ w[N, K]^T (+ bias [N]) -> [M, N] in x's dtype. `splits` and `blocks` (BLOCK_M, BLOCK_N, BLOCK_K):
     tiling()'s for the device's multiprocessors unless given (the probes' sweeps: one split is a skinny GEMM over
     the whole K, scripts/probes/skinny_gemm.py); `launch`: LAUNCH unless given. `partials`: return the splits' fp32
-    sums [splits, M, N] unadded (a view of the workspace; session 32's probe: scripts/probes/splitk_gemm.py)."""
+    sums [splits, M, N] unadded (a view of the workspace; session 32's probe: scripts/probes/splitk_gemm.py).
+    `pdl`: launched with programmatic dependent launch (CUDA, sm_90: kernels/pdl_kernels.py), `prefetch` elements of
+    each program's weight rows (at most its split) fetched into L2 before it waits for the kernel before it."""
     from .compile_cache import use_compile_cache
     use_compile_cache()
     from .linear_kernels import splitk_linear as kernel
+    from .pdl import pdl_args
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1 or bias is not None and bias.shape != (n,):
@@ -112,7 +116,8 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     kernel[(blocks_n, s, blocks_m)](x, w, w if bias is None else bias, out, part, counts, m, x.stride(0), w.stride(0),
                                     out.stride(0), N=n, K=k, K_PER=k_per, SPLITS=s, BLOCK_M=bm, BLOCK_N=bn,
                                     BLOCK_K=bk, HAS_BIAS=bias is not None, REDUCE=not partials,
-                                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **(launch or LAUNCH))
+                                    PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                                    **pdl_args(pdl, min(prefetch, k_per)), **(launch or LAUNCH))
     if partials:
         return part[:s * blocks_m * bm * n].view(s, blocks_m * bm, n)[:, :m]
     return out

@@ -4,6 +4,8 @@ module globals, and triton is imported only when the kernel is asked for."""
 import triton
 import triton.language as tl
 
+from kernels.pdl_kernels import launch_dependents, prefetch_rows, wait_for_prior
+
 
 @triton.jit
 def _store_output(out_ptr, b_ptr, acc, rm, rn, ok, col_ok, stride_om, HAS_BIAS: tl.constexpr):
@@ -17,13 +19,17 @@ def _store_output(out_ptr, b_ptr, acc, rm, rn, ok, col_ok, stride_om, HAS_BIAS: 
 def splitk_linear(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, stride_xm, stride_wn, stride_om,
                   N: tl.constexpr, K: tl.constexpr, K_PER: tl.constexpr, SPLITS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  REDUCE: tl.constexpr, PRECISION: tl.constexpr):
+                  REDUCE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+                  PREFETCH: tl.constexpr = 0):
     """out[M, N] = x @ w^T (+ b), w [N, K]. Program (n, s, m) sums split s's K range [s * K_PER, (s + 1) * K_PER)
     for BLOCK_N columns and BLOCK_M rows in fp32. One split: it writes the output. Else it stores the sum to part[s],
     and the last program of the tile to arrive (an atomic count a tile) adds the SPLITS partials in split order (the
     same sum whichever arrives last: a step is reproducible), adds the bias, writes the output in its dtype and sets
     the count back to 0 for the next call. REDUCE=False stops at the partials (session 32's probe, whose consumer
-    added them: scripts/probes/splitk_gemm.py)."""
+    added them: scripts/probes/splitk_gemm.py). PDL (launched with launch_pdl): the next kernel may start at once,
+    and this one waits for the kernel before it after prefetching the first PREFETCH elements of its split of its
+    weight rows into L2 (kernels/pdl_kernels.py)."""
+    launch_dependents(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -36,6 +42,9 @@ def splitk_linear(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, stride_x
     w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     k0 = pid_s * K_PER
+    if PREFETCH > 0:
+        prefetch_rows(w_ptr + tl.minimum(rn, N - 1)[:, None].to(tl.int64) * stride_wn, k0, K, PREFETCH)
+    wait_for_prior(PDL)
     for kk in range(0, K_PER, BLOCK_K):         # a static trip count; the last split masks past K
         k = k0 + kk
         k_ok = (k + rk) < K

@@ -50,13 +50,16 @@ LAUNCH = dict(num_warps=4, num_stages=3)
 
 def gate_up_silu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
                  blocks: tuple[int, int, int] | None = None, group_m: int = GROUP_M,
-                 launch: dict | None = None) -> torch.Tensor:
+                 launch: dict | None = None, pdl: bool = False, prefetch: int = 0) -> torch.Tensor:
     """silu(x @ w[:N]^T) * (x @ w[N:]^T) for x [M, K] and the fused [gate; up] weight w [2N, K] -> [M, N].
     `blocks` (BLOCK_M, BLOCK_N, BLOCK_K), `group_m` and `launch` (num_warps, num_stages): the engine's (tiling(),
-    GROUP_M, LAUNCH) unless given (the probe's sweep, scripts/probes/gate_up_silu.py)."""
+    GROUP_M, LAUNCH) unless given (the probe's sweep, scripts/probes/gate_up_silu.py). `pdl`, `prefetch`: launched
+    with programmatic dependent launch, that many elements of each program's weight rows prefetched into L2 before
+    it waits (kernels/pdl_kernels.py)."""
     from .compile_cache import use_compile_cache
     use_compile_cache()
     from .mlp_kernels import gate_up_silu as kernel
+    from .pdl import pdl_args
     m, k = x.shape
     n = w.shape[0] // 2
     if w.shape[0] % 2 or w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
@@ -68,7 +71,7 @@ def gate_up_silu(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = No
     programs = -(-m // bm) * (-(-n // bn))
     kernel[(programs,)](x, w, out, m, x.stride(0), w.stride(0), out.stride(0), N=n, K=k, BLOCK_M=bm, BLOCK_N=bn,
                         BLOCK_K=bk, GROUP_M=group_m, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                        **(launch or LAUNCH))
+                        **pdl_args(pdl, min(prefetch, k)), **(launch or LAUNCH))
     return out
 
 

@@ -101,6 +101,7 @@ def _kernels():
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  chunk: int | None = None, items=None, block_n: int | None = None,
+                 pdl: bool = False,
                  launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                  programs: int | None = None, combine_launch: dict | None = None, out: torch.Tensor | None = None,
                  out_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,8 +114,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (None: persistent_programs). `combine_launch`: combine_items' (num_warps), COMBINE_LAUNCH unless given.
     `out` [rows, heads, d] (its last dimension contiguous): written instead of a new tensor; with `out_rows`, an
     int32 [1] device tensor, only its rows below that count (a captured loaded step's decode rows: no merge kernel
-    after). -> [rows, heads, d] (`out` where given)."""
+    after). `pdl`: both kernels launched with programmatic dependent launch (kernels/pdl_kernels.py). -> [rows,
+    heads, d] (`out` where given)."""
     attend_items, combine_items = _kernels()
+    from .pdl import pdl_args
     chunk = chunk or CHUNK
     block_n = block_n or BLOCK_N
     rows, heads, d = q.shape
@@ -156,14 +159,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         o_part.stride(0), o_part.stride(1), lse.stride(0), cos.stride(0) if rope is not None else 0,
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
         BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
-        ROPE=rope is not None, ITERS=-(-n_items // programs) if not q.is_cuda else 1,
+        ROPE=rope is not None, ITERS=-(-n_items // programs) if not q.is_cuda else 1, **pdl_args(pdl),
         **(LAUNCH if launch is None else launch))
     if out is None:
         out = torch.empty_like(q)
     combine_items[(rows, heads)](o_part, lse, firsts, counts, out, counts if out_rows is None else out_rows,
                                  o_part.stride(0), o_part.stride(1), lse.stride(0), out.stride(0), out.stride(1),
                                  D=d, MAX_COUNT=max_count, STATIC_LOOP=not q.is_cuda, LIMIT_ROWS=out_rows is not None,
-                                 **(COMBINE_LAUNCH if combine_launch is None else combine_launch))
+                                 **pdl_args(pdl), **(COMBINE_LAUNCH if combine_launch is None else combine_launch))
     return out
 
 

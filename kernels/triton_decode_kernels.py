@@ -4,6 +4,8 @@ when the kernel is asked for."""
 import triton
 import triton.language as tl
 
+from kernels.pdl_kernels import launch_dependents, wait_for_prior
+
 
 @triton.jit
 def key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page, kv_stride_slot, kv_stride_head, scale,
@@ -58,11 +60,15 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                  o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
-                 ROPE: tl.constexpr, ITERS: tl.constexpr):
+                 ROPE: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr = False):
     """A persistent grid over the step's items: program p of a key/value head attends items p, p + P, p + 2P, ...
     up to the step's last item (P: the grid's first dimension), so the grid is sized by the GPU, not by the items
     a table's width could hold: a captured step's table is as wide as the longest admissible request, and a grid of
-    one program an item there launched thousands that exit at once (kernels/triton_decode.py)."""
+    one program an item there launched thousands that exit at once (kernels/triton_decode.py). PDL: launched with
+    programmatic dependent launch, it waits for the kernel before it before it reads anything (the queries come from
+    it; kernels/pdl_kernels.py)."""
+    launch_dependents(PDL)
+    wait_for_prior(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     g = tl.program_id(1)                       # key/value head
@@ -222,10 +228,12 @@ def merge_items(o_ptr, lse_ptr, first, count, head, b, m, total, acc, o_stride_i
 @triton.jit
 def combine_items(o_ptr, lse_ptr, first_ptr, count_ptr, out_ptr, out_rows_ptr, o_stride_item, o_stride_head,
                   lse_stride_item, out_stride_row, out_stride_head, D: tl.constexpr, MAX_COUNT: tl.constexpr,
-                  STATIC_LOOP: tl.constexpr, LIMIT_ROWS: tl.constexpr):
+                  STATIC_LOOP: tl.constexpr, LIMIT_ROWS: tl.constexpr, PDL: tl.constexpr = False):
     """Each row's items merged, a program per (row, query head) (a one-item row is copied). LIMIT_ROWS: only rows
     below the count at out_rows_ptr are written (a captured loaded step's decode rows, in the variable-length call's
-    output: the rest of `out` keeps its values)."""
+    output: the rest of `out` keeps its values). PDL: as attend_items'."""
+    launch_dependents(PDL)
+    wait_for_prior(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     res = combine_head(o_ptr, lse_ptr, tl.load(first_ptr + row), tl.load(count_ptr + row), head, o_stride_item,

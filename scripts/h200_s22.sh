@@ -2,6 +2,8 @@
 # Issue 37 on one H200 (sessions 21-22): a change measured against the tree before it, the GPU gate suite from an empty
 # compile cache, and the serving figures beside nano-vllm. PARTS (default: all, in this order):
 #   tests    tests/test_triton_decode.py, test_mlp_kernel.py and test_linear_kernel.py natively on the GPU (runs while flash-attn builds, if it must)
+#   pdlchain scripts/probes/pdl_chain.py: the pure decode step's 28-layer chain at 32 rows in one graph, with and
+#            without programmatic dependent launch (kernels/pdl_kernels.py), cuBLAS or split-K projections
 #   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
 #   flashgates  the flash configuration's kernel, token, graph, smoke, page safety and request gates (-n 4, from an
 #            empty compile cache)
@@ -19,6 +21,10 @@
 #   lingates linab  a copy of this tree with the split-K linear kernel (kernels/linear.py) the default on CUDA
 #            (/tmp/linflip): its kernel, smoke, token, graph and page safety gates (flash, -n 4), and gates.ab of its pure
 #            decode step against this tree (EngineConfig.linear_kernel's default decided by the figure)
+#   pdllinab pdlab pdlgates  gates.ab of a copy of this tree with programmatic dependent launch (EngineConfig.pdl)
+#            and the split-K projections the defaults (/tmp/pdllinflip), pure decode; of a copy with PDL alone
+#            (/tmp/pdlflip), pure decode and loaded; the first copy's kernel, smoke, token, graph and page safety gates
+#            (flash, -n 4)
 #   gateupbig  the same at a prefill step's 4,096 and 16,384 rows (8 layers' weights): the SiLU-mul fused into the
 #            GEMM saves writing and reading back the gate/up output, if the Triton GEMM comes near cuBLAS's there
 #   ptrace512  scripts/probes/profile_trace.py: the 512-row closed run's own steps (prefill steps with several whole
@@ -78,6 +84,7 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
 part tests 150 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kernel.py tests/test_linear_kernel.py -q -p no:cacheprovider -rfEs
 need_flash
+part pdlchain 150 python3 -m scripts.probes.pdl_chain --out "$OUT/pdlchain.json"
 part gputests 200 python3 -m pytest tests/test_graph_buffers.py tests/test_step_graphs.py tests/test_overlap.py \
   --device cuda -q -p no:cacheprovider -rfEs
 rm -rf /tmp/sg-cache-flashgates
@@ -91,14 +98,31 @@ part psteps 90 python3 -m bench.profile_steps --model $M15 --rows 32 --kinds pur
   --out "$OUT/psteps.json"
 part psteps512 150 python3 -m bench.profile_steps --model $M15 --rows 160 --chunk 16384 --kinds loaded --steps 10 \
   --out "$OUT/psteps512.json"
-flip() {   # /tmp/linflip: this tree with the split-K linear kernel the default on CUDA (engine/config.py's
-  # LAYER_KERNELS), for lingates and linab: the kernel's gates and its step figure against this tree in one call
-  [ -d /tmp/linflip ] && return 0
-  mkdir -p /tmp/linflip && tar -c --exclude=./.device . | tar -x -C /tmp/linflip
-  sed -i 's/"linear_kernel": False/"linear_kernel": True/' /tmp/linflip/engine/config.py
-  grep -q '"linear_kernel": True' /tmp/linflip/engine/config.py || echo "flip: LAYER_KERNELS not found" >> "$OUT/logs/status.txt"
+flip() {   # flip DIR SED_EXPR...: a copy of this tree at DIR with engine/config.py edited by each expression (a
+  # default turned on), for the A/B of a default against this tree and that copy's gates in one call
+  local dir=$1; shift
+  [ -d "$dir" ] && return 0
+  mkdir -p "$dir" && tar -c --exclude=./.device . | tar -x -C "$dir"
+  for e in "$@"; do
+    cp "$dir/engine/config.py" /tmp/config.before && sed -i "$e" "$dir/engine/config.py"
+    cmp -s /tmp/config.before "$dir/engine/config.py" && echo "flip $dir: '$e' changed nothing" >> "$OUT/logs/status.txt"
+  done
 }
-if want lingates || want linab; then flip; fi
+LIN='s/"linear_kernel": False/"linear_kernel": True/'
+PDL='s/^PDL_DEFAULT = False/PDL_DEFAULT = True/'
+# /tmp/linflip: the split-K linear kernel the default on CUDA (LAYER_KERNELS); /tmp/pdlflip: programmatic dependent
+# launch (PDL_DEFAULT); /tmp/pdllinflip: both
+if want lingates || want linab; then flip /tmp/linflip "$LIN"; fi
+if want pdlab; then flip /tmp/pdlflip "$PDL"; fi
+if want pdllinab || want pdlgates; then flip /tmp/pdllinflip "$LIN" "$PDL"; fi
+part pdllinab ${AB_S:-170} python3 -m gates.ab --base-tree "$PWD" --head-tree /tmp/pdllinflip --device cuda \
+  --kinds pure-decode --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/pdllinab" --no-plot
+part pdlab ${AB_S:-170} python3 -m gates.ab --base-tree "$PWD" --head-tree /tmp/pdlflip --device cuda \
+  --kinds pure-decode,loaded --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/pdlab" --no-plot
+rm -rf /tmp/sg-cache-pdlgates
+part pdlgates 150 bash -c "cd /tmp/pdllinflip && STEPGATE_COMPILE_CACHE=/tmp/sg-cache-pdlgates python3 -m pytest \
+  gates/test_linear.py gates/test_smoke.py gates/test_tokens.py gates/test_graphs.py gates/test_page_safety.py \
+  --device cuda --model small-trained -k 'flash or linear' -n 4 -p no:cacheprovider -q -rfEs"
 part linab ${AB_S:-170} python3 -m gates.ab --base-tree "$PWD" --head-tree /tmp/linflip --device cuda \
   --kinds pure-decode --deadline $(( ${AB_S:-170} - 10 )) --out "$OUT/linab" --no-plot
 rm -rf /tmp/sg-cache-lingates

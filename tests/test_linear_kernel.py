@@ -152,8 +152,8 @@ def test_the_model_runs_the_split_k_kernel_exactly_where_linear_rows_says(monkey
     down of at most that many rows to the kernel, and larger ones to F.linear; both give the same logits."""
     calls = []
     kernel = linear.splitk_linear
-    monkeypatch.setattr(linear, "splitk_linear", lambda x, w, b=None: calls.append((x.shape[0], tuple(w.shape),
-                                                                                     b is not None)) or kernel(x, w, b))
+    monkeypatch.setattr(linear, "splitk_linear", lambda x, w, b=None, **kw: calls.append(
+        (x.shape[0], tuple(w.shape), b is not None)) or kernel(x, w, b, **kw))
     took = set()
     out = tiny_forwards(DEVICE, [(rows, limit, dict(linear_rows=limit, linear_took=took)) for rows in (8, 32, 33)
                                  for limit in (0, linear.SKINNY_ROWS)])
@@ -225,10 +225,13 @@ def test_the_dispatch_check_holds_the_kernel_taken_against_the_configured_one():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
-def test_the_gpu_path_compiles_for_sm90_without_a_gpu():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(pdl):
     """The kernel as a GPU runs it, compiled through Triton's CUDA backend to PTX for sm_90, with the alignment
     hints the JIT gives 16-aligned tensors and strides (without them Triton pipelines no load): pipelined tensor-core
-    dots, the count's atomic add with acquire-release order at GPU scope, the partials read from L2."""
+    dots, the count's atomic add with acquire-release order at GPU scope, the partials read from L2. With PDL
+    (kernels/pdl_kernels.py): the program's weight rows of its split prefetched into L2 (64 rows of 1,536 elements,
+    24 lines each, over 128 threads: 12 prefetches a thread), then the wait for the kernel before."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -237,7 +240,7 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu():
     sig = dict(x_ptr="*fp16", w_ptr="*fp16", b_ptr="*fp16", out_ptr="*fp16", part_ptr="*fp32", count_ptr="*i32",
                M="i32", stride_xm="i32", stride_wn="i32", stride_om="i32")
     consts = dict(N=1536, K=8960, K_PER=1536, SPLITS=6, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, HAS_BIAS=True,
-                  REDUCE=True, PRECISION="tf32")
+                  REDUCE=True, PRECISION="tf32", PDL=pdl, PREFETCH=1536 if pdl else 0)
     hints = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a != "M"}
     compiled = triton.compile(ASTSource(fn=fn, signature={**sig, **dict.fromkeys(consts, "constexpr")},
                                         constexprs=consts, attrs=hints),
@@ -247,3 +250,8 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu():
     assert "atom.global.gpu.acq_rel.add" in ptx, "the count's atomic add is not acquire-release at GPU scope"
     assert "ld.global.cg" in ptx, "the partials are not read from L2"
     assert compiled.metadata.num_warps == linear.LAUNCH["num_warps"]
+    assert ptx.count("prefetch.global.L2") == (12 if pdl else 0)
+    order = [w for line in ptx.splitlines() for w in ("launch_dependents", "prefetch.global.L2", "griddepcontrol.wait")
+             if w in line]
+    assert order == (["launch_dependents"] + ["prefetch.global.L2"] * 12 + ["griddepcontrol.wait"] if pdl else []), \
+        "with PDL: dependents launched first, the weights prefetched, then the wait, before any other load"

@@ -91,7 +91,7 @@ def test_the_model_runs_the_fused_kernel_exactly_where_mlp_rows_says(monkeypatch
     Built from the small model's shape with random weights (the interpreter: no engine, one forward a case)."""
     calls = []
     fused = mlp.gate_up_silu
-    monkeypatch.setattr(mlp, "gate_up_silu", lambda x, w, out=None: calls.append(x.shape[0]) or fused(x, w, out))
+    monkeypatch.setattr(mlp, "gate_up_silu", lambda x, w, out=None, **kw: calls.append(x.shape[0]) or fused(x, w, out, **kw))
     took = set()
     out = tiny_forwards(DEVICE, [(rows, mlp_rows, dict(mlp_rows=mlp_rows, mlp_took=took)) for rows in (8, 32, 33)
                                  for mlp_rows in (0, mlp.FUSED_ROWS)])
@@ -173,11 +173,14 @@ def test_the_dispatch_check_holds_the_mlp_kernel_taken_against_the_configured_on
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
-@pytest.mark.parametrize("rows,blocks,dot", [(32, None, "mma.sync"), (544, (64, 64, 64), "wgmma")])
-def test_the_gpu_path_compiles_for_sm90_without_a_gpu(rows, blocks, dot):
+@pytest.mark.parametrize("rows,blocks,dot,pdl", [(32, None, "mma.sync", False), (544, (64, 64, 64), "wgmma", False),
+                                                 (32, None, "mma.sync", True)])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(rows, blocks, dot, pdl):
     """The kernel as a GPU runs it, compiled through Triton's CUDA backend to PTX for sm_90 (a GPU-only type or
     syntax error fails here, on CPU): at the engine's 32-row tiling its dots are mma.sync; from 64-row blocks (the
-    probe's candidates for a loaded step's 544 rows) Hopper's wgmma."""
+    probe's candidates for a loaded step's 544 rows) Hopper's wgmma. With PDL and 512 elements of each gate and up
+    row prefetched (kernels/pdl_kernels.py): 2 x 64 rows of 8 lines over 128 threads, 8 prefetches a thread, and
+    the wait."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -185,10 +188,14 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(rows, blocks, dot):
     bm, bn, bk = blocks or mlp.tiling(rows, 1536)
     sig = dict(x_ptr="*fp16", w_ptr="*fp16", out_ptr="*fp16", M="i32", stride_xm="i32", stride_wn="i32",
                stride_om="i32", N="constexpr", K="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-               BLOCK_K="constexpr", GROUP_M="constexpr", PRECISION="constexpr")
-    consts = dict(N=8960, K=1536, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=mlp.GROUP_M, PRECISION="tf32")
+               BLOCK_K="constexpr", GROUP_M="constexpr", PRECISION="constexpr", PDL="constexpr",
+               PREFETCH="constexpr")
+    consts = dict(N=8960, K=1536, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=mlp.GROUP_M, PRECISION="tf32",
+                  PDL=pdl, PREFETCH=512 if pdl else 0)
     compiled = triton.compile(ASTSource(fn=mlp_kernels.gate_up_silu, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32), options=dict(mlp.LAUNCH))
     ptx = compiled.asm["ptx"]
     assert ".target sm_90" in ptx and dot in ptx, f"no {dot} in the PTX at {rows} rows, blocks {(bm, bn, bk)}"
     assert compiled.metadata.num_warps == mlp.LAUNCH["num_warps"]
+    assert ptx.count("prefetch.global.L2") == (8 if pdl else 0)
+    assert ptx.count("griddepcontrol.") == (2 if pdl else 0)

@@ -372,10 +372,12 @@ def test_a_triton_that_does_not_import_makes_flash_unavailable_and_says_how_to_o
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
-@pytest.mark.parametrize("append,one_page", [(True, True), (False, True), (True, False)])
-def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
+@pytest.mark.parametrize("append,one_page,pdl", [(True, True, False), (False, True, False), (True, False, False),
+                                                 (True, True, True)])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page, pdl):
     """The kernels as the GPU runs them (the pipelined key loop, not the interpreter's static one), compiled through
-    Triton's CUDA backend to PTX for the H200's sm_90: a GPU-only type or syntax error fails here, on CPU."""
+    Triton's CUDA backend to PTX for the H200's sm_90: a GPU-only type or syntax error fails here, on CPU. With PDL
+    (kernels/pdl_kernels.py) each kernel lets the next start and waits for the one before."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -387,7 +389,7 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
             "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
             "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item", "rope_stride_row"]
     consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False,
-                  ONE_PAGE=one_page, ROPE=append, ITERS=1)
+                  ONE_PAGE=one_page, ROPE=append, ITERS=1, PDL=pdl)
     target = GPUTarget("cuda", 90, 32)
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     # with the launch the engine uses (td.LAUNCH, td.COMBINE_LAUNCH): a warp count the kernel cannot be laid out
@@ -397,17 +399,24 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page):
     ptx = attend.asm["ptx"]
     assert ".target sm_90" in ptx and "mma" in ptx, "no tensor-core dot in the PTX"
     assert attend.metadata.num_warps == td.LAUNCH.get("num_warps", 4)
+    assert pdl_instructions(ptx) == (["griddepcontrol.launch_dependents", "griddepcontrol.wait"] if pdl else [])
     sig_c = dict(o_ptr="*fp32", lse_ptr="*fp32", first_ptr="*i32", count_ptr="*i32", out_ptr="*fp16",
                  out_rows_ptr="*i32",
                  **dict.fromkeys(["o_stride_item", "o_stride_head", "lse_stride_item", "out_stride_row",
                                   "out_stride_head"], "i32"), D="constexpr", MAX_COUNT="constexpr",
-                 STATIC_LOOP="constexpr", LIMIT_ROWS="constexpr")
+                 STATIC_LOOP="constexpr", LIMIT_ROWS="constexpr", PDL="constexpr")
     for limit in (False, True):         # a pure decode step's combine; a captured loaded step's (decode_into)
-        consts_c = dict(D=128, MAX_COUNT=td.ITEM_BLOCK, STATIC_LOOP=False, LIMIT_ROWS=limit)
+        consts_c = dict(D=128, MAX_COUNT=td.ITEM_BLOCK, STATIC_LOOP=False, LIMIT_ROWS=limit, PDL=pdl)
         combine_k = triton.compile(ASTSource(fn=k.combine_items, signature=sig_c, constexprs=consts_c),
                                    target=target, options=dict(td.COMBINE_LAUNCH))
         assert ".target sm_90" in combine_k.asm["ptx"]
+        assert len(pdl_instructions(combine_k.asm["ptx"])) == (2 if pdl else 0)
         assert combine_k.metadata.num_warps == td.COMBINE_LAUNCH.get("num_warps", 4)
+
+
+def pdl_instructions(ptx: str) -> list[str]:
+    """The PTX's griddepcontrol instructions, in order."""
+    return [line.split(";")[0].strip() for line in ptx.splitlines() if "griddepcontrol." in line]
 
 
 def test_table_widths_share_compiled_kernels():

@@ -1,0 +1,38 @@
+"""Programmatic dependent launch of a step's Triton kernels (kernels/pdl_kernels.py says what it does and why):
+whether a device can, and the launch arguments a kernel takes for it."""
+from __future__ import annotations
+
+import torch
+
+# elements of each weight row a kernel launched with PDL fetches into L2 before it waits for the kernel before it:
+# the split-K projections their whole split (a program's split of q/k/v, o or down is 24-96 KB); the MLP's kernel,
+# whose programs read the whole 1,536-element rows of gate and up (384 KB a program), its first 512
+LINEAR_PREFETCH = 1 << 30
+MLP_PREFETCH = 512
+
+
+def why_unavailable(device) -> str | None:
+    """Why the step's Triton kernels cannot be launched with PDL on `device` (None: they can): it needs a CUDA
+    device of compute capability 9.0 or later and a Triton that has griddepcontrol (3.4 and later)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "programmatic dependent launch is a CUDA feature (sm_90 and later)"
+    try:
+        import triton.language.extra.cuda as tl_cuda
+    except ImportError:
+        return "triton is not installed"
+    if not hasattr(tl_cuda, "gdc_wait"):
+        return "this Triton has no griddepcontrol (gdc_wait)"
+    major, _ = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"compute capability {major}.x: programmatic dependent launch needs 9.0 or later"
+    return None
+
+
+def pdl_args(pdl: bool, prefetch: int | None = None) -> dict:
+    """A Triton kernel's launch arguments for programmatic dependent launch: its PDL constexpr, its PREFETCH one where
+    it has one (elements of each weight row fetched into L2 before it waits), and Triton's launch_pdl; none without
+    PDL, so a kernel launched without it compiles and launches as before."""
+    if not pdl:
+        return {}
+    return dict(PDL=True, launch_pdl=True, **({} if prefetch is None else {"PREFETCH": prefetch}))

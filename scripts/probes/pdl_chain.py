@@ -1,0 +1,161 @@
+"""A pure decode step's layer chain on a GPU with and without programmatic dependent launch (PDL): 28 layers of the
+1.5B shape at 32 rows in one CUDA graph, each layer as the engine runs it (add + RMSNorm compiled, q/k/v, the Triton
+decode with its append and rotary, o, add + RMSNorm, the fused gate/up + SiLU-mul, down), microseconds a layer.
+Usage: python -m scripts.probes.pdl_chain [--rows 32] [--mlp-prefetch 0,256,768] [--out FILE.json]
+
+Why: inside a captured step each of the layer's eight or nine kernels starts only when the one before has ended;
+the step's device time in kernels (1.96 ms on the H200) is below its wall time (2.2-2.4 ms), and at 32 rows the
+projections' weights are read at a fraction of the copy rate. With PDL (kernels/pdl_kernels.py) a Triton kernel's
+programs start while the kernel before runs, fetch their weight rows into L2, and wait for it only before they read
+its output. cuBLAS's kernels take no part, so the variants are: the served chain (cuBLAS projections, no PDL); it
+with PDL on the Triton kernels (decode, MLP, and Inductor's norms where this torch can); kernels/linear.py's split-K
+projections without PDL (session 36: 1.071x slower in the step); the same with PDL; and with PDL and the weight
+prefetch (the split's whole rows for the projections; --mlp-prefetch elements of each gate/up row). Every variant's
+output is held against the served chain's."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from bench.stats import graph_time
+from scripts.probes.skinny_gemm import ints
+
+# Qwen2.5-1.5B
+HIDDEN, INTER, HEADS, KV_HEADS, D = 1536, 8960, 12, 2, 128
+EPS = 1e-6
+COPY_RATE = 4.2e12      # bytes/s: the H200's measured copy rate (issue 37)
+
+
+def add_norm(o, residual, weight):
+    s = o + residual
+    x = s.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)).to(s.dtype), s
+
+
+def inductor_pdl() -> bool:
+    """Whether this torch's Inductor can generate PDL code (torch._inductor.config.triton.enable_pdl)."""
+    import torch._inductor.config as cfg
+    return hasattr(cfg.triton, "enable_pdl")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m scripts.probes.pdl_chain", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--min-len", type=int, default=200)
+    ap.add_argument("--max-len", type=int, default=4114)
+    ap.add_argument("--mlp-prefetch", default="0,256,768", help="gate/up elements a row prefetched (PDL variants)")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("pdl_chain: needs a CUDA device", file=sys.stderr)
+        return 2
+    from kernels.linear import splitk_linear
+    from kernels.mlp import gate_up_silu
+    from kernels.pdl import why_unavailable
+    from kernels.triton_decode import CHUNK, max_items, paged_decode, work_items
+    why = why_unavailable("cuda")
+    if why:
+        print(f"pdl_chain: {why}", file=sys.stderr)
+        return 2
+    dev, dt = torch.device("cuda"), torch.float16
+    g = torch.Generator(device=dev).manual_seed(0)
+    m, L = a.rows, a.layers
+
+    def rnd(*shape, scale=0.02):
+        return torch.randn(*shape, device=dev, dtype=dt, generator=g) * scale
+
+    layers = [dict(qkv=rnd((HEADS + 2 * KV_HEADS) * D, HIDDEN), bqkv=rnd((HEADS + 2 * KV_HEADS) * D),
+                   o=rnd(HIDDEN, HEADS * D), gu=rnd(2 * INTER, HIDDEN), down=rnd(HIDDEN, INTER),
+                   n1=torch.rand(HIDDEN, device=dev, dtype=dt, generator=g) + 0.5,
+                   n2=torch.rand(HIDDEN, device=dev, dtype=dt, generator=g) + 0.5) for _ in range(L)]
+    # the rows' cached keys: a seeded draw between the mixed workload's shortest and longest
+    lens = torch.randint(a.min_len, a.max_len + 1, (m,), generator=torch.Generator().manual_seed(1))
+    page = 256
+    pages_of = [-(-(int(n) + 1) // page) for n in lens]
+    width = max(pages_of)
+    table = torch.zeros(m, width, dtype=torch.int32)
+    nxt = 1
+    for i, p in enumerate(pages_of):
+        table[i, :p] = torch.arange(nxt, nxt + p)
+        nxt += p
+    table = table.to(dev)
+    cached = lens.to(torch.int32).to(dev)
+    caches = [(rnd(nxt, page, KV_HEADS, D, scale=1.0), rnd(nxt, page, KV_HEADS, D, scale=1.0)) for _ in range(L)]
+    items = work_items(cached, max_items(m, width * page, nxt * page, CHUNK), CHUNK)
+    pos = lens.to(dev).float()[:, None]
+    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
+    emb = torch.cat([pos * inv, pos * inv], -1)
+    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
+    x0, r0 = rnd(m, HIDDEN, scale=1.0), rnd(m, HIDDEN, scale=1.0)
+    kv_bytes = sum(int(n) for n in lens) * KV_HEADS * D * 2 * 2
+    w_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
+    floor_us = (w_bytes + kv_bytes) / COPY_RATE * 1e6
+    norms = {False: torch.compile(add_norm, fullgraph=True)}
+    if inductor_pdl():
+        norms[True] = torch.compile(add_norm, fullgraph=True, options={"triton.enable_pdl": True})
+
+    def chain(linear_kernel: str, pdl: bool, lin_prefetch: int, mlp_prefetch: int, norm_pdl: bool):
+        norm = norms.get(norm_pdl, norms[False])
+
+        def lin(x, w, b=None):
+            if linear_kernel == "torch":
+                return F.linear(x, w, b)
+            return splitk_linear(x, w, b, pdl=pdl, prefetch=lin_prefetch)
+
+        def step():
+            x, res = x0, r0
+            for ly, (kc, vc) in zip(layers, caches):
+                h, res = norm(x, res, ly["n1"])
+                qkv = lin(h, ly["qkv"], ly["bqkv"]).view(m, HEADS + 2 * KV_HEADS, D)
+                q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
+                att = paged_decode(q, kc, vc, table, cached, D ** -0.5, new_kv=(k, v), items=items, rope=(cos, sin),
+                                   pdl=pdl)
+                h, res = norm(lin(att.reshape(m, HEADS * D), ly["o"]), res, ly["n2"])
+                x = lin(gate_up_silu(h, ly["gu"], pdl=pdl, prefetch=mlp_prefetch), ly["down"])
+            return x
+        return step
+
+    # (label, projections, PDL on the Triton kernels, the projections' prefetch, the MLP's, PDL on the norms)
+    variants = [("served (cuBLAS, no PDL)", "torch", False, 0, 0, False),
+                ("split-K, no PDL", "triton", False, 0, 0, False),
+                ("split-K, PDL, norms without", "triton", True, 1 << 30, 0, False)]
+    for pf in ints(a.mlp_prefetch):
+        variants += [(f"cuBLAS, PDL, mlp prefetch {pf}", "torch", True, 0, pf, True),
+                     (f"split-K, PDL, mlp prefetch {pf}", "triton", True, 0, pf, True),
+                     (f"split-K, PDL + prefetch, mlp {pf}", "triton", True, 1 << 30, pf, True)]
+    print(f"rows {m}, {L} layers, keys {int(lens.sum())} ({kv_bytes / 1e6:.1f} MB of K/V a layer), weights "
+          f"{w_bytes / 1e6:.1f} MB a layer: floor {floor_us:.2f} us a layer at {COPY_RATE / 1e12:.1f} TB/s; "
+          f"Inductor PDL: {'yes' if inductor_pdl() else 'no (the norms launch without it)'}")
+    print(f"{'variant':>36} {'us/layer':>9} {'x served':>9} {'floor/us':>8} {'max|diff|':>9}")
+    results, ref, base = [], None, None
+    for label, kern, pdl, lpf, mpf, npdl in variants:
+        try:
+            us, out = graph_time(chain(kern, pdl, lpf, mpf, npdl), a.reps, L)
+        except Exception as e:  # noqa: BLE001 (a variant this stack cannot run: say so, go on)
+            print(f"{label:>36}  {type(e).__name__}: {str(e)[:160]}", flush=True)
+            results.append(dict(variant=label, error=f"{type(e).__name__}: {e}"))
+            continue
+        if ref is None:
+            ref, base = out, us
+        err = (out - ref).abs().max().item()
+        ok = math.isfinite(err)
+        results.append(dict(variant=label, linear=kern, pdl=pdl, linear_prefetch=lpf, mlp_prefetch=mpf,
+                            norm_pdl=npdl and inductor_pdl(), us=us,
+                            vs_served=base / us, floor_us=floor_us, max_abs_diff=err if ok else None))
+        print(f"{label:>36} {us:>9.2f} {base / us:>9.3f} {floor_us / us:>8.2f} {err:>9.2e}", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(rows=m, layers=L, keys=int(lens.sum()), floor_us=floor_us, inductor_pdl=inductor_pdl(),
+                           results=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--min-len", type=int, default=200)
-    ap.add_argument("--max-len", type=int, default=4114)
+    ap.add_argument("--prompts", default="16,64,256,1024,4096", help="the rows' prompt lengths, drawn uniformly "
+                    "(the mixed workload's), each with 0-64 tokens decoded")
     ap.add_argument("--mlp-prefetch", default="0,256,768", help="gate/up elements a row prefetched (PDL variants)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -75,8 +75,10 @@ def main(argv=None) -> int:
                    o=rnd(HIDDEN, HEADS * D), gu=rnd(2 * INTER, HIDDEN), down=rnd(HIDDEN, INTER),
                    n1=torch.rand(HIDDEN, device=dev, dtype=dt, generator=g) + 0.5,
                    n2=torch.rand(HIDDEN, device=dev, dtype=dt, generator=g) + 0.5) for _ in range(L)]
-    # the rows' cached keys: a seeded draw between the mixed workload's shortest and longest
-    lens = torch.randint(a.min_len, a.max_len + 1, (m,), generator=torch.Generator().manual_seed(1))
+    # the rows' cached keys: a seeded draw of the mixed workload's prompts, each some way into its budget
+    cpu = torch.Generator().manual_seed(1)
+    prompts = torch.tensor(ints(a.prompts))
+    lens = prompts[torch.randint(len(prompts), (m,), generator=cpu)] + torch.randint(0, 65, (m,), generator=cpu)
     page = 256
     pages_of = [-(-(int(n) + 1) // page) for n in lens]
     width = max(pages_of)

@@ -72,7 +72,8 @@ LAYER_KERNELS = {"mlp_kernel": True, "linear_kernel": False}
 
 
 # EngineConfig.pdl's None: whether a step's Triton kernels are launched with programmatic dependent launch where the
-# device can (kernels/pdl.py). Off until a measured step says it pays (scripts/probes/pdl_chain.py, then gates.ab)
+# device can (kernels/pdl.py). Off: on an H100 in session 37 it did not pay (gates.ab, 5 process pairs: the pure
+# decode step 1.014x [1.009, 1.024], the loaded step 0.999x; with the split-K projections 1.125x; docs/RESULTS.md k29)
 PDL_DEFAULT = False
 
 
@@ -128,8 +129,8 @@ class EngineConfig:
     # pure decode step 1.071x slower in session 36)
     linear_kernel: str | None = None
     # programmatic dependent launch of a step's Triton kernels (decode, MLP, split-K projections: kernels/pdl.py,
-    # CUDA sm_90 and later): each starts while the kernel before it ends, prefetching its weights into L2, and waits
-    # for it before reading its output (None: PDL_DEFAULT where the device can)
+    # CUDA sm_90 and later): each starts while the kernel before it ends and waits for it before reading its output
+    # (None: PDL_DEFAULT where the device can: off, as measured)
     pdl: bool | None = None
 
     def __post_init__(self):

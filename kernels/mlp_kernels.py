@@ -41,9 +41,10 @@ def gate_up_silu(x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om, N: t
     u_rows = w_ptr + (rn + N)[:, None].to(tl.int64) * stride_wn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if PREFETCH > 0:
-        prefetch_rows(g_rows, 0, K, PREFETCH)
-        prefetch_rows(u_rows, 0, K, PREFETCH)
+    if PREFETCH > 0:    # the rows of the last column block clamped to the weight's (past them: no row of it)
+        last = tl.minimum(rn, N - 1)
+        prefetch_rows(w_ptr + last[:, None].to(tl.int64) * stride_wn, 0, K, PREFETCH)
+        prefetch_rows(w_ptr + (last + N)[:, None].to(tl.int64) * stride_wn, 0, K, PREFETCH)
     wait_for_prior(PDL)
     for k in range(0, K, BLOCK_K):
         k_ok = (k + rk) < K

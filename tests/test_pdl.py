@@ -40,8 +40,9 @@ def test_no_launch_argument_without_pdl():
 
 
 def test_the_forward_hands_pdl_and_the_prefetch_to_each_layer_kernel(monkeypatch):
-    """ForwardContext.pdl reaches the split-K projections (their whole split prefetched) and the fused MLP kernel
-    (its first MLP_PREFETCH elements of each row), as the runner's layer_kernels() passes it."""
+    """ForwardContext.pdl reaches the split-K projections and the fused MLP kernel with kernels.pdl's prefetch counts
+    (0 as measured: here set to others, so that a count not passed on shows), as the runner's layer_kernels() passes
+    it."""
     from kernels import linear, mlp
     from tests.tiny_model import tiny_forwards
     calls = []
@@ -53,12 +54,14 @@ def test_the_forward_hands_pdl_and_the_prefetch_to_each_layer_kernel(monkeypatch
     def fake_mlp(x, w, pdl=False, prefetch=0):
         calls.append(("mlp", pdl, prefetch))
         return mlp.reference(x, w)
+    monkeypatch.setattr(pdl, "LINEAR_PREFETCH", 1536)
+    monkeypatch.setattr(pdl, "MLP_PREFETCH", 512)
     monkeypatch.setattr(linear, "splitk_linear", fake_linear)
     monkeypatch.setattr(mlp, "gate_up_silu", fake_mlp)
     for on in (False, True):
         calls.clear()
         tiny_forwards("cpu", [(8, on, dict(linear_rows=32, mlp_rows=32, pdl=on))])
-        want = {("linear", on, pdl.LINEAR_PREFETCH), ("mlp", on, pdl.MLP_PREFETCH)}
+        want = {("linear", on, 1536), ("mlp", on, 512)}
         assert set(calls) == want and len(calls) == 2 * 4, f"pdl={on}: the layer kernels were called {calls}"
 
 

@@ -73,7 +73,8 @@ LAYER_KERNELS = {"mlp_kernel": True, "linear_kernel": False}
 
 # EngineConfig.pdl's None: whether a step's Triton kernels are launched with programmatic dependent launch where the
 # device can (kernels/pdl.py). Off: on an H100 in session 37 it did not pay (gates.ab, 5 process pairs: the pure
-# decode step 1.014x [1.009, 1.024], the loaded step 0.999x; with the split-K projections 1.125x; docs/RESULTS.md k29)
+# decode step 1.001x [0.994, 1.015], the loaded step 1.000x; with the split-K projections 1.125x; docs/RESULTS.md
+# k29): the captured step's kernels leave about 0.1 ms of gaps between them, and PDL hides a part of those only)
 PDL_DEFAULT = False
 
 

@@ -15,7 +15,11 @@ step launched ahead that reads one is caught (on a CPU, gates/test_smoke.py runs
 a captured kind must have replayed its graph. Candidates are those of CANDIDATES whose decode can be captured (the
 `flash` backend); elsewhere these gates skip with the reason. The planted stale-metadata bugs that these gates must
 catch are in tests/test_graph_buffers.py and tests/test_step_graphs.py; the planted overlap bugs (tokens taken from
-the wrong rows, a launch used without the check) in tests/test_overlap.py."""
+the wrong rows, a launch used without the check) in tests/test_overlap.py. The PDL gate: the captured steps with
+the Triton kernels launched by programmatic dependent launch (EngineConfig.pdl, kernels/pdl.py) emit the same tokens
+at the same steps as without, whether or not PDL is the default, so that the launch order is right before a
+configuration takes it (the plant `pdl-no-wait`, a decode whose kernels start without waiting for the kernel before,
+fails it)."""
 from __future__ import annotations
 
 import pytest
@@ -104,6 +108,25 @@ def test_overlap_vs_serial(runs, opts, engine, backend, workload):
     scorer = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
                              cuda_graphs=True)
     assert_gate(compare(f"{engine}[{backend}] overlap vs serial on {wl}", serial, over, scorer.score,
+                        opts.threshold, opts.flip_cap, check_steps=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
+def test_pdl_vs_without(runs, opts, engine, backend):
+    skip_unless_graphs(opts, engine, backend)
+    from engine.config import pdl_problem
+    why = pdl_problem(opts.device)
+    if why:
+        pytest.skip(f"programmatic dependent launch does not run here: {why}")
+    wl = workload_for(opts, "mixed-cpu")
+    without, _ = runs.candidate(engine, backend, wl, cuda_graphs=True, pdl=False)
+    with_pdl, eng = runs.candidate(engine, backend, wl, cuda_graphs=True, pdl=True)
+    assert eng.runner.pdl and eng.runner.backend.pdl, "the PDL run launched without PDL: this gate tested nothing"
+    check_replays(eng)
+    scorer = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
+                             cuda_graphs=True)
+    assert_gate(compare(f"{engine}[{backend}] PDL vs without on {wl}", without, with_pdl, scorer.score,
                         opts.threshold, opts.flip_cap, check_steps=True))
 
 

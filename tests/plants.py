@@ -232,6 +232,14 @@ def mlp_never_fused(mp: pytest.MonkeyPatch) -> None:
     mp.setattr(ForwardContext, "fuses_mlp", torch_only)
 
 
+def pdl_no_wait(mp: pytest.MonkeyPatch) -> None:
+    """The Triton decode's kernels, launched with PDL, never wait for the kernel before them (its wait_for_prior is
+    launch_dependents, a kernel's other PDL call): the combine reads the partial outputs while attend_items still
+    writes them. Only where PDL runs (the PDL gate's run; CUDA)."""
+    from kernels import pdl_kernels, triton_decode_kernels
+    mp.setattr(triton_decode_kernels, "wait_for_prior", pdl_kernels.launch_dependents)
+
+
 def linear_bias_late(mp: pytest.MonkeyPatch) -> None:
     """The split-K linear kernel adds each column the next column's bias (column j gets bias j + 1), as an
     off-by-one in its bias offset would: q/k/v of every CUDA step of at most 32 positions would be wrong where the
@@ -676,6 +684,10 @@ PLANTS = {
                              r"MLPs of \d+ rows took torch", mlp_never_fused,
                              args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_smoke.py",),
                              device="cuda"),
+    "pdl-no-wait": Plant("the Triton decode's kernels launched with PDL never wait for the kernel before them (CUDA)",
+                         r"PDL vs without|'pdl': True", pdl_no_wait,
+                         args=("--device", "cuda", "--model", "small-trained"), paths=("gates/test_graphs.py",),
+                         device="cuda"),
     "linear-bias-late": Plant("the split-K linear kernel adds each column the next column's bias (CUDA)",
                               r"the split-K linear kernel \(kernels/linear\.py\) \(q/k/v\) at .*wrong values",
                               linear_bias_late, args=("--device", "cuda", "--model", "small-trained"),

@@ -3,8 +3,8 @@ configuration refuses it where it cannot run and names it in the served key wher
 every layer kernel with its prefetch, the runner and backend are built as configured (the served check names a
 build that is not), and the launch arguments add nothing without it. That each kernel compiles to launch_dependents,
 its prefetches and the wait, in that order, is tested per kernel on CPU (tests/test_linear_kernel.py,
-tests/test_mlp_kernel.py, tests/test_triton_decode.py: the sm_90 compile tests); on the GPU the token, graph and page
-safety gates run it where it is served."""
+tests/test_mlp_kernel.py, tests/test_triton_decode.py: the sm_90 compile tests); on the GPU gates/test_graphs.py's
+PDL gate runs the captured steps with it against without (the plant `pdl-no-wait` fails it)."""
 from __future__ import annotations
 
 from dataclasses import asdict

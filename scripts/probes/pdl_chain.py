@@ -28,7 +28,7 @@ from scripts.probes.skinny_gemm import ints
 # Qwen2.5-1.5B
 HIDDEN, INTER, HEADS, KV_HEADS, D = 1536, 8960, 12, 2, 128
 EPS = 1e-6
-COPY_RATE = 4.2e12      # bytes/s: the H200's measured copy rate (issue 37)
+COPY_RATES = {"H200": 4.2e12, "H100": 3.35e12}     # bytes/s: the measured copy rates (issue 37, docs/RESULTS.md)
 
 
 def add_norm(o, residual, weight):
@@ -98,7 +98,9 @@ def main(argv=None) -> int:
     x0, r0 = rnd(m, HIDDEN, scale=1.0), rnd(m, HIDDEN, scale=1.0)
     kv_bytes = sum(int(n) for n in lens) * KV_HEADS * D * 2 * 2
     w_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
-    floor_us = (w_bytes + kv_bytes) / COPY_RATE * 1e6
+    name = torch.cuda.get_device_name(dev)
+    rate = next((r for card, r in COPY_RATES.items() if card in name), COPY_RATES["H200"])
+    floor_us = (w_bytes + kv_bytes) / rate * 1e6
     norms = {False: torch.compile(add_norm, fullgraph=True)}
     if inductor_pdl():
         norms[True] = torch.compile(add_norm, fullgraph=True, options={"triton.enable_pdl": True})
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
                      (f"split-K, PDL, mlp prefetch {pf}", "triton", True, 0, pf, True),
                      (f"split-K, PDL + prefetch, mlp {pf}", "triton", True, 1 << 30, pf, True)]
     print(f"rows {m}, {L} layers, keys {int(lens.sum())} ({kv_bytes / 1e6:.1f} MB of K/V a layer), weights "
-          f"{w_bytes / 1e6:.1f} MB a layer: floor {floor_us:.2f} us a layer at {COPY_RATE / 1e12:.1f} TB/s; "
+          f"{w_bytes / 1e6:.1f} MB a layer: floor {floor_us:.2f} us a layer at {rate / 1e12:.2f} TB/s ({name}); "
           f"Inductor PDL: {'yes' if inductor_pdl() else 'no (the norms launch without it)'}")
     print(f"{'variant':>36} {'us/layer':>9} {'x served':>9} {'floor/us':>8} {'max|diff|':>9}")
     results, ref, base = [], None, None

@@ -122,7 +122,7 @@ def served_problems(engine) -> list[str]:
             out.append(f"served: {name}={getattr(served, name, None)!r} is configured, the runner's forwards run "
                        f"{kernel} up to {rows} positions (expected {want_rows})")
     # programmatic dependent launch (EngineConfig.pdl): the layers' kernels read the runner's, the decode the backend's
-    # (a tensor-parallel engine's runner records none: its ranks build theirs)
+    # (a tensor-parallel engine's runner reports rank 0's)
     for holder, what in ((runner, "the runner's layer kernels"), (backend, f"the {backend.name} backend's decode")):
         pdl = getattr(holder, "pdl", None)
         if pdl is not None and bool(pdl) != bool(served.pdl):

@@ -194,6 +194,10 @@ class TPRunner:
         return self.local.backend
 
     @property
+    def pdl(self):
+        return self.local.pdl
+
+    @property
     def graphs(self):
         return self.local.graphs
 

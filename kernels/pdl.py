@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 # elements of each weight row a kernel launched with PDL fetches into L2 before it waits for the kernel before it
-# (kernels/pdl_kernels.py's prefetch_rows). None: the prefetch made the layer chain slower on an H100 in session 37
+# (kernels/pdl_kernels.py's prefetch_rows). 0: the prefetch made the layer chain slower on an H100 in session 37
 # (scripts/probes/pdl_chain.py: the split-K projections with their whole split prefetched 88.60 us a layer against
 # 85.66 without; the MLP kernel's first 256 or 768 elements 82.17 / 82.75 against 81.32, docs/RESULTS.md k29); the
 # probe keeps its sweep

@@ -8,7 +8,11 @@ Launched with PDL, a kernel's programs may start once every program of the kerne
 launch_dependents(); they may then read what no kernel of the step writes (the weights: prefetch_l2) and must
 wait_for_prior() before they read or write anything else. wait_for_prior() returns when the kernel before has ended
 and its writes are visible; since that kernel waited on its own predecessor before it ended, the order of the whole
-chain holds. A kernel launched without PDL waits for the whole kernel before it, as always."""
+chain holds. A kernel launched without PDL waits for the whole kernel before it, as always.
+
+Measured on an H100 (session 37, docs/RESULTS.md k29): the captured pure decode step leaves about 0.1 ms of gaps
+between its kernels, and with PDL the step took 1.001x as long (gates.ab), so EngineConfig.pdl is off by default;
+gates/test_graphs.py's PDL gate runs it against without whether or not it is on."""
 import triton
 import triton.language as tl
 

@@ -21,10 +21,10 @@ from engine.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 # every probe, found rather than listed: a GPU-only probe that stops importing is otherwise first seen on a device
-# call (session 36: splitk_gemm's import of skinny_gemm's shapes, lost in a tidy-up); the two left out read log files
-# named on their command line, not --help
+# call (session 36: splitk_gemm's import of skinny_gemm's shapes, lost in a tidy-up); left out: two read log files
+# named on their command line, not --help, and two are helpers of the others (chain, read_kernel), not commands
 PROBES = sorted(f"scripts.probes.{p.stem}" for p in (ROOT / "scripts" / "probes").glob("*.py")
-                if p.stem not in ("__init__", "durations_by_file", "prof_report"))
+                if p.stem not in ("__init__", "durations_by_file", "prof_report", "chain", "read_kernel"))
 CLIS = ["bench.serving", "bench.disturbance", "bench.chunk_sweep", "bench.kernel_bench", "bench.tp_bench",
         "bench.profile_steps", *PROBES]
 

@@ -23,18 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from bench.stats import graph_time
+from scripts.probes.chain import add_norm, build, copy_rate
 from scripts.probes.skinny_gemm import ints
-
-# Qwen2.5-1.5B
-HIDDEN, INTER, HEADS, KV_HEADS, D = 1536, 8960, 12, 2, 128
-EPS = 1e-6
-COPY_RATES = {"H200": 4.2e12, "H100": 3.35e12}     # bytes/s: the measured copy rates (issue 37, docs/RESULTS.md)
-
-
-def add_norm(o, residual, weight):
-    s = o + residual
-    x = s.float()
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)).to(s.dtype), s
 
 
 def inductor_pdl() -> bool:
@@ -57,49 +47,17 @@ def main(argv=None) -> int:
         print("pdl_chain: needs a CUDA device", file=sys.stderr)
         return 2
     from kernels.linear import splitk_linear
-    from kernels.mlp import gate_up_silu
     from kernels.pdl import why_unavailable
-    from kernels.triton_decode import CHUNK, max_items, paged_decode, work_items
     why = why_unavailable("cuda")
     if why:
         print(f"pdl_chain: {why}", file=sys.stderr)
         return 2
-    dev, dt = torch.device("cuda"), torch.float16
-    g = torch.Generator(device=dev).manual_seed(0)
+    dev = torch.device("cuda")
+    c = build(a.rows, a.layers, ints(a.prompts), dev)
     m, L = a.rows, a.layers
-
-    def rnd(*shape, scale=0.02):
-        return torch.randn(*shape, device=dev, dtype=dt, generator=g) * scale
-
-    layers = [dict(qkv=rnd((HEADS + 2 * KV_HEADS) * D, HIDDEN), bqkv=rnd((HEADS + 2 * KV_HEADS) * D),
-                   o=rnd(HIDDEN, HEADS * D), gu=rnd(2 * INTER, HIDDEN), down=rnd(HIDDEN, INTER),
-                   n1=torch.rand(HIDDEN, device=dev, dtype=dt, generator=g) + 0.5,
-                   n2=torch.rand(HIDDEN, device=dev, dtype=dt, generator=g) + 0.5) for _ in range(L)]
-    # the rows' cached keys: a seeded draw of the mixed workload's prompts, each some way into its budget
-    cpu = torch.Generator().manual_seed(1)
-    prompts = torch.tensor(ints(a.prompts))
-    lens = prompts[torch.randint(len(prompts), (m,), generator=cpu)] + torch.randint(0, 65, (m,), generator=cpu)
-    page = 256
-    pages_of = [-(-(int(n) + 1) // page) for n in lens]
-    width = max(pages_of)
-    table = torch.zeros(m, width, dtype=torch.int32)
-    nxt = 1
-    for i, p in enumerate(pages_of):
-        table[i, :p] = torch.arange(nxt, nxt + p)
-        nxt += p
-    table = table.to(dev)
-    cached = lens.to(torch.int32).to(dev)
-    caches = [(rnd(nxt, page, KV_HEADS, D, scale=1.0), rnd(nxt, page, KV_HEADS, D, scale=1.0)) for _ in range(L)]
-    items = work_items(cached, max_items(m, width * page, nxt * page, CHUNK), CHUNK)
-    pos = lens.to(dev).float()[:, None]
-    inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
-    emb = torch.cat([pos * inv, pos * inv], -1)
-    cos, sin = emb.cos().to(dt), emb.sin().to(dt)
-    x0, r0 = rnd(m, HIDDEN, scale=1.0), rnd(m, HIDDEN, scale=1.0)
-    kv_bytes = sum(int(n) for n in lens) * KV_HEADS * D * 2 * 2
-    w_bytes = sum(t.numel() * t.element_size() for t in layers[0].values())
+    kv_bytes, w_bytes = c.kv_bytes, c.w_bytes
     name = torch.cuda.get_device_name(dev)
-    rate = next((r for card, r in COPY_RATES.items() if card in name), COPY_RATES["H200"])
+    rate = copy_rate(name)
     floor_us = (w_bytes + kv_bytes) / rate * 1e6
     norms = {False: torch.compile(add_norm, fullgraph=True)}
     if inductor_pdl():
@@ -114,15 +72,9 @@ def main(argv=None) -> int:
             return splitk_linear(x, w, b, pdl=pdl, prefetch=lin_prefetch)
 
         def step():
-            x, res = x0, r0
-            for ly, (kc, vc) in zip(layers, caches):
-                h, res = norm(x, res, ly["n1"])
-                qkv = lin(h, ly["qkv"], ly["bqkv"]).view(m, HEADS + 2 * KV_HEADS, D)
-                q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
-                att = paged_decode(q, kc, vc, table, cached, D ** -0.5, new_kv=(k, v), items=items, rope=(cos, sin),
-                                   pdl=pdl)
-                h, res = norm(lin(att.reshape(m, HEADS * D), ly["o"]), res, ly["n2"])
-                x = lin(gate_up_silu(h, ly["gu"], pdl=pdl, prefetch=mlp_prefetch), ly["down"])
+            x, res = c.x0, c.r0
+            for ly, cache in zip(c.weights, c.caches):
+                x, res = c.layer(x, res, ly, cache, norm, lin, pdl, mlp_prefetch)
             return x
         return step
 
@@ -134,7 +86,7 @@ def main(argv=None) -> int:
         variants += [(f"cuBLAS, PDL, mlp prefetch {pf}", "torch", True, 0, pf, True),
                      (f"split-K, PDL, mlp prefetch {pf}", "triton", True, 0, pf, True),
                      (f"split-K, PDL + prefetch, mlp {pf}", "triton", True, 1 << 30, pf, True)]
-    print(f"rows {m}, {L} layers, keys {int(lens.sum())} ({kv_bytes / 1e6:.1f} MB of K/V a layer), weights "
+    print(f"rows {m}, {L} layers, keys {c.keys} ({kv_bytes / 1e6:.1f} MB of K/V a layer), weights "
           f"{w_bytes / 1e6:.1f} MB a layer: floor {floor_us:.2f} us a layer at {rate / 1e12:.2f} TB/s ({name}); "
           f"Inductor PDL: {'yes' if inductor_pdl() else 'no (the norms launch without it)'}")
     print(f"{'variant':>36} {'us/layer':>9} {'x served':>9} {'floor/us':>8} {'max|diff|':>9}")
@@ -156,7 +108,7 @@ def main(argv=None) -> int:
         print(f"{label:>36} {us:>9.2f} {base / us:>9.3f} {floor_us / us:>8.2f} {err:>9.2e}", flush=True)
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(rows=m, layers=L, keys=int(lens.sum()), floor_us=floor_us, inductor_pdl=inductor_pdl(),
+            json.dump(dict(rows=m, layers=L, keys=c.keys, floor_us=floor_us, inductor_pdl=inductor_pdl(),
                            results=results), f, indent=1)
     return 0
 

@@ -88,9 +88,8 @@ def write_csv(path: Path, fields: list[str], rows: list[dict], append: bool = Fa
                                                  for k, v in r.items()})
 
 
-def graph_time(step, reps: int, per: int = 1):
-    """(median microseconds per `per` over `reps` replays of `step` captured in a CUDA graph, the step's output
-    as float). Warmed up once on a side stream, as capture needs; CUDA events around each replay."""
+def capture(step):
+    """(`step` captured in a CUDA graph, its output tensor). Warmed up once on a side stream, as capture needs."""
     import torch
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -100,6 +99,14 @@ def graph_time(step, reps: int, per: int = 1):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
+    return graph, out
+
+
+def graph_time(step, reps: int, per: int = 1):
+    """(median microseconds per `per` over `reps` replays of `step` captured in a CUDA graph (`capture`), the
+    step's output as float). CUDA events around each replay."""
+    import torch
+    graph, out = capture(step)
     times = []
     for _ in range(reps):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

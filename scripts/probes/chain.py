@@ -56,7 +56,6 @@ class Chain:
     def layer(self, x, res, ly, cache, norm, lin=F.linear, pdl=False, mlp_prefetch=0):
         """One layer as the engine runs it at these rows: -> (the layer's output before its residual add, residual).
         `norm`: the add + RMSNorm (compiled by the caller); `lin`: the projections' GEMM."""
-        from kernels.mlp import gate_up_silu
         from kernels.triton_decode import paged_decode
         m = self.rows
         h, res = norm(x, res, ly["n1"])
@@ -65,7 +64,17 @@ class Chain:
         att = paged_decode(q, cache[0], cache[1], self.table, self.cached, D ** -0.5, new_kv=(k, v),
                            items=self.items, rope=(self.cos, self.sin), pdl=pdl)
         h, res = norm(lin(att.reshape(m, HEADS * D), ly["o"]), res, ly["n2"])
-        return lin(gate_up_silu(h, ly["gu"], pdl=pdl, prefetch=mlp_prefetch), ly["down"]), res
+        return lin(self.mlp(h, ly["gu"], pdl, mlp_prefetch), ly["down"]), res
+
+    def mlp(self, h, w, pdl=False, prefetch=0):
+        """The gate/up GEMM and SiLU-mul as the engine runs them at these rows: the fused kernel up to
+        kernels.mlp.FUSED_ROWS rows, cuBLAS and the compiled SiLU-mul above."""
+        from kernels.mlp import FUSED_ROWS, gate_up_silu
+        if self.rows <= FUSED_ROWS:
+            return gate_up_silu(h, w, pdl=pdl, prefetch=prefetch)
+        from engine.model import OPS, compile_elementwise
+        compile_elementwise()               # the engine's compiled pieces, as it serves them
+        return OPS["silu_mul"](F.linear(h, w))
 
 
 def build(rows: int, layers: int, prompts: list[int], dev: torch.device, dt=torch.float16) -> Chain:

@@ -43,9 +43,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("read_floor: needs a CUDA device", file=sys.stderr)
         return 2
-    from kernels.mlp import gate_up_silu
+    from bench.profile_steps import kernels_per_step
+    from bench.stats import capture
     from kernels.triton_decode import multiprocessors, paged_decode
-    from scripts.probes.read_kernel import stream_read
+    from scripts.probes.read_kernel import strided_read, stream_read
     dev, dt = torch.device("cuda"), torch.float16
     m, L = a.rows, a.layers
     c = build(m, L, ints(a.prompts), dev, dt)
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
               lambda l: paged_decode(q, *c.caches[l], c.table, c.cached, D ** -0.5, new_kv=(k, v), items=c.items,
                                      rope=(c.cos, c.sin))),
              ("o", nbytes(W[0]["o"]), lambda l: F.linear(att, W[l]["o"])),
-             ("gate/up + SiLU-mul", nbytes(W[0]["gu"]), lambda l: gate_up_silu(x, W[l]["gu"])),
+             ("gate/up + SiLU-mul", nbytes(W[0]["gu"]), lambda l: c.mlp(x, W[l]["gu"])),
              ("down", nbytes(W[0]["down"]), lambda l: F.linear(act, W[l]["down"]))]
     order = [0, 1, 2, 3, 0, 4, 5]           # a layer's kernels in the chain: the norm twice
     sink = torch.empty(sms * max(ints(a.programs_per_sm)), device=dev, dtype=torch.float32)
@@ -113,6 +114,32 @@ def main(argv=None) -> int:
             programs_per_sm=cfg[0], block=cfg[1], warps=cfg[2]), at_rate_us=size / rate * 1e6))
         print(f"{label:>30} {size / 1e6:>7.2f} {s_us:>9.2f} {r_us:>8.2f} {s_us / r_us:>7.2f} "
               f"{size / r_us / 1e6:>9.2f} {size / rate * 1e6:>8.2f} {str(cfg):>14}", flush=True)
+
+    # the attention's two kernels apart (the profiler over a replay of its 28 layers), and its K/V read as the
+    # decode reads it: each key/value head's 256-byte slice of every 512-byte key (the cache's [slots, heads, d]),
+    # a head a grid column, against the contiguous read above
+    graph, _ = capture(chained([(lambda l=l: kinds[2][2](l)) for l in range(L)]))
+    split = kernels_per_step(lambda: (graph.replay(), torch.cuda.synchronize()), a.reps, True)
+    for kernel in ("attend_items", "combine_items"):
+        us = sum(t for n, t in split.items() if kernel in n) / L
+        rows.append(dict(kind=f"attention: {kernel}", served_us=us))
+        print(f"{'  ' + kernel:>30} {'':>7} {us:>9.2f}", flush=True)
+    kv_bufs = best[2][0]
+    records = c.kv_bytes // (KV_HEADS * D * 2)
+    tried = []
+    for per_sm, block, warps in configs:
+        def strided(buf, programs=max(1, per_sm * sms // KV_HEADS), block_rows=max(1, block // D), warps=warps):
+            def run():
+                strided_read[(programs, KV_HEADS)](buf, records, sink, ROW=D, STRIDE=KV_HEADS * D,
+                                                   BLOCK_ROWS=block_rows, num_warps=warps, num_stages=3)
+                return sink[:1]
+            return run
+        tried.append((graph_time(chained([strided(b) for b in kv_bufs]), a.reps, L)[0], (per_sm, block, warps)))
+    st_us, st_cfg = min(tried)
+    rows.append(dict(kind="K/V read by head slices", bytes=c.kv_bytes, read_us=st_us, read_config=dict(
+        programs_per_sm=st_cfg[0], block=st_cfg[1], warps=st_cfg[2])))
+    print(f"{'K/V read by head slices':>30} {c.kv_bytes / 1e6:>7.2f} {'':>9} {st_us:>8.2f} {'':>7} "
+          f"{c.kv_bytes / st_us / 1e6:>9.2f} {c.kv_bytes / rate * 1e6:>8.2f} {str(st_cfg):>14}", flush=True)
 
     def read_of(i, l):
         bufs, (per_sm, block, warps) = best[i]

@@ -15,3 +15,19 @@ def stream_read(ptr, n, out_ptr, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         acc += tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(acc, 0))
+
+
+@triton.jit
+def strided_read(ptr, rows, out_ptr, ROW: tl.constexpr, STRIDE: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """Program (p, g) sums element g ROW .. g ROW + ROW - 1 of each STRIDE-element record in its grid-stride share
+    of `rows` records: a key/value head's slices of a K/V cache laid out [slots, heads, d] (ROW = d, STRIDE =
+    heads x d), as the decode reads them, into out[p, g]."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    d = tl.arange(0, ROW)
+    acc = tl.zeros([BLOCK_ROWS, ROW], tl.float32)
+    for start in range(pid * BLOCK_ROWS, rows, tl.num_programs(0) * BLOCK_ROWS):
+        r = start + tl.arange(0, BLOCK_ROWS)
+        acc += tl.load(ptr + r[:, None].to(tl.int64) * STRIDE + g * ROW + d[None, :], mask=(r < rows)[:, None],
+                       other=0.0).to(tl.float32)
+    tl.store(out_ptr + pid * tl.num_programs(1) + g, tl.sum(tl.sum(acc, 1), 0))

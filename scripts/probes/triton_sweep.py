@@ -35,8 +35,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warps", default="2,4,8")
     ap.add_argument("--stages", default="2,3,4")
     ap.add_argument("--combine-warps", default="", help="combine_items' num_warps to time at the current tiling")
-    ap.add_argument("--programs-per-sm", default="", help="attend_items' persistent programs a multiprocessor to time "
-                                                          f"at the current tiling (the kernel's: {td.PROGRAMS_PER_SM})")
+    ap.add_argument("--programs-per-sm", default="", help="attend_items' persistent programs a multiprocessor, swept "
+                    f"with each tiling (none given: the kernel's {td.PROGRAMS_PER_SM})")
+    ap.add_argument("--maxnreg", default="", help="registers a thread the compiler may use, swept with each tiling "
+                    "(Triton's maxnreg; none given: no cap): fewer let more programs reside on a multiprocessor")
     probe_args(ap)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -67,42 +69,41 @@ def main(argv=None) -> int:
 
     us, ref = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH), a.reps, a.layers)
     rows = [dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=td.LAUNCH.get("num_warps"),
-                 num_stages=td.LAUNCH.get("num_stages"), current=True, us_per_layer=us, max_abs_diff=0.0)]
-    for chunk, block_n, warps, stages in itertools.product(ints(a.chunks), ints(a.blocks), ints(a.warps),
-                                                           ints(a.stages)):
+                 num_stages=td.LAUNCH.get("num_stages"), programs_per_sm=td.PROGRAMS_PER_SM, current=True,
+                 us_per_layer=us, max_abs_diff=0.0)]
+    sms = td.multiprocessors(dev.index)
+    for chunk, block_n, warps, stages, per_sm, nreg in itertools.product(
+            ints(a.chunks), ints(a.blocks), ints(a.warps), ints(a.stages), ints(a.programs_per_sm) or [0],
+            ints(a.maxnreg) or [0]):
         if chunk % block_n or P % block_n:
             continue
-        launch = dict(num_warps=warps, num_stages=stages)
+        launch = dict(num_warps=warps, num_stages=stages, **({"maxnreg": nreg} if nreg else {}))
+        programs = max(1, -(-sms * per_sm // Hk)) if per_sm else None
+        label = dict(chunk=chunk, block_n=block_n, num_warps=warps if not nreg else f"{warps}r{nreg}",
+                     num_stages=stages, programs_per_sm=per_sm or td.PROGRAMS_PER_SM)
         try:
-            us, out = graph_time(variant(chunk, block_n, launch), a.reps, a.layers)
+            us, out = graph_time(variant(chunk, block_n, launch, programs=programs), a.reps, a.layers)
             err = (out - ref).abs().max().item()
         except Exception as e:          # a tiling the compiler refuses (shared memory, registers): say so
-            rows.append(dict(chunk=chunk, block_n=block_n, num_warps=warps, num_stages=stages,
-                             error=f"{type(e).__name__}: {str(e)[:120]}"))
+            rows.append(dict(label, error=f"{type(e).__name__}: {str(e)[:120]}"))
             continue
-        rows.append(dict(chunk=chunk, block_n=block_n, num_warps=warps, num_stages=stages, us_per_layer=us,
-                         max_abs_diff=err))
+        rows.append(dict(label, us_per_layer=us, max_abs_diff=err))
     for cw in ints(a.combine_warps):
         us, out = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH, dict(num_warps=cw)), a.reps, a.layers)
         rows.append(dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=f"{td.LAUNCH.get('num_warps')} c{cw}",
                          num_stages=td.LAUNCH.get("num_stages"), combine_warps=cw, us_per_layer=us,
                          max_abs_diff=(out - ref).abs().max().item()))
-    for per_sm in ints(a.programs_per_sm):
-        programs = max(1, -(-td.multiprocessors(dev.index) * per_sm // Hk))
-        us, out = graph_time(variant(td.CHUNK, td.BLOCK_N, td.LAUNCH, programs=programs), a.reps, a.layers)
-        rows.append(dict(chunk=td.CHUNK, block_n=td.BLOCK_N, num_warps=f"{td.LAUNCH.get('num_warps')} p{per_sm}",
-                         num_stages=td.LAUNCH.get("num_stages"), programs_per_sm=per_sm, us_per_layer=us,
-                         max_abs_diff=(out - ref).abs().max().item()))
     kv_bytes = sum(hist) * Hk * D * 2 * 2
     print(f"triton decode in a CUDA graph: {a.rows} rows, histories mean {statistics.mean(hist):.0f} max "
           f"{max(hist)}, {kv_bytes / 1e6:.1f} MB of K+V per layer; the current tiling first")
-    print(f"{'chunk':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'us/layer':>9} {'max|diff|':>10}")
+    print(f"{'chunk':>6} {'block_n':>7} {'warps':>5} {'stages':>6} {'p/sm':>4} {'us/layer':>9} {'max|diff|':>10}")
     for r in rows:
+        head = (f"{r['chunk']:>6} {r['block_n']:>7} {str(r['num_warps']):>5} {str(r['num_stages']):>6} "
+                f"{str(r.get('programs_per_sm', '')):>4}")
         if "error" in r:
-            print(f"{r['chunk']:>6} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6}  {r['error']}")
+            print(f"{head}  {r['error']}")
             continue
-        print(f"{r['chunk']:>6} {r['block_n']:>7} {str(r['num_warps']):>5} {str(r['num_stages']):>6} "
-              f"{r['us_per_layer']:>9.1f} {r['max_abs_diff']:>10.2e}")
+        print(f"{head} {r['us_per_layer']:>9.1f} {r['max_abs_diff']:>10.2e}")
     ok = [r for r in rows if "error" not in r and r["max_abs_diff"] < 2e-2]
     best = min(ok, key=lambda r: r["us_per_layer"])
     print(f"fastest: {best} against the current {rows[0]['us_per_layer']:.1f} us/layer")

@@ -56,12 +56,14 @@ LAUNCH: dict = {"num_warps": 8, "num_stages": 3}
 # 4; at 32 rows 18.0 at 1 warp, 19.5 at 4)
 COMBINE_LAUNCH: dict = {"num_warps": 1}
 # attend_items' persistent grid: programs a multiprocessor (over all key/value heads). At three stages a program
-# holds 71.7 KB of shared memory (compiled for sm_90 as the JIT compiles it, session 32), so 3 are resident on a
-# multiprocessor of 227 KB, and the grid's fourth runs when one of the first three has ended. A 32-row step of the
-# mixed draw has about 120 items a key/value head, fewer than 132 x 3 / 2 resident programs: one trip each; a
-# 200-row step (about 780 items a head) loops. Measured (the sweep's --programs-per-sm, an H100 in session 33): at 200
-# rows 2, 4, 6 and 8 programs a multiprocessor took 76.3, 74.9, 75.3 and 74.9 us a layer (3: 83.2), at 32 rows all
-# 17.7: the late programs' wait costs nothing measurable, so 4 stays
+# holds 71.7 KB of shared memory (compiled for sm_90 as the JIT compiles it, session 32), room for 3 on a
+# multiprocessor of 227 KB, but at 8 warps its 128 registers a thread leave room for 2 (Nsight Compute on an H100,
+# session 38), and the grid's third and fourth run as the first two end. A 32-row step of the mixed draw has about
+# 120-190 items a key/value head: one trip each, in one or two waves; a 200-row step (about 780 items a head)
+# loops. Measured (the sweep's --programs-per-sm, an H100 in session 33): at 200 rows 2, 4, 6 and 8 programs a
+# multiprocessor took 76.3, 74.9, 75.3 and 74.9 us a layer (3: 83.2), at 32 rows all 17.7: the late programs' wait
+# costs nothing measurable, so 4 stays. Session 38 (k30) swept it with every tiling (best 17.2 at 32 rows) and capped
+# the registers so that 3 reside (maxnreg 80 / 96: 18.0-18.9): no change pays
 PROGRAMS_PER_SM = 4
 
 

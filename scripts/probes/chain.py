@@ -53,18 +53,26 @@ class Chain:
         """Weight bytes a layer (norm weights and the q/k/v bias included)."""
         return sum(t.numel() * t.element_size() for t in self.weights[0].values())
 
-    def layer(self, x, res, ly, cache, norm, lin=F.linear, pdl=False, mlp_prefetch=0):
+    def layer(self, x, res, ly, cache, norm, lin=F.linear, pdl=False, mlp_prefetch=0, hooks=None):
         """One layer as the engine runs it at these rows: -> (the layer's output before its residual add, residual).
-        `norm`: the add + RMSNorm (compiled by the caller); `lin`: the projections' GEMM."""
+        `norm`: the add + RMSNorm (compiled by the caller); `lin`: the projections' GEMM. `hooks`: {point: f()} run
+        at "start", "attended" (after the decode), "mlp" (before the gate/up) and "down" (before the down
+        projection), for probes that launch work beside the layer's (scripts/probes/side_prefetch.py)."""
         from kernels.triton_decode import paged_decode
+        hook = (hooks or {}).get
         m = self.rows
+        hook("start", _none)()
         h, res = norm(x, res, ly["n1"])
         qkv = lin(h, ly["qkv"], ly["bqkv"]).view(m, HEADS + 2 * KV_HEADS, D)
         q, k, v = qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:]
         att = paged_decode(q, cache[0], cache[1], self.table, self.cached, D ** -0.5, new_kv=(k, v),
                            items=self.items, rope=(self.cos, self.sin), pdl=pdl)
+        hook("attended", _none)()
         h, res = norm(lin(att.reshape(m, HEADS * D), ly["o"]), res, ly["n2"])
-        return lin(self.mlp(h, ly["gu"], pdl, mlp_prefetch), ly["down"]), res
+        hook("mlp", _none)()
+        act = self.mlp(h, ly["gu"], pdl, mlp_prefetch)
+        hook("down", _none)()
+        return lin(act, ly["down"]), res
 
     def mlp(self, h, w, pdl=False, prefetch=0):
         """The gate/up GEMM and SiLU-mul as the engine runs them at these rows: the fused kernel up to
@@ -75,6 +83,10 @@ class Chain:
         from engine.model import OPS, compile_elementwise
         compile_elementwise()               # the engine's compiled pieces, as it serves them
         return OPS["silu_mul"](F.linear(h, w))
+
+
+def _none():
+    return None
 
 
 def build(rows: int, layers: int, prompts: list[int], dev: torch.device, dt=torch.float16) -> Chain:

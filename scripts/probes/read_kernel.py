@@ -31,3 +31,21 @@ def strided_read(ptr, rows, out_ptr, ROW: tl.constexpr, STRIDE: tl.constexpr, BL
         acc += tl.load(ptr + r[:, None].to(tl.int64) * STRIDE + g * ROW + d[None, :], mask=(r < rows)[:, None],
                        other=0.0).to(tl.float32)
     tl.store(out_ptr + pid * tl.num_programs(1) + g, tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def l2_prefetch(ptr, n, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """The n elements (fp16) at ptr fetched into L2 (prefetch.global.L2, with evict_last priority if EVICT_LAST):
+    program p issues lines p L, p L + P L, ... (L: LINES a trip, one 128-byte line a pointer). Nothing is read into
+    the program, so it ends once its prefetches are issued."""
+    pid = tl.program_id(0)
+    lines = tl.cdiv(n, 64)
+    for first in range(pid * LINES, lines, tl.num_programs(0) * LINES):
+        line = first + tl.arange(0, LINES)
+        ptrs = ptr + tl.minimum(line, lines - 1).to(tl.int64) * 64
+        if EVICT_LAST:
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; // dummy $0", "=r,l", [ptrs],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
+                                      is_pure=False, pack=1)

@@ -4,6 +4,8 @@
 #   tests    tests/test_triton_decode.py, test_mlp_kernel.py and test_linear_kernel.py natively on the GPU (runs while flash-attn builds, if it must)
 #   pdlchain scripts/probes/pdl_chain.py: the pure decode step's 28-layer chain at 32 rows in one graph, with and
 #            without programmatic dependent launch (kernels/pdl_kernels.py), cuBLAS or split-K projections
+#   readfloor  scripts/probes/read_floor.py at 32 rows: each kernel of the pure decode layer against a read of its
+#            bytes (session 38: the attention the largest gap), the number any decode change is measured by
 #   pdlgate  gates/test_graphs.py's PDL gate (the captured steps with PDL against without, small-trained)
 #   pdlplant the same run with the plant pdl-no-wait, which must fail it (rc 1, the failure naming PDL)
 #   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
@@ -87,6 +89,7 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
 part tests 150 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kernel.py tests/test_linear_kernel.py -q -p no:cacheprovider -rfEs
 need_flash
 part pdlchain 150 python3 -m scripts.probes.pdl_chain --out "$OUT/pdlchain.json"
+part readfloor 150 python3 -m scripts.probes.read_floor --out "$OUT/readfloor.json"
 part pdlgate 150 python3 -m pytest gates/test_graphs.py -k pdl --device cuda --model small-trained -p no:cacheprovider \
   -q -rfEs
 part pdlplant 150 python3 -m pytest gates/test_graphs.py -k pdl --device cuda --model small-trained \

@@ -28,6 +28,12 @@ an atomic count, combining the row) was measured on the H200 in session 21 and w
 step 1.088x [1.061, 1.117] (gates.ab, 5 process pairs), its attention 0.70 ms against 0.51, as the longest row's
 last item then merges its group's six heads one after another at the end of the launch (docs/RESULTS.md, k16).
 
+Split by equal shares (paged_decode(split="shares"), block_shares; built in session 38, not served until measured):
+Nsight Compute found the multiprocessors busy for 74% of attend_items' launch at 32 rows, as 256-key items fall
+unevenly on 2 resident programs a multiprocessor. Split the other way, program p of a head takes an equal share of
+the head's key blocks laid end to end (stream-K's partition), one item for each row it touches, and the combine
+merges a row's items as before. scripts/probes/triton_sweep.py (--split items,shares) and read_floor.py time it.
+
 Correctness is tested on CPU through Triton's interpreter, and the GPU path is compiled to sm_90 PTX there
 (tests/test_triton_decode.py); on the H200 the same tests and the flash token, graph and page-safety gates pass with
 it, and the 32-row pure decode step's attention took 0.63 ms of device time against split-KV's 0.87
@@ -91,6 +97,52 @@ def work_items(cached: torch.Tensor, grid_items: int, chunk: int):
     return row, start, last, firsts, n
 
 
+# programs resident a multiprocessor at attend_items' launch (LAUNCH: 8 warps of 128 registers a thread; Nsight
+# Compute, session 38): block_shares' default grid, one program a resident slot
+RESIDENT = 2
+
+
+def block_shares(cached: torch.Tensor, programs: int, block_n: int):
+    """Device tensors for one step split by equal shares of key blocks (stream-K's partition), where work_items
+    splits by items of CHUNK keys: the rows' key blocks (BLOCK_N keys; a row without keys has one, empty) laid end
+    to end, program p of a key/value head takes blocks [p B / P, (p + 1) B / P) of the B (P: `programs`), and an
+    item is the part of one row one program takes. Why: items of one size fall unevenly on the resident programs
+    (Nsight Compute, session 38: the multiprocessors busy for 74% of the launch); here every program streams the
+    same number of blocks, give or take one. -> (row, start, last, firsts, counts) as work_items', and each item's
+    end (its last key + 1) and each program's first item (prog_first, P + 1 entries: program p's items are
+    prog_first[p] .. prog_first[p + 1] - 1). Items are ordered by row and start, so a row's are consecutive and the
+    combine merges them as it merges work_items'. At most rows + P items; the rest are idle (row = rows). Graph-safe:
+    sizes fixed by the row count and P, no host sync."""
+    rows, dev = cached.shape[0], cached.device
+    keys = cached.to(torch.int32)
+    blocks = ((keys + (block_n - 1)) // block_n).clamp_(min=1)
+    row_end = torch.cumsum(blocks, 0, dtype=torch.int32)                # each row's blocks end (exclusive)
+    row_first = row_end - blocks
+    p = torch.arange(programs + 1, device=dev, dtype=torch.int64)
+    bound = (p * row_end[-1:].to(torch.int64) // programs).to(torch.int32)   # program p: [bound[p], bound[p + 1])
+    lo, hi = bound[:-1], bound[1:]
+    r_lo = torch.searchsorted(row_end, lo, right=True, out_int32=True)        # the row holding block lo
+    r_hi = torch.searchsorted(row_end, (hi - 1).clamp(min=0), right=True, out_int32=True)
+    per_prog = torch.where(hi > lo, r_hi - r_lo + 1, 0)
+    prog_first = torch.zeros(programs + 1, device=dev, dtype=torch.int32)
+    prog_first[1:] = torch.cumsum(per_prog, 0, dtype=torch.int32)
+    i = torch.arange(rows + programs, device=dev, dtype=torch.int32)
+    prog = torch.searchsorted(prog_first[1:], i, right=True, out_int32=True)  # programs: i is past the last item
+    pc = prog.clamp(max=programs - 1)
+    idle = prog >= programs
+    row = torch.where(idle, rows, r_lo[pc] + (i - prog_first[pc]))
+    r = row.clamp(max=rows - 1)
+    first_block = torch.maximum(lo[pc], row_first[r])
+    end_block = torch.minimum(hi[pc], row_end[r])
+    start = (first_block - row_first[r]) * block_n
+    end = torch.minimum((end_block - row_first[r]) * block_n, keys[r])
+    last = (~idle & (end_block == row_end[r])).to(torch.int32)
+    counts = torch.zeros(rows + 1, device=dev, dtype=torch.int32).scatter_add_(
+        0, row.long(), torch.ones_like(row))[:rows]
+    firsts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+    return row, start, last, firsts, counts, end, prog_first
+
+
 def _kernels():
     """The two Triton kernels (kernels/triton_decode_kernels.py), imported on first use: triton is needed only when
     this kernel is asked for. Their compiled code goes to $STEPGATE_COMPILE_CACHE where that is set."""
@@ -104,6 +156,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                  chunk: int | None = None, items=None, block_n: int | None = None,
                  pdl: bool = False,
+                 split: str = "items",
                  launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                  programs: int | None = None, combine_launch: dict | None = None, out: torch.Tensor | None = None,
                  out_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,8 +169,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (None: persistent_programs). `combine_launch`: combine_items' (num_warps), COMBINE_LAUNCH unless given.
     `out` [rows, heads, d] (its last dimension contiguous): written instead of a new tensor; with `out_rows`, an
     int32 [1] device tensor, only its rows below that count (a captured loaded step's decode rows: no merge kernel
-    after). `pdl`: both kernels launched with programmatic dependent launch (kernels/pdl_kernels.py). -> [rows,
-    heads, d] (`out` where given)."""
+    after). `pdl`: both kernels launched with programmatic dependent launch (kernels/pdl_kernels.py). `split`:
+    "items" (work_items: items of `chunk` keys over a persistent grid) or "shares" (block_shares: `programs` programs
+    a key/value head, RESIDENT a multiprocessor unless given, each with an equal share of the key blocks; `items`
+    then block_shares' tuple; not served yet: scripts/probes/triton_sweep.py times it). -> [rows, heads, d] (`out`
+    where given)."""
     attend_items, combine_items = _kernels()
     from .pdl import pdl_args
     chunk = chunk or CHUNK
@@ -136,10 +192,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError("triton decode: rope (cos, sin) only with new_kv: a key written to the cache elsewhere "
                          "must have been rotated there")
     group = heads // kv_heads
+    shares = split == "shares"
+    if split not in ("items", "shares"):
+        raise ValueError(f"triton decode: split {split!r}: 'items' or 'shares'")
+    if shares and programs is None:
+        programs = max(1, multiprocessors(q.device.index) * RESIDENT // kv_heads) if q.is_cuda else 8
+    if items is None and shares:
+        items = block_shares(cached, programs, block_n)
     if items is None:
         items = work_items(cached, max_items(rows, block_table.shape[1] * page_size, pages * page_size, chunk),
                            chunk)
-    item_row, item_start, item_last, firsts, counts = items
+    item_row, item_start, item_last, firsts, counts = items[:5]
+    item_end, prog_first = items[5:] if shares else (item_start, item_start)      # unread by the items split
     n_items = item_row.shape[0]
     o_part = torch.empty(n_items, heads, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(n_items, heads, device=q.device, dtype=torch.float32)
@@ -150,18 +214,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # the combine's static trip count, for the interpreter only: on the GPU it loops to each row's count, so no
     # table width compiles a kernel of its own (one block of ITEM_BLOCK items a trip)
     max_count = combine_bound(block_table.shape[1] * page_size, chunk) if not q.is_cuda else ITEM_BLOCK
-    if programs is None:
-        programs = persistent_programs(q.device, kv_heads)
-    programs = max(1, min(programs, n_items))
+    iters = 1
+    if shares:
+        if not q.is_cuda:   # the interpreter's static bounds: a program's items, an item's keys, a row's items
+            iters = max(1, int((prog_first[1:] - prog_first[:-1]).max()))
+            chunk = block_n * max(1, int(((item_end - item_start + block_n - 1) // block_n).max()))
+            max_count = 1 << (max(1, int(counts.max())) - 1).bit_length()
+    else:
+        if programs is None:
+            programs = persistent_programs(q.device, kv_heads)
+        programs = max(1, min(programs, n_items))
+        iters = -(-n_items // programs)
     attend_items[(programs, kv_heads)](
-        q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, firsts, counts, new_k, new_v,
+        q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, item_end, prog_first, firsts,
+        counts, new_k, new_v,
         o_part, lse, cos, sin, scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0), cos.stride(0) if rope is not None else 0,
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
         BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
-        ROPE=rope is not None, ITERS=-(-n_items // programs) if not q.is_cuda else 1, **pdl_args(pdl),
+        ROPE=rope is not None, ITERS=iters if not q.is_cuda else 1, **pdl_args(pdl),
+        **(dict(SHARES=True) if shares else {}),
         **(LAUNCH if launch is None else launch))
     if out is None:
         out = torch.empty_like(q)
@@ -196,4 +270,4 @@ def combine_bound(width_slots: int, chunk: int) -> int:
     return 1 << (items - 1).bit_length()
 
 
-__all__ = ["CHUNK", "combine_bound", "max_items", "paged_decode", "work_items"]
+__all__ = ["CHUNK", "RESIDENT", "block_shares", "combine_bound", "max_items", "paged_decode", "work_items"]

@@ -52,6 +52,7 @@ def page_of(bt_ptr, row, bt_stride, b, page_size):
 # for a value divisible by 16, and one for 1), each would compile the kernel again for nothing (they only index rows)
 @triton.jit(do_not_specialize=["num_rows", "bt_stride"])
 def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
+                 item_end_ptr, prog_first_ptr,
                  first_ptr, count_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                  num_rows, bt_stride, page_size,
                  q_stride_row, q_stride_head,
@@ -60,18 +61,42 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                  o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
-                 ROPE: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr = False):
+                 ROPE: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr = False,
+                 SHARES: tl.constexpr = False):
     """A persistent grid over the step's items: program p of a key/value head attends items p, p + P, p + 2P, ...
     up to the step's last item (P: the grid's first dimension), so the grid is sized by the GPU, not by the items
     a table's width could hold: a captured step's table is as wide as the longest admissible request, and a grid of
     one program an item there launched thousands that exit at once (kernels/triton_decode.py). PDL: launched with
     programmatic dependent launch, it waits for the kernel before it before it reads anything (the queries come from
-    it; kernels/pdl_kernels.py)."""
+    it; kernels/pdl_kernels.py). SHARES (kernels/triton_decode.py: block_shares): program p attends its own items
+    prog_first[p] .. prog_first[p + 1] - 1, each ending at item_end (not at CHUNK keys); ITERS then bounds the
+    interpreter's loop over them, and CHUNK its loop over an item's keys."""
     launch_dependents(PDL)
     wait_for_prior(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     g = tl.program_id(1)                       # key/value head
+    if SHARES:
+        lo = tl.load(prog_first_ptr + pid)
+        hi = tl.load(prog_first_ptr + pid + 1)
+        if STATIC_LOOP:
+            for j in range(ITERS):
+                if lo + j < hi:
+                    attend_item(lo + j, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
+                                item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
+                                scale, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page,
+                                kv_stride_slot, kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row,
+                                new_v_stride_head, o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                                GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
+        else:
+            for item in range(lo, hi):
+                attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
+                            item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
+                            scale, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
+                            kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
+                            o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
+                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
+        return
     # the step's items end at its last row's last item (the grid's items past it belong to no row)
     total = tl.load(first_ptr + num_rows - 1) + tl.load(count_ptr + num_rows - 1)
     if STATIC_LOOP:
@@ -81,24 +106,24 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
             item = pid + j * nprog
             if item < total:
                 attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                            item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                            item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                             bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
                             kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                             o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
+                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
     else:
         for item in range(pid, total, nprog):
             attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                        item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                        item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                         bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
                         kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                         o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
+                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
 
 
 @triton.jit
 def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
-                new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+                item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                 bt_stride, page_size,
                 q_stride_row, q_stride_head,
                 kv_stride_page, kv_stride_slot, kv_stride_head,
@@ -106,14 +131,17 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
                 o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
-                ROPE: tl.constexpr):
+                ROPE: tl.constexpr, SHARES: tl.constexpr):
     """One item: a key/value head's query heads of its row over the item's keys (and, for a row's last item with
     APPEND, the step's new key and value) -> its partial output and log-sum-exp. The callers pass only the step's
-    items (each of a row)."""
+    items (each of a row). An item's keys end CHUNK keys on, or at item_end with SHARES."""
     row = tl.load(item_row_ptr + item)
     start = tl.load(item_start_ptr + item)
     cached = tl.load(cached_ptr + row)
-    end = tl.minimum(start + CHUNK, cached)
+    if SHARES:
+        end = tl.load(item_end_ptr + item)
+    else:
+        end = tl.minimum(start + CHUNK, cached)
     h = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     hmask = h < GROUP
@@ -133,7 +161,8 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
     # ONE_PAGE (the item divides the page size, so an item lies in one page): its page is looked up once, and
-    # every key block's address is known before the loop, with no table load in the chain of each block
+    # every key block's address is known before the loop, with no table load in the chain of each block. A SHARES
+    # item may cross a page edge: each block's page is looked up
     page = page_of(bt_ptr, row, bt_stride, start, page_size)
     if STATIC_LOOP:
         # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: a static trip count
@@ -141,7 +170,7 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
         for j in range(CHUNK // BLOCK_N):
             b = start + j * BLOCK_N
             if b < end:
-                if not ONE_PAGE:
+                if SHARES or not ONE_PAGE:
                     page = page_of(bt_ptr, row, bt_stride, b, page_size)
                 m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
                                           kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
@@ -149,7 +178,7 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
         # on the GPU a loop over the item's key blocks, which the compiler pipelines (the next block's loads
         # under this block's math)
         for b in range(start, end, BLOCK_N):
-            if not ONE_PAGE:
+            if SHARES or not ONE_PAGE:
                 page = page_of(bt_ptr, row, bt_stride, b, page_size)
             m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
                                       kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)

@@ -85,6 +85,15 @@ class Chain:
         return OPS["silu_mul"](F.linear(h, w))
 
 
+def chain_args(ap) -> None:
+    """The options of every probe that builds the chain: rows, layers in the graph, replays, the rows' prompts."""
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--prompts", default="16,64,256,1024,4096", help="the rows' prompt lengths, drawn uniformly "
+                    "(the mixed workload's), each with 0-64 tokens decoded")
+
+
 def _none():
     return None
 

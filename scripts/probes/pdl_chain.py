@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.stats import graph_time
-from scripts.probes.chain import add_norm, build, copy_rate
+from scripts.probes.chain import add_norm, build, chain_args, copy_rate
 from scripts.probes.skinny_gemm import ints
 
 
@@ -35,11 +35,7 @@ def inductor_pdl() -> bool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.pdl_chain", description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--prompts", default="16,64,256,1024,4096", help="the rows' prompt lengths, drawn uniformly "
-                    "(the mixed workload's), each with 0-64 tokens decoded")
+    chain_args(ap)
     ap.add_argument("--mlp-prefetch", default="0,256,768", help="gate/up elements a row prefetched (PDL variants)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)

@@ -30,17 +30,14 @@ import torch
 import torch.nn.functional as F
 
 from bench.stats import graph_time
-from scripts.probes.chain import (D, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB, add_norm, build, copy_rate)
+from scripts.probes.chain import (D, HEADS, HIDDEN, INTER, KV_HEADS, VOCAB, add_norm, build, chain_args,
+                                  copy_rate)
 from scripts.probes.skinny_gemm import ints
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.read_floor", description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--prompts", default="16,64,256,1024,4096", help="the rows' prompt lengths, drawn uniformly "
-                    "(the mixed workload's), each with 0-64 tokens decoded")
+    chain_args(ap)
     ap.add_argument("--programs-per-sm", default="1,2,4,8", help="the read's grid sweep, programs a multiprocessor")
     ap.add_argument("--blocks", default="1024,4096", help="the read's sweep, elements a program loads at a time")
     ap.add_argument("--warps", default="4,8")

@@ -22,7 +22,7 @@ import sys
 import torch
 
 from bench.stats import graph_time
-from scripts.probes.chain import add_norm, build
+from scripts.probes.chain import add_norm, build, chain_args
 from scripts.probes.skinny_gemm import ints
 
 # plan: {hook point: [weights fetched there]}; a weight: a key of the layer's weights, or next-<key> (the next
@@ -39,10 +39,7 @@ PLANS = {"served": {},
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.probes.side_prefetch", description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--layers", type=int, default=28)
-    ap.add_argument("--reps", type=int, default=50)
-    ap.add_argument("--prompts", default="16,64,256,1024,4096", help="the rows' prompt lengths (chain.py's draw)")
+    chain_args(ap)
     ap.add_argument("--programs", default="32,132", help="the prefetch kernel's programs")
     ap.add_argument("--lines", type=int, default=256, help="cache lines a program prefetches a trip")
     ap.add_argument("--plans", default=";".join(PLANS), help="which of the plans, by name (; between)")

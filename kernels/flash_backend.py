@@ -246,7 +246,7 @@ class FlashBackend(AttentionBackend):
         if items is None:
             pages, page_size = k_cache.shape[0], k_cache.shape[1]
             grid = td.max_items(q.shape[0], bt.shape[1] * page_size, pages * page_size, self.triton_chunk)
-            items = batch.prepared[key] = td.work_items(cached, grid, self.triton_chunk)
+            items = batch.prepared[key] = td.work_items(cached, grid, self.triton_chunk, bt, page_size)
         return td.paged_decode(q, k_cache, v_cache, bt, cached, scale, new_kv, chunk=self.triton_chunk,
                                items=items, rope=rope, out=out, out_rows=out_rows, pdl=self.pdl)
 

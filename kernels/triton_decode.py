@@ -10,7 +10,7 @@ items are as many as the keys need (a 4,114-position row makes 17 of 256, a 200-
 program per key/value head that attends all of that head's query heads (GQA) over its keys, and a combine reduces
 each row's own items only (a one-item row is copied).
 
-Graph-safe: the item list is made on the device from the cache lengths with torch ops (no host sync), in arrays
+Graph-safe: the item list is made on the device from the cache lengths by make_items (no host sync), in arrays
 sized by the batch's shape and the pool's size; attend_items is a persistent grid (PROGRAMS_PER_SM a multiprocessor)
 whose programs loop over the step's items up to its last one, read on the device, so neither the table's width nor
 the pool's size adds programs that only exit.
@@ -28,11 +28,15 @@ an atomic count, combining the row) was measured on the H200 in session 21 and w
 step 1.088x [1.061, 1.117] (gates.ab, 5 process pairs), its attention 0.70 ms against 0.51, as the longest row's
 last item then merges its group's six heads one after another at the end of the launch (docs/RESULTS.md, k16).
 
-Split by equal shares (paged_decode(split="shares"), block_shares; built in session 38, not served until measured):
-Nsight Compute found the multiprocessors busy for 74% of attend_items' launch at 32 rows, as 256-key items fall
-unevenly on 2 resident programs a multiprocessor. Split the other way, program p of a head takes an equal share of
-the head's key blocks laid end to end (stream-K's partition), one item for each row it touches, and the combine
-merges a row's items as before. scripts/probes/triton_sweep.py (--split items,shares) and read_floor.py time it.
+The work items are made by one Triton kernel a step (make_items; torch ops made them in 15 small kernels until
+session 39), which also gives each item's end and the page holding it, so an attend_items program loads its item's
+numbers together and its first keys one load after, where it waited on its row's length and page first. Measured on
+an H100 (session 39, docs/RESULTS.md k31): the pure decode step's small kernels 0.060 ms of device time against 0.080,
+attend_items unchanged. Attending each program's first item before the step's item count was read as well (one load
+fewer again) was 1.1% faster for the pure decode step and 0.8% slower for the loaded one (its attend_items 503 us a
+step against 445): not kept. The split by equal shares of key blocks (stream-K's partition, session 38) was slower on
+an H100 and removed: 18.5 against 17.2 us a layer at 32 rows, 80.1 against 75.3 at 200 (its items cross page edges,
+so every key block waited on a table load).
 
 Correctness is tested on CPU through Triton's interpreter, and the GPU path is compiled to sm_90 PTX there
 (tests/test_triton_decode.py); on the H200 the same tests and the flash token, graph and page-safety gates pass with
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -79,84 +84,53 @@ def max_items(rows: int, width_slots: int, pool_slots: int, chunk: int) -> int:
     return max(1, min(rows * -(-width_slots // chunk), rows + -(-pool_slots // chunk)))
 
 
-def work_items(cached: torch.Tensor, grid_items: int, chunk: int):
-    """Device tensors for one step: each item's row (rows = past the last item), its first key position, whether it
-    is its row's last item; and each row's first item and item count. `cached`: int32 [rows], the keys each row has
-    in the cache (without the step's new one where it is appended). In int32 throughout, and items past the step's
-    last read the last row's numbers (their start is never read): 15 kernels a step, where casts and a where made
-    24 (each a few microseconds in a captured step; 25 us of host time in an eager one on the H200)."""
-    rows = cached.shape[0]
-    n = ((cached.to(torch.int32) + (chunk - 1)) // chunk).clamp_(min=1)  # a row with no cached key still has one
-    ends = torch.cumsum(n, 0, dtype=torch.int32)
-    firsts = ends - n
-    i = torch.arange(grid_items, device=cached.device, dtype=torch.int32)
-    row = torch.searchsorted(ends, i, right=True, out_int32=True)       # rows: i is past the step's last item
-    r = row.clamp(max=rows - 1)
-    start = (i - firsts[r]) * chunk
-    last = (ends[r] == i + 1).to(torch.int32)       # past the last item i + 1 > ends[-1]: never a row's last
-    return row, start, last, firsts, n
+class Items(NamedTuple):
+    """A step's work items (work_items): per item its row (rows: past the step's last item), first key position,
+    end (its last key + 1), the page holding its first key, and whether it is its row's last item; per row its
+    first item and item count. int32 device tensors."""
+    row: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    page: torch.Tensor
+    last: torch.Tensor
+    firsts: torch.Tensor
+    counts: torch.Tensor
 
 
-# programs resident a multiprocessor at attend_items' launch (LAUNCH: 8 warps of 128 registers a thread; Nsight
-# Compute, session 38): block_shares' default grid, one program a resident slot
-RESIDENT = 2
+ITEMS_BLOCK = 64        # items a make_items program writes
+ITEMS_ROW_BLOCK = 128   # rows it compares them against at a time
 
 
-def block_shares(cached: torch.Tensor, programs: int, block_n: int):
-    """Device tensors for one step split by equal shares of key blocks (stream-K's partition), where work_items
-    splits by items of CHUNK keys: the rows' key blocks (BLOCK_N keys; a row without keys has one, empty) laid end
-    to end, program p of a key/value head takes blocks [p B / P, (p + 1) B / P) of the B (P: `programs`), and an
-    item is the part of one row one program takes. Why: items of one size fall unevenly on the resident programs
-    (Nsight Compute, session 38: the multiprocessors busy for 74% of the launch); here every program streams the
-    same number of blocks, give or take one. -> (row, start, last, firsts, counts) as work_items', and each item's
-    end (its last key + 1) and each program's first item (prog_first, P + 1 entries: program p's items are
-    prog_first[p] .. prog_first[p + 1] - 1). Items are ordered by row and start, so a row's are consecutive and the
-    combine merges them as it merges work_items'. At most rows + P items; the rest are idle (row = rows). Graph-safe:
-    sizes fixed by the row count and P, no host sync."""
+def work_items(cached: torch.Tensor, grid_items: int, chunk: int, table: torch.Tensor, page_size: int) -> Items:
+    """Device tensors for one step (Items): each row's cached keys (`cached`: int32 [rows], without the step's new
+    one where it is appended) cut into items of `chunk` keys, a row with none still one item, `grid_items` items in
+    all (max_items), those past the step's last with row = rows. `table`: the rows' block table [rows, width] (each
+    item's page). One Triton kernel (make_items), where torch ops made 15 a step (each a few microseconds in a
+    captured step), and it also gives each item's end and page, so attend_items' programs load no row length or
+    table entry before their first keys."""
+    make_items = _kernels()[2]
     rows, dev = cached.shape[0], cached.device
-    keys = cached.to(torch.int32)
-    blocks = ((keys + (block_n - 1)) // block_n).clamp_(min=1)
-    row_end = torch.cumsum(blocks, 0, dtype=torch.int32)                # each row's blocks end (exclusive)
-    row_first = row_end - blocks
-    p = torch.arange(programs + 1, device=dev, dtype=torch.int64)
-    bound = (p * row_end[-1:].to(torch.int64) // programs).to(torch.int32)   # program p: [bound[p], bound[p + 1])
-    lo, hi = bound[:-1], bound[1:]
-    r_lo = torch.searchsorted(row_end, lo, right=True, out_int32=True)        # the row holding block lo
-    r_hi = torch.searchsorted(row_end, (hi - 1).clamp(min=0), right=True, out_int32=True)
-    per_prog = torch.where(hi > lo, r_hi - r_lo + 1, 0)
-    prog_first = torch.zeros(programs + 1, device=dev, dtype=torch.int32)
-    prog_first[1:] = torch.cumsum(per_prog, 0, dtype=torch.int32)
-    i = torch.arange(rows + programs, device=dev, dtype=torch.int32)
-    prog = torch.searchsorted(prog_first[1:], i, right=True, out_int32=True)  # programs: i is past the last item
-    pc = prog.clamp(max=programs - 1)
-    idle = prog >= programs
-    row = torch.where(idle, rows, r_lo[pc] + (i - prog_first[pc]))
-    r = row.clamp(max=rows - 1)
-    first_block = torch.maximum(lo[pc], row_first[r])
-    end_block = torch.minimum(hi[pc], row_end[r])
-    start = (first_block - row_first[r]) * block_n
-    end = torch.minimum((end_block - row_first[r]) * block_n, keys[r])
-    last = (~idle & (end_block == row_end[r])).to(torch.int32)
-    counts = torch.zeros(rows + 1, device=dev, dtype=torch.int32).scatter_add_(
-        0, row.long(), torch.ones_like(row))[:rows]
-    firsts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
-    return row, start, last, firsts, counts, end, prog_first
+    out = [torch.empty(grid_items, device=dev, dtype=torch.int32) for _ in range(5)]
+    firsts, counts = (torch.empty(rows, device=dev, dtype=torch.int32) for _ in range(2))
+    make_items[(-(-grid_items // ITEMS_BLOCK),)](
+        cached, table, *out, firsts, counts, rows, table.stride(0), page_size, grid_items,
+        CHUNK=chunk, BLOCK=ITEMS_BLOCK, ROW_BLOCK=ITEMS_ROW_BLOCK, ROW_BLOCKS=-(-rows // ITEMS_ROW_BLOCK))
+    return Items(*out, firsts, counts)
 
 
 def _kernels():
-    """The two Triton kernels (kernels/triton_decode_kernels.py), imported on first use: triton is needed only when
+    """The three Triton kernels (kernels/triton_decode_kernels.py), imported on first use: triton is needed only when
     this kernel is asked for. Their compiled code goes to $STEPGATE_COMPILE_CACHE where that is set."""
     from .compile_cache import use_compile_cache
     use_compile_cache()
-    from .triton_decode_kernels import attend_items, combine_items
-    return attend_items, combine_items
+    from .triton_decode_kernels import attend_items, combine_items, make_items
+    return attend_items, combine_items, make_items
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                  cached: torch.Tensor, scale: float, new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 chunk: int | None = None, items=None, block_n: int | None = None,
+                 chunk: int | None = None, items: Items | None = None, block_n: int | None = None,
                  pdl: bool = False,
-                 split: str = "items",
                  launch: dict | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
                  programs: int | None = None, combine_launch: dict | None = None, out: torch.Tensor | None = None,
                  out_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,12 +143,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     (None: persistent_programs). `combine_launch`: combine_items' (num_warps), COMBINE_LAUNCH unless given.
     `out` [rows, heads, d] (its last dimension contiguous): written instead of a new tensor; with `out_rows`, an
     int32 [1] device tensor, only its rows below that count (a captured loaded step's decode rows: no merge kernel
-    after). `pdl`: both kernels launched with programmatic dependent launch (kernels/pdl_kernels.py). `split`:
-    "items" (work_items: items of `chunk` keys over a persistent grid) or "shares" (block_shares: `programs` programs
-    a key/value head, RESIDENT a multiprocessor unless given, each with an equal share of the key blocks; `items`
-    then block_shares' tuple; not served yet: scripts/probes/triton_sweep.py times it). -> [rows, heads, d] (`out`
-    where given)."""
-    attend_items, combine_items = _kernels()
+    after). `pdl`: both kernels launched with programmatic dependent launch (kernels/pdl_kernels.py). -> [rows,
+    heads, d] (`out` where given)."""
+    attend_items, combine_items, _ = _kernels()
     from .pdl import pdl_args
     chunk = chunk or CHUNK
     block_n = block_n or BLOCK_N
@@ -192,19 +163,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError("triton decode: rope (cos, sin) only with new_kv: a key written to the cache elsewhere "
                          "must have been rotated there")
     group = heads // kv_heads
-    shares = split == "shares"
-    if split not in ("items", "shares"):
-        raise ValueError(f"triton decode: split {split!r}: 'items' or 'shares'")
-    if shares and programs is None:
-        programs = max(1, multiprocessors(q.device.index) * RESIDENT // kv_heads) if q.is_cuda else 8
-    if items is None and shares:
-        items = block_shares(cached, programs, block_n)
     if items is None:
         items = work_items(cached, max_items(rows, block_table.shape[1] * page_size, pages * page_size, chunk),
-                           chunk)
-    item_row, item_start, item_last, firsts, counts = items[:5]
-    item_end, prog_first = items[5:] if shares else (item_start, item_start)      # unread by the items split
-    n_items = item_row.shape[0]
+                           chunk, block_table, page_size)
+    n_items = items.row.shape[0]
     o_part = torch.empty(n_items, heads, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(n_items, heads, device=q.device, dtype=torch.float32)
     new_k, new_v = new_kv if new_kv is not None else (k_cache, v_cache)     # unread without the append
@@ -214,32 +176,24 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # the combine's static trip count, for the interpreter only: on the GPU it loops to each row's count, so no
     # table width compiles a kernel of its own (one block of ITEM_BLOCK items a trip)
     max_count = combine_bound(block_table.shape[1] * page_size, chunk) if not q.is_cuda else ITEM_BLOCK
-    iters = 1
-    if shares:
-        if not q.is_cuda:   # the interpreter's static bounds: a program's items, an item's keys, a row's items
-            iters = max(1, int((prog_first[1:] - prog_first[:-1]).max()))
-            chunk = block_n * max(1, int(((item_end - item_start + block_n - 1) // block_n).max()))
-            max_count = 1 << (max(1, int(counts.max())) - 1).bit_length()
-    else:
-        if programs is None:
-            programs = persistent_programs(q.device, kv_heads)
-        programs = max(1, min(programs, n_items))
-        iters = -(-n_items // programs)
+    if programs is None:
+        programs = persistent_programs(q.device, kv_heads)
+    programs = max(1, min(programs, n_items))
     attend_items[(programs, kv_heads)](
-        q, k_cache, v_cache, block_table, cached, item_row, item_start, item_last, item_end, prog_first, firsts,
-        counts, new_k, new_v,
+        q, k_cache, v_cache, block_table, items.row, items.start, items.end, items.page, items.last, items.firsts,
+        items.counts, new_k, new_v,
         o_part, lse, cos, sin, scale, rows, block_table.stride(0), page_size, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         *(t.stride(i) if new_kv is not None else 0 for t in (new_k, new_v) for i in (0, 1)),
         o_part.stride(0), o_part.stride(1), lse.stride(0), cos.stride(0) if rope is not None else 0,
         GROUP=group, GROUP_PAD=max(MIN_GROUP, 1 << math.ceil(math.log2(group))), D=d, CHUNK=chunk,
         BLOCK_N=block_n, APPEND=new_kv is not None, STATIC_LOOP=not q.is_cuda, ONE_PAGE=page_size % chunk == 0,
-        ROPE=rope is not None, ITERS=iters if not q.is_cuda else 1, **pdl_args(pdl),
-        **(dict(SHARES=True) if shares else {}),
+        ROPE=rope is not None, ITERS=-(-n_items // programs) if not q.is_cuda else 1, **pdl_args(pdl),
         **(LAUNCH if launch is None else launch))
     if out is None:
         out = torch.empty_like(q)
-    combine_items[(rows, heads)](o_part, lse, firsts, counts, out, counts if out_rows is None else out_rows,
+    combine_items[(rows, heads)](o_part, lse, items.firsts, items.counts, out,
+                                 items.counts if out_rows is None else out_rows,
                                  o_part.stride(0), o_part.stride(1), lse.stride(0), out.stride(0), out.stride(1),
                                  D=d, MAX_COUNT=max_count, STATIC_LOOP=not q.is_cuda, LIMIT_ROWS=out_rows is not None,
                                  **pdl_args(pdl), **(COMBINE_LAUNCH if combine_launch is None else combine_launch))
@@ -270,4 +224,4 @@ def combine_bound(width_slots: int, chunk: int) -> int:
     return 1 << (items - 1).bit_length()
 
 
-__all__ = ["CHUNK", "RESIDENT", "block_shares", "combine_bound", "max_items", "paged_decode", "work_items"]
+__all__ = ["CHUNK", "Items", "combine_bound", "max_items", "paged_decode", "work_items"]

@@ -48,12 +48,56 @@ def page_of(bt_ptr, row, bt_stride, b, page_size):
     return tl.load(bt_ptr + row * bt_stride + b // page_size).to(tl.int64)
 
 
+@triton.jit(do_not_specialize=["rows", "bt_stride"])
+def make_items(cached_ptr, bt_ptr, row_ptr, start_ptr, end_ptr, page_ptr, last_ptr, first_ptr, count_ptr,
+               rows, bt_stride, page_size, n_items,
+               CHUNK: tl.constexpr, BLOCK: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_BLOCKS: tl.constexpr):
+    """A step's work items in one launch (kernels/triton_decode.py: work_items says what they are). Program b writes
+    items [b BLOCK, (b + 1) BLOCK): for item i, its row is the number of rows whose items end at or before i, found
+    by comparing i against every row's end (a row block at a time, the ends a running cumsum), and its row's first
+    item, keys and item count come from the same comparison; program 0 also writes each row's first item and count.
+    ROW_BLOCKS: the row blocks (a static trip count, which the interpreter needs; a compile per 128 rows at most)."""
+    pid = tl.program_id(0)
+    i = pid * BLOCK + tl.arange(0, BLOCK)
+    row = tl.zeros([BLOCK], tl.int32)          # rows wholly before item i: its row (rows past the step's last item)
+    first = tl.zeros([BLOCK], tl.int32)        # its row's first item
+    keys = tl.zeros([BLOCK], tl.int32)         # its row's cached keys
+    count = tl.zeros([BLOCK], tl.int32)        # its row's items
+    carry = 0                                  # the items of the row blocks before
+    for rb in range(ROW_BLOCKS):
+        r = rb * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+        rm = r < rows
+        k = tl.load(cached_ptr + r, mask=rm, other=0)
+        n = tl.where(rm, tl.maximum((k + (CHUNK - 1)) // CHUNK, 1), 0)   # a row with no cached key still has one
+        ends = tl.cumsum(n, 0) + carry
+        firsts = ends - n
+        if pid == 0:
+            tl.store(first_ptr + r, firsts, mask=rm)
+            tl.store(count_ptr + r, n, mask=rm)
+        before = rm[None, :] & (ends[None, :] <= i[:, None])              # [BLOCK, ROW_BLOCK]
+        mine = (firsts[None, :] <= i[:, None]) & (i[:, None] < ends[None, :])     # padding rows: firsts == ends
+        row += tl.sum(before.to(tl.int32), 1)
+        first += tl.sum(tl.where(mine, firsts[None, :], 0), 1)
+        keys += tl.sum(tl.where(mine, k[None, :], 0), 1)
+        count += tl.sum(tl.where(mine, n[None, :], 0), 1)
+        carry += tl.sum(n, 0)
+    real = row < rows
+    start = tl.where(real, (i - first) * CHUNK, 0)
+    end = tl.minimum(start + CHUNK, keys)
+    page = tl.load(bt_ptr + tl.where(real, row, 0) * bt_stride + start // page_size, mask=real, other=0)
+    keep = i < n_items
+    tl.store(row_ptr + i, row, mask=keep)
+    tl.store(start_ptr + i, start, mask=keep)
+    tl.store(end_ptr + i, end, mask=keep)
+    tl.store(page_ptr + i, page, mask=keep)
+    tl.store(last_ptr + i, (real & (i + 1 == first + count)).to(tl.int32), mask=keep)
+
+
 # the row count and the table's width change with every captured shape: specialised on (Triton compiles a variant
 # for a value divisible by 16, and one for 1), each would compile the kernel again for nothing (they only index rows)
 @triton.jit(do_not_specialize=["num_rows", "bt_stride"])
-def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
-                 item_end_ptr, prog_first_ptr,
-                 first_ptr, count_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, item_row_ptr, item_start_ptr, item_end_ptr, item_page_ptr,
+                 item_last_ptr, first_ptr, count_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                  num_rows, bt_stride, page_size,
                  q_stride_row, q_stride_head,
                  kv_stride_page, kv_stride_slot, kv_stride_head,
@@ -61,42 +105,17 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
                  o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                  BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
-                 ROPE: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr = False,
-                 SHARES: tl.constexpr = False):
+                 ROPE: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr = False):
     """A persistent grid over the step's items: program p of a key/value head attends items p, p + P, p + 2P, ...
     up to the step's last item (P: the grid's first dimension), so the grid is sized by the GPU, not by the items
     a table's width could hold: a captured step's table is as wide as the longest admissible request, and a grid of
-    one program an item there launched thousands that exit at once (kernels/triton_decode.py). PDL: launched with
-    programmatic dependent launch, it waits for the kernel before it before it reads anything (the queries come from
-    it; kernels/pdl_kernels.py). SHARES (kernels/triton_decode.py: block_shares): program p attends its own items
-    prog_first[p] .. prog_first[p + 1] - 1, each ending at item_end (not at CHUNK keys); ITERS then bounds the
-    interpreter's loop over them, and CHUNK its loop over an item's keys."""
+    one program an item there launched thousands that exit at once (kernels/triton_decode.py). PDL: launched with programmatic dependent launch, it waits for the kernel before it before it reads anything
+    (the queries come from it; kernels/pdl_kernels.py)."""
     launch_dependents(PDL)
     wait_for_prior(PDL)
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     g = tl.program_id(1)                       # key/value head
-    if SHARES:
-        lo = tl.load(prog_first_ptr + pid)
-        hi = tl.load(prog_first_ptr + pid + 1)
-        if STATIC_LOOP:
-            for j in range(ITERS):
-                if lo + j < hi:
-                    attend_item(lo + j, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                                item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
-                                scale, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page,
-                                kv_stride_slot, kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row,
-                                new_v_stride_head, o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                                GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
-        else:
-            for item in range(lo, hi):
-                attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                            item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
-                            scale, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
-                            kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
-                            o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
-        return
     # the step's items end at its last row's last item (the grid's items past it belong to no row)
     total = tl.load(first_ptr + num_rows - 1) + tl.load(count_ptr + num_rows - 1)
     if STATIC_LOOP:
@@ -105,25 +124,25 @@ def attend_items(q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_sta
         for j in range(ITERS):
             item = pid + j * nprog
             if item < total:
-                attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                            item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
-                            bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
+                attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, item_row_ptr, item_start_ptr, item_end_ptr,
+                            item_page_ptr, item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
+                            scale, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
                             kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                             o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
+                            GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
     else:
         for item in range(pid, total, nprog):
-            attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr,
-                        item_last_ptr, item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
-                        bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
+            attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, item_row_ptr, item_start_ptr, item_end_ptr,
+                        item_page_ptr, item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
+                        scale, bt_stride, page_size, q_stride_row, q_stride_head, kv_stride_page, kv_stride_slot,
                         kv_stride_head, new_k_stride_row, new_k_stride_head, new_v_stride_row, new_v_stride_head,
                         o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
-                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE, SHARES)
+                        GROUP, GROUP_PAD, D, CHUNK, BLOCK_N, APPEND, STATIC_LOOP, ONE_PAGE, ROPE)
 
 
 @triton.jit
-def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, item_start_ptr, item_last_ptr,
-                item_end_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
+def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, item_row_ptr, item_start_ptr, item_end_ptr,
+                item_page_ptr, item_last_ptr, new_k_ptr, new_v_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr, scale,
                 bt_stride, page_size,
                 q_stride_row, q_stride_head,
                 kv_stride_page, kv_stride_slot, kv_stride_head,
@@ -131,17 +150,17 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
                 o_stride_item, o_stride_head, lse_stride_item, rope_stride_row,
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_N: tl.constexpr, APPEND: tl.constexpr, STATIC_LOOP: tl.constexpr, ONE_PAGE: tl.constexpr,
-                ROPE: tl.constexpr, SHARES: tl.constexpr):
-    """One item: a key/value head's query heads of its row over the item's keys (and, for a row's last item with
-    APPEND, the step's new key and value) -> its partial output and log-sum-exp. The callers pass only the step's
-    items (each of a row). An item's keys end CHUNK keys on, or at item_end with SHARES."""
+                ROPE: tl.constexpr):
+    """One item: a key/value head's query heads of its row over the item's keys [start, end) (and, for a row's last
+    item with APPEND, the step's new key and value) -> its partial output and log-sum-exp. The callers pass only
+    the step's items (each of a row). Its numbers are loaded together (make_items wrote them), so its queries and
+    its first keys are loaded one load after the item is known, not after its row's length and page too."""
     row = tl.load(item_row_ptr + item)
     start = tl.load(item_start_ptr + item)
-    cached = tl.load(cached_ptr + row)
-    if SHARES:
-        end = tl.load(item_end_ptr + item)
-    else:
-        end = tl.minimum(start + CHUNK, cached)
+    end = tl.load(item_end_ptr + item)
+    # ONE_PAGE (the item divides the page size, so an item lies in one page): its page is looked up once, by
+    # make_items, and every key block's address is known before the loop, with no table load in any block's chain
+    page = tl.load(item_page_ptr + item).to(tl.int64)
     h = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D)
     hmask = h < GROUP
@@ -160,17 +179,13 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D], tl.float32)
-    # ONE_PAGE (the item divides the page size, so an item lies in one page): its page is looked up once, and
-    # every key block's address is known before the loop, with no table load in the chain of each block. A SHARES
-    # item may cross a page edge: each block's page is looked up
-    page = page_of(bt_ptr, row, bt_stride, start, page_size)
     if STATIC_LOOP:
         # Triton's interpreter (the CPU tests) cannot take loaded values as loop bounds: a static trip count
         # whose blocks past the item's keys are skipped
         for j in range(CHUNK // BLOCK_N):
             b = start + j * BLOCK_N
             if b < end:
-                if SHARES or not ONE_PAGE:
+                if not ONE_PAGE:
                     page = page_of(bt_ptr, row, bt_stride, b, page_size)
                 m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
                                           kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
@@ -178,13 +193,14 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
         # on the GPU a loop over the item's key blocks, which the compiler pipelines (the next block's loads
         # under this block's math)
         for b in range(start, end, BLOCK_N):
-            if SHARES or not ONE_PAGE:
+            if not ONE_PAGE:
                 page = page_of(bt_ptr, row, bt_stride, b, page_size)
             m_i, l_i, acc = key_block(q, k_ptr, v_ptr, page, b, end, page_size, g, kv_stride_page,
                                       kv_stride_slot, kv_stride_head, scale, m_i, l_i, acc, D, BLOCK_N)
     if APPEND:
         if tl.load(item_last_ptr + item) != 0:
-            # the step's own key and value: attended from registers, written to the row's next slot
+            # the step's own key and value: attended from registers, written to the row's next slot (position
+            # `end`: a row's last item ends at its cached keys)
             nk = tl.load(new_k_ptr + row * new_k_stride_row + g * new_k_stride_head + d)
             nv = tl.load(new_v_ptr + row * new_v_stride_row + g * new_v_stride_head + d)
             if ROPE:    # the new key comes unrotated too: rotated before it is attended and written
@@ -197,8 +213,8 @@ def attend_item(item, g, q_ptr, k_ptr, v_ptr, bt_ptr, cached_ptr, item_row_ptr, 
             acc = acc * alpha[:, None] + p1[:, None] * nv.to(tl.float32)[None, :]
             l_i = l_i * alpha + p1
             m_i = m_new
-            page = page_of(bt_ptr, row, bt_stride, cached, page_size)
-            slot = page * kv_stride_page + (cached % page_size) * kv_stride_slot + g * kv_stride_head
+            slot_page = page_of(bt_ptr, row, bt_stride, end, page_size)
+            slot = slot_page * kv_stride_page + (end % page_size) * kv_stride_slot + g * kv_stride_head
             tl.store(k_ptr + slot + d, nk)
             tl.store(v_ptr + slot + d, nv)
     out = acc / l_i[:, None]

@@ -6,8 +6,8 @@
 #            without programmatic dependent launch (kernels/pdl_kernels.py), cuBLAS or split-K projections
 #   readfloor  scripts/probes/read_floor.py at 32 rows: each kernel of the pure decode layer against a read of its
 #            bytes (session 38: the attention the largest gap), the number any decode change is measured by
-#   shares   scripts/probes/triton_sweep.py at 32 and 200 rows, the served split against the split by equal shares
-#            of key blocks (paged_decode(split="shares"), session 38, not served until measured)
+#   sweep    scripts/probes/triton_sweep.py at 32 and 200 rows: the served decode against its programs a
+#            multiprocessor and warps (session 39: after make_items; session 38's split by equal shares was here)
 #   pdlgate  gates/test_graphs.py's PDL gate (the captured steps with PDL against without, small-trained)
 #   pdlplant the same run with the plant pdl-no-wait, which must fail it (rc 1, the failure naming PDL)
 #   gputests tests/test_graph_buffers.py, test_step_graphs.py and test_overlap.py on the GPU (captured steps)
@@ -92,8 +92,8 @@ part tests 150 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kern
 need_flash
 part pdlchain 150 python3 -m scripts.probes.pdl_chain --out "$OUT/pdlchain.json"
 part readfloor 150 python3 -m scripts.probes.read_floor --out "$OUT/readfloor.json"
-part shares 200 bash -c "for r in 32 200; do python3 -m scripts.probes.triton_sweep --rows \$r --split items,shares \
-  --chunks 256 --blocks 64 --warps 4,8 --stages 3 --programs-per-sm 1,2,3 --out $OUT/shares\$r.json || exit 1; done"
+part sweep 200 bash -c "for r in 32 200; do python3 -m scripts.probes.triton_sweep --rows \$r \
+  --chunks 256 --blocks 64 --warps 4,8 --stages 3 --programs-per-sm 2,3,4 --out $OUT/sweep\$r.json || exit 1; done"
 part pdlgate 150 python3 -m pytest gates/test_graphs.py -k pdl --device cuda --model small-trained -p no:cacheprovider \
   -q -rfEs
 part pdlplant 150 python3 -m pytest gates/test_graphs.py -k pdl --device cuda --model small-trained \

@@ -70,7 +70,7 @@ def dense(q, keys, values, scale):
     return torch.stack(out)
 
 
-def run(q, k, v, table, cached, scale, new_kv=None, chunk=256, programs=None, split="items"):
+def run(q, k, v, table, cached, scale, new_kv=None, chunk=256, programs=None):
     dev = lambda t: t.to(DEVICE)  # noqa: E731
     kd, vd = dev(k), dev(v)
     nk = None
@@ -78,7 +78,7 @@ def run(q, k, v, table, cached, scale, new_kv=None, chunk=256, programs=None, sp
         nk = tuple(dev(t._base if t._base is not None else t).as_strided(t.shape, t.stride(), t.storage_offset())
                    for t in new_kv)
     out = td.paged_decode(dev(q), kd, vd, dev(table), dev(torch.tensor(cached, dtype=torch.int32)), scale, nk,
-                          chunk=chunk, programs=programs, split=split)
+                          chunk=chunk, programs=programs)
     return out.float().cpu(), kd.cpu(), vd.cpu()
 
 
@@ -183,96 +183,56 @@ def test_the_append_with_rope_rotates_the_queries_and_the_new_key_as_the_model_d
                         rope=(dev(cos), dev(sin)))
 
 
+@kernel_test
 def test_work_items_cover_each_rows_keys_once_and_the_rest_of_the_grid_is_idle():
-    cached = torch.tensor([0, 1, 256, 257, 4114], dtype=torch.int32)
+    cached = torch.tensor([0, 1, 256, 257, 4114], dtype=torch.int32, device=DEVICE)
+    table = (torch.arange(5 * 17, dtype=torch.int32) + 100).view(5, 17).to(DEVICE)
     grid = td.max_items(5, 17 * PAGE, 100 * PAGE, 256)
-    row, start, last, firsts, counts = td.work_items(cached, grid, 256)
+    row, start, end, page, last, firsts, counts = (t.cpu() for t in td.work_items(cached, grid, 256, table, PAGE))
     assert counts.tolist() == [1, 1, 1, 2, 17] and firsts.tolist() == [0, 1, 2, 3, 5]
     assert row[:22].tolist() == [0, 1, 2, 3, 3] + [4] * 17 and (row[22:] == 5).all(), "idle items: row = rows"
     assert start[3:5].tolist() == [0, 256] and start[5:22].tolist() == [256 * i for i in range(17)]
+    assert end[:5].tolist() == [0, 1, 256, 256, 257] and end[21] == 4114, "an item ends at its row's keys"
+    assert page[:5].tolist() == [100, 117, 134, 151, 152] and page[21] == 100 + 4 * 17 + 16, "the item's own page"
     assert last[:22].nonzero().flatten().tolist() == [0, 1, 2, 4, 21]
     assert grid == 5 * 17, "every row at the table's width"
     assert td.max_items(5, 17 * PAGE, 20 * PAGE, 256) == 5 + 20, "one item a row plus the pool in items"
 
 
-def items_by_loop(cached: list[int], grid: int, chunk: int):
-    """work_items' meaning, a row at a time: (row, start, last) of each of the step's items, and the rows' first
-    items and counts."""
+def items_by_loop(cached: list[int], grid: int, chunk: int, table: list[list[int]], page_size: int):
+    """work_items' meaning, a row at a time: (row, start, end, page, last) of each of the step's items, and the
+    rows' first items and counts."""
     items, firsts, counts = [], [], []
     for r, n in enumerate(cached):
         firsts.append(len(items))
         counts.append(max(1, -(-n // chunk)))
-        items += [(r, chunk * j, int(j == counts[-1] - 1)) for j in range(counts[-1])]
+        items += [(r, chunk * j, min(chunk * (j + 1), n), table[r][chunk * j // page_size],
+                   int(j == counts[-1] - 1)) for j in range(counts[-1])]
     return items[:grid], firsts, counts
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_work_items_match_a_loop_over_the_rows(seed):
-    """work_items against items_by_loop on random lengths (zero, page edges, long rows) and grids as wide as the
-    table (more items than the step has) or exactly the step's: every item of the step the same, the grid's idle
-    items of no row (row = rows) and no row's last."""
-    g = random.Random(seed)
-    for _ in range(20):
-        rows = g.randint(1, 40)
+@kernel_test
+def test_work_items_match_a_loop_over_the_rows():
+    """work_items against items_by_loop on random lengths (zero, page edges, long rows; more rows than a row block
+    of make_items) and grids as wide as the table (more items than the step has) or exactly the step's: every item
+    of the step the same, the grid's idle items of no row (row = rows) and no row's last."""
+    g = random.Random(0)
+    for _ in range(12):
+        rows = g.choice([1, g.randint(2, 40), g.randint(120, 300)])
         cached = [g.choice([0, 1, 255, 256, 257, 512, g.randint(0, 5000)]) for _ in range(rows)]
         chunk = g.choice([64, 256])
-        want, firsts, counts = items_by_loop(cached, 10 ** 6, chunk)
+        width = max(-(-n // PAGE) for n in cached) or 1
+        table = [[g.randint(1, 10 ** 6) for _ in range(width)] for _ in range(rows)]
+        want, firsts, counts = items_by_loop(cached, 10 ** 6, chunk, table, PAGE)
         for grid in (len(want), len(want) + g.randint(1, 300)):
-            row, start, last, f, n = td.work_items(torch.tensor(cached, dtype=torch.int32), grid, chunk)
-            assert all(t.dtype == torch.int32 for t in (row, start, last, f, n))
+            got = td.work_items(torch.tensor(cached, dtype=torch.int32, device=DEVICE), grid, chunk,
+                                torch.tensor(table, dtype=torch.int32, device=DEVICE), PAGE)
+            assert all(t.dtype == torch.int32 and t.shape[0] == (grid if i < 5 else rows) for i, t in enumerate(got))
+            row, start, end, page, last, f, n = (t.cpu() for t in got)
             assert f.tolist() == firsts and n.tolist() == counts
             k = len(want)
-            assert list(zip(row[:k].tolist(), start[:k].tolist(), last[:k].tolist())) == want
+            assert list(zip(*(t[:k].tolist() for t in (row, start, end, page, last)))) == want
             assert (row[k:] == rows).all() and not last[k:].any()
-
-
-def test_block_shares_cover_each_rows_keys_once_in_equal_shares():
-    """block_shares on random lengths (zero, block and page edges, long rows) and program counts: every row's keys
-    covered once, in order, by its consecutive items (the last marked), the idle items of no row, and each program's
-    share of key blocks within one of every other's (the point of the split)."""
-    g = random.Random(5)
-    for _ in range(60):
-        rows = g.randint(1, 40)
-        cached = [g.choice([0, 1, 63, 64, 65, 255, 256, 257, g.randint(0, 5000)]) for _ in range(rows)]
-        programs = g.choice([1, 2, 3, 7, 50, 132])
-        row, start, last, firsts, counts, end, prog_first = td.block_shares(
-            torch.tensor(cached, dtype=torch.int32), programs, 64)
-        assert all(t.dtype == torch.int32 for t in (row, start, last, firsts, counts, end, prog_first))
-        k = int(prog_first[-1])
-        assert row.shape[0] == rows + programs and (row[k:] == rows).all() and not last[k:].any()
-        for r, n in enumerate(cached):
-            items = list(range(int(firsts[r]), int(firsts[r]) + int(counts[r])))
-            assert items and row[items].eq(r).all(), "a row's items are consecutive"
-            assert start[items[0]] == 0 and end[items[-1]] == n and (start[items[1:]] == end[items[:-1]]).all()
-            assert last[items].tolist() == [0] * (len(items) - 1) + [1]
-        blocks = ((end[:k] - start[:k] + 63) // 64).clamp(min=1).tolist()
-        shares = [sum(blocks[int(prog_first[p]):int(prog_first[p + 1])]) for p in range(programs)]
-        total = sum(max(1, -(-n // 64)) for n in cached)
-        assert sum(shares) == total and max(shares) - min(shares) <= 1
-
-
-@kernel_test
-@pytest.mark.parametrize("programs", [1, 3, 50])
-@pytest.mark.parametrize("name", list(LENGTHS))
-def test_the_shares_split_matches_the_dense_reference_and_appends_once(name, programs):
-    """split="shares" (block_shares' equal shares of key blocks; items cross page edges and end anywhere): the
-    output against the dense reference, the new keys appended once (the caches as the items split leaves them), and
-    no slot a row does not own read (NaN there)."""
-    lengths = LENGTHS[name]
-    full = [n + 1 for n in lengths]
-    q, k, v, table, keys, values = paged_case(full, seed=6)
-    new_k = torch.stack([kr[-1] for kr in keys])
-    new_v = torch.stack([vr[-1] for vr in values])
-    for r, n in enumerate(lengths):             # the new position's slot: not yet written
-        k[table[r, n // PAGE], n % PAGE] = float("nan")
-        v[table[r, n // PAGE], n % PAGE] = float("nan")
-    items = run(q, k.clone(), v.clone(), table, lengths, 0.1, new_kv=(new_k, new_v))
-    shares = run(q, k.clone(), v.clone(), table, lengths, 0.1, new_kv=(new_k, new_v), programs=programs,
-                 split="shares")
-    assert torch.isfinite(shares[0]).all(), "a NaN slot was read"
-    torch.testing.assert_close(shares[0], dense(q, keys, values, 0.1), atol=2e-3, rtol=2e-3)
-    same = lambda a, b: torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))  # noqa: E731
-    assert same(shares[1], items[1]) and same(shares[2], items[2]), "the append wrote elsewhere, twice or not at all"
 
 
 @kernel_test
@@ -421,10 +381,9 @@ def test_a_triton_that_does_not_import_makes_flash_unavailable_and_says_how_to_o
 
 
 @pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
-@pytest.mark.parametrize("append,one_page,pdl,shares", [(True, True, False, False), (False, True, False, False),
-                                                        (True, False, False, False), (True, True, True, False),
-                                                        (True, False, False, True)])
-def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page, pdl, shares):
+@pytest.mark.parametrize("append,one_page,pdl", [(True, True, False), (False, True, False), (True, False, False),
+                                                (True, True, True)])
+def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page, pdl):
     """The kernels as the GPU runs them (the pipelined key loop, not the interpreter's static one), compiled through
     Triton's CUDA backend to PTX for the H200's sm_90: a GPU-only type or syntax error fails here, on CPU. With PDL
     (kernels/pdl_kernels.py) each kernel lets the next start and waits for the one before."""
@@ -432,15 +391,15 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page, pdl, sha
     from triton.compiler import ASTSource
 
     from kernels import triton_decode_kernels as k
-    ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", cached_ptr="*i32", item_row_ptr="*i32",
-                item_start_ptr="*i32", item_last_ptr="*i32", item_end_ptr="*i32", prog_first_ptr="*i32",
+    ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", bt_ptr="*i32", item_row_ptr="*i32",
+                item_start_ptr="*i32", item_end_ptr="*i32", item_page_ptr="*i32", item_last_ptr="*i32",
                 first_ptr="*i32", count_ptr="*i32", new_k_ptr="*fp16", new_v_ptr="*fp16", o_ptr="*fp32",
                 lse_ptr="*fp32", cos_ptr="*fp16", sin_ptr="*fp16", scale="fp32")
     ints = ["num_rows", "bt_stride", "page_size", "q_stride_row", "q_stride_head", "kv_stride_page",
             "kv_stride_slot", "kv_stride_head", "new_k_stride_row", "new_k_stride_head", "new_v_stride_row",
             "new_v_stride_head", "o_stride_item", "o_stride_head", "lse_stride_item", "rope_stride_row"]
     consts = dict(GROUP=6, GROUP_PAD=16, D=128, CHUNK=256, BLOCK_N=64, APPEND=append, STATIC_LOOP=False,
-                  ONE_PAGE=one_page, ROPE=append, ITERS=1, PDL=pdl, SHARES=shares)
+                  ONE_PAGE=one_page, ROPE=append, ITERS=1, PDL=pdl)
     target = GPUTarget("cuda", 90, 32)
     sig = {**ptrs, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     # with the launch the engine uses (td.LAUNCH, td.COMBINE_LAUNCH): a warp count the kernel cannot be laid out
@@ -463,6 +422,25 @@ def test_the_gpu_path_compiles_for_sm90_without_a_gpu(append, one_page, pdl, sha
         assert ".target sm_90" in combine_k.asm["ptx"]
         assert len(pdl_instructions(combine_k.asm["ptx"])) == (2 if pdl else 0)
         assert combine_k.metadata.num_warps == td.COMBINE_LAUNCH.get("num_warps", 4)
+
+
+@pytest.mark.skipif(INTERPRETING, reason="the interpreter's kernels are not compiled")
+def test_make_items_compiles_for_sm90_without_a_gpu():
+    """make_items (work_items' one launch) through Triton's CUDA backend to sm_90 PTX, with the row count and the
+    table's stride not specialised on (a captured step's shapes would each compile it again)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels import triton_decode_kernels as k
+    sig = {**dict.fromkeys(["cached_ptr", "bt_ptr", "row_ptr", "start_ptr", "end_ptr", "page_ptr", "last_ptr",
+                            "first_ptr", "count_ptr"], "*i32"),
+           **dict.fromkeys(["rows", "bt_stride", "page_size", "n_items"], "i32"),
+           **dict.fromkeys(["CHUNK", "BLOCK", "ROW_BLOCK", "ROW_BLOCKS"], "constexpr")}
+    consts = dict(CHUNK=td.CHUNK, BLOCK=td.ITEMS_BLOCK, ROW_BLOCK=td.ITEMS_ROW_BLOCK, ROW_BLOCKS=2)
+    compiled = triton.compile(ASTSource(fn=k.make_items, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32))
+    assert ".target sm_90" in compiled.asm["ptx"]
+    assert {"rows", "bt_stride"} <= set(k.make_items.do_not_specialize)
 
 
 def pdl_instructions(ptx: str) -> list[str]:

@@ -123,7 +123,7 @@ def build(rows: int, layers: int, prompts: list[int], dev: torch.device, dt=torc
     table = table.to(dev)
     cached = lens.to(torch.int32).to(dev)
     caches = [(rnd(nxt, PAGE, KV_HEADS, D, scale=1.0), rnd(nxt, PAGE, KV_HEADS, D, scale=1.0)) for _ in range(layers)]
-    items = work_items(cached, max_items(rows, table.shape[1] * PAGE, nxt * PAGE, CHUNK), CHUNK)
+    items = work_items(cached, max_items(rows, table.shape[1] * PAGE, nxt * PAGE, CHUNK), CHUNK, table, PAGE)
     pos = lens.to(dev).float()[:, None]
     inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
     emb = torch.cat([pos * inv, pos * inv], -1)

@@ -127,16 +127,6 @@ def main(argv=None) -> int:
         us = sum(t for n, t in split.items() if kernel in n) / L
         rows.append(dict(kind=f"attention: {kernel}", served_us=us))
         print(f"{'  ' + kernel:>30} {'':>7} {us:>9.2f}", flush=True)
-    # the decode split by equal shares of key blocks (kernels/triton_decode.py: block_shares; not served yet)
-    from kernels.triton_decode import BLOCK_N, RESIDENT, block_shares
-    shares = block_shares(c.cached, max(1, sms * RESIDENT // KV_HEADS), BLOCK_N)
-    sh_us, sh_out = graph_time(chained([
-        (lambda l=l: paged_decode(q, *c.caches[l], c.table, c.cached, D ** -0.5, new_kv=(k, v), items=shares,
-                                  rope=(c.cos, c.sin), split="shares")) for l in range(L)]), a.reps, L)
-    read_kv = rows[2]["read_us"]
-    rows.append(dict(kind="attention, split by shares", bytes=c.kv_bytes, served_us=sh_us, read_us=read_kv))
-    print(f"{'attention, split by shares':>30} {c.kv_bytes / 1e6:>7.2f} {sh_us:>9.2f} {read_kv:>8.2f} "
-          f"{sh_us / read_kv:>7.2f}", flush=True)
     kv_bufs = best[2][0]
     records = c.kv_bytes // (KV_HEADS * D * 2)
     tried = []

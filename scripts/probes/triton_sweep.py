@@ -37,9 +37,6 @@ def main(argv=None) -> int:
     ap.add_argument("--combine-warps", default="", help="combine_items' num_warps to time at the current tiling")
     ap.add_argument("--programs-per-sm", default="", help="attend_items' persistent programs a multiprocessor, swept "
                     f"with each tiling (none given: the kernel's {td.PROGRAMS_PER_SM})")
-    ap.add_argument("--split", default="items", help="items (the served split: items of --chunks keys), shares "
-                    "(td.block_shares: equal shares of key blocks, --programs-per-sm programs a multiprocessor, else "
-                    f"td.RESIDENT={td.RESIDENT}; --chunks is then unused), or both, comma-separated")
     ap.add_argument("--maxnreg", default="", help="registers a thread the compiler may use, swept with each tiling "
                     "(Triton's maxnreg; none given: no cap): fewer let more programs reside on a multiprocessor")
     probe_args(ap)
@@ -57,19 +54,15 @@ def main(argv=None) -> int:
     W = max(need)
     bt = torch.tensor([t + [0] * (W - len(t)) for t in tables], dtype=torch.int32, device=dev)
 
-    def variant(chunk, block_n, launch, combine_launch=None, programs=None, split="items"):
-        if split == "shares":
-            programs = programs or max(1, td.multiprocessors(dev.index) * td.RESIDENT // Hk)
-            items = td.block_shares(cached, programs, block_n)
-        else:
-            items = td.work_items(cached, td.max_items(a.rows, W * P, num_pages * P, chunk), chunk)
+    def variant(chunk, block_n, launch, combine_launch=None, programs=None):
+        items = td.work_items(cached, td.max_items(a.rows, W * P, num_pages * P, chunk), chunk, bt, P)
 
         def step():
             out = None
             for k, v in caches:
                 out = td.paged_decode(q, k, v, bt, cached, D ** -0.5, new_kv, chunk=chunk, items=items,
                                       block_n=block_n, launch=launch, combine_launch=combine_launch,
-                                      programs=programs, split=split)
+                                      programs=programs)
             return out
         return step
 
@@ -78,19 +71,17 @@ def main(argv=None) -> int:
                  num_stages=td.LAUNCH.get("num_stages"), programs_per_sm=td.PROGRAMS_PER_SM, current=True,
                  us_per_layer=us, max_abs_diff=0.0)]
     sms = td.multiprocessors(dev.index)
-    splits = [x for x in a.split.split(",") if x]
-    for split, chunk, block_n, warps, stages, per_sm, nreg in itertools.product(
-            splits, ints(a.chunks), ints(a.blocks), ints(a.warps), ints(a.stages), ints(a.programs_per_sm) or [0],
+    for chunk, block_n, warps, stages, per_sm, nreg in itertools.product(
+            ints(a.chunks), ints(a.blocks), ints(a.warps), ints(a.stages), ints(a.programs_per_sm) or [0],
             ints(a.maxnreg) or [0]):
-        if chunk % block_n or P % block_n or split == "shares" and chunk != ints(a.chunks)[0]:
-            continue        # shares: no item size (its rows once, under the first chunk)
+        if chunk % block_n or P % block_n:
+            continue
         launch = dict(num_warps=warps, num_stages=stages, **({"maxnreg": nreg} if nreg else {}))
         programs = max(1, -(-sms * per_sm // Hk)) if per_sm else None
-        label = dict(chunk=chunk if split == "items" else "shares", block_n=block_n,
-                     num_warps=warps if not nreg else f"{warps}r{nreg}", num_stages=stages,
-                     programs_per_sm=per_sm or (td.PROGRAMS_PER_SM if split == "items" else td.RESIDENT))
+        label = dict(chunk=chunk, block_n=block_n, num_warps=warps if not nreg else f"{warps}r{nreg}",
+                     num_stages=stages, programs_per_sm=per_sm or td.PROGRAMS_PER_SM)
         try:
-            us, out = graph_time(variant(chunk, block_n, launch, programs=programs, split=split), a.reps, a.layers)
+            us, out = graph_time(variant(chunk, block_n, launch, programs=programs), a.reps, a.layers)
             err = (out - ref).abs().max().item()
         except Exception as e:          # a tiling the compiler refuses (shared memory, registers): say so
             rows.append(dict(label, error=f"{type(e).__name__}: {str(e)[:120]}"))

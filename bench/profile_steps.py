@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     workload = MIXED.scaled(max(a.rows, 32))
     if a.chunk:
         workload = dataclasses.replace(workload, chunk_tokens=a.chunk)
-    st = FixedState(ModelCase(a.model, workload), base["backend"], base["page_size"], a.device,
+    st = FixedState(ModelCase(a.model, workload), a.engine, base["backend"], base["page_size"], a.device,
                     a.dtype, states.loaded(a.model), rows=a.rows)
     report = dict(model=a.model, engine=a.engine, rows=a.rows, chunk=workload.chunk_tokens, graphs=a.graphs,
                   kinds={})

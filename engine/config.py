@@ -303,12 +303,23 @@ def graphs_problem(config) -> str | None:
 
 
 # The lineage: each generation is a golden reference for the next. `hf` is transformers itself (gates/reference.py).
+# The reference generations run their layers in plain PyTorch on every device: no Inductor-compiled elementwise piece
+# and no Triton MLP kernel, so they share none of those kernels with the flash engine they check (a bug there shows
+# as flash against its references), and their steps, host-bound on the small model, ran 18-28% faster on an H100
+# without the compiled pieces' call overhead (docs/RESULTS.md, session 40). Their attention is their backend's.
+REFERENCE_LAYERS = dict(compile_elementwise=False, mlp_kernel="torch")
 LINEAGE = {
-    "chunked": dict(forward="chunked", backend="torch", page_size=64),
-    "fused": dict(forward="fused", backend="torch", page_size=64),
+    "chunked": dict(forward="chunked", backend="torch", page_size=64, **REFERENCE_LAYERS),
+    "fused": dict(forward="fused", backend="torch", page_size=64, **REFERENCE_LAYERS),
     "flash": dict(forward="fused", backend="flash", page_size=256),
 }
 PREDECESSOR = {"fused": "chunked", "flash": "fused"}
+
+
+def lineage_layers(name: str) -> dict:
+    """The layer kernel fields (REFERENCE_LAYERS' names) that configuration `name` sets: a state or probe that builds
+    its engine over another configuration's backend runs this one's layers."""
+    return {k: v for k, v in LINEAGE[name].items() if k in REFERENCE_LAYERS}
 
 
 def lineage_config(name: str, **kw) -> EngineConfig:

@@ -66,6 +66,13 @@ class ForwardContext:
     # the Triton kernels (the MLP's and the projections' here, the decode's in the backend) launched with
     # programmatic dependent launch (EngineConfig.pdl; kernels/pdl.py): the runner's pdl
     pdl: bool = False
+    # the elementwise pieces this forward runs (the runner's `ops`: EAGER_OPS, or compiled_ops() where its
+    # configuration compiles them); None: EAGER_OPS
+    ops: dict | None = None
+
+    def __post_init__(self):
+        if self.ops is None:
+            self.ops = EAGER_OPS
 
     def fuses_mlp(self, rows: int) -> bool:
         """Whether an MLP of `rows` rows runs the fused kernel; the choice recorded."""
@@ -92,8 +99,9 @@ def _chosen(took: set | None, rows: int, limit: int) -> bool:
 
 # -- elementwise pieces ----------------------------------------------------------------------------------------
 # A decode step of a 28-layer model at 32 rows is mostly small kernels: each costs a few microseconds even inside a
-# CUDA graph. These three run as several kernels each in eager mode; `compile_elementwise()` swaps in torch.compile'd
-# versions (one fused kernel each) on CUDA. Same arithmetic either way: fp32 normalisation as transformers does it.
+# CUDA graph. These run as several kernels each in eager mode; compiled_ops() gives torch.compile'd versions (one
+# fused kernel each), which a runner whose configuration compiles them (EngineConfig.compile_elementwise) hands its
+# forwards. Same arithmetic either way: fp32 normalisation as transformers does it.
 def rms_norm(x, weight, eps: float):
     # as transformers does it: normalise in fp32, then scale in the model's dtype
     dtype = x.dtype
@@ -140,18 +148,19 @@ def silu_mul(gate_up):
     return F.silu(gate) * up
 
 
-OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "rope_write": rope_write,
-       "silu_mul": silu_mul}
-_EAGER = dict(OPS)
-
+EAGER_OPS = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rope": rope, "rope_write": rope_write,
+             "silu_mul": silu_mul}
 
 # torch.compile's backend for the pieces (the tests swap in one that records Dynamo's graphs on CPU)
 COMPILE_BACKEND = "inductor"
+_COMPILED: dict = {}        # compile backend -> its table of compiled pieces, one per process
 
 
-def compile_elementwise(on: bool = True) -> None:
-    """Process-wide: use torch.compile'd (fused) elementwise pieces, or the eager ones again. Compiled before any
-    CUDA graph is captured (the engine calls this at construction, through try_compile_elementwise).
+def compiled_ops() -> dict:
+    """The torch.compile'd pieces, one table a process (per compile backend): every runner that compiles them shares
+    it, so Dynamo's caches serve them all and a later engine's warm-up finds its kernels compiled. Per runner, not
+    process-wide: an eager engine (the reference configurations) and a compiled one (flash) gate in one process, each
+    running its own (ForwardContext.ops).
 
     The token dimension is dynamic, the hidden sizes are not. With dynamic=True they were symbolic too, so every
     index of the generated kernels divided by a runtime value: on the H200 at 8192 tokens of the 1.5B shape each
@@ -160,12 +169,16 @@ def compile_elementwise(on: bool = True) -> None:
     shapes it sees, and a size that changes between calls becomes dynamic. The warm-up marks the token dimension
     dynamic at once; a guard the warm-up did not match (grad mode, a weight's flags) costs a recompile, never a
     kernel per token count."""
-    if not on:
-        OPS.update(_EAGER)
-        return
-    for name, fn in _EAGER.items():
-        if OPS[name] is fn:
-            OPS[name] = torch.compile(fn, dynamic=None, fullgraph=True, backend=COMPILE_BACKEND)
+    key = COMPILE_BACKEND if isinstance(COMPILE_BACKEND, str) else id(COMPILE_BACKEND)
+    if key not in _COMPILED:
+        _COMPILED[key] = {name: torch.compile(fn, dynamic=None, fullgraph=True, backend=COMPILE_BACKEND)
+                          for name, fn in EAGER_OPS.items()}
+    return _COMPILED[key]
+
+
+def reset_compiled_ops() -> None:
+    """Forget the compiled tables (after torch._dynamo.reset(), or a test's own compile backend)."""
+    _COMPILED.clear()
 
 
 def _tokens_dynamic(*tensors):
@@ -180,8 +193,9 @@ def _tokens_dynamic(*tensors):
     return tensors
 
 
-def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, rotary: bool = True) -> str | None:
-    """compile_elementwise(), then calls of each piece on `device` as the model's forward makes them (inference
+def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64,
+                            rotary: bool = True) -> tuple[dict, str | None]:
+    """compiled_ops(), then calls of each piece on `device` as the model's forward makes them (inference
     mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
     needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
     to eager at once (returns why) instead of failing a step later. Token counts 1 and `tokens` (the most a step
@@ -190,9 +204,9 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, rot
     (s7), the SiLU-mul kernel it chose ran at a quarter of the bandwidth at 640 tokens on the H200 (28 us a call
     against 6: docs/RESULTS.md). rope_write's caches: any slot count (made outside inference mode, as the runner's
     are). `rotary`: compile the rotary piece alone too (only a pure decode step whose kernel appends K/V without
-    rotating calls it)."""
+    rotating calls it). Returns (the pieces to run, None), or (EAGER_OPS, why the compile failed)."""
     s = model.shape
-    compile_elementwise(True)
+    ops = compiled_ops()
     w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
     caches = _tokens_dynamic(*(torch.zeros(2 * max(2, tokens), s.num_kv_heads, s.head_dim, device=device,
                                            dtype=dtype) for _ in "kv"))         # the slot count: any
@@ -200,21 +214,20 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64, rot
         with torch.inference_mode():
             for T in (1, max(2, tokens)):
                 x, r = _tokens_dynamic(*(torch.randn(T, s.hidden_size, device=device, dtype=dtype) for _ in "xr"))
-                OPS["rms_norm"](x, w, s.rms_norm_eps)
-                OPS["add_rms_norm"](x, r, w, s.rms_norm_eps)
+                ops["rms_norm"](x, w, s.rms_norm_eps)
+                ops["add_rms_norm"](x, r, w, s.rms_norm_eps)
                 qkv = torch.randn(T, s.num_heads + 2 * s.num_kv_heads, s.head_dim, device=device, dtype=dtype)
                 qk, cos, sin = _tokens_dynamic(qkv[:, :s.num_heads + s.num_kv_heads],
                                                *(torch.randn(T, s.head_dim, device=device, dtype=dtype) for _ in "cs"))
                 if rotary:
-                    OPS["rope"](qk, cos, sin)
+                    ops["rope"](qk, cos, sin)
                 slots, = _tokens_dynamic(torch.arange(T, device=device))
-                OPS["rope_write"](*_tokens_dynamic(qkv), cos, sin, *caches, slots)
+                ops["rope_write"](*_tokens_dynamic(qkv), cos, sin, *caches, slots)
                 gate_up = torch.randn(T, 2 * s.intermediate_size, device=device, dtype=dtype)
-                OPS["silu_mul"](*_tokens_dynamic(gate_up))
+                ops["silu_mul"](*_tokens_dynamic(gate_up))
     except Exception as e:  # noqa: BLE001 (any compiler failure means: run eagerly)
-        compile_elementwise(False)
-        return f"{type(e).__name__}: {e}"
-    return None
+        return EAGER_OPS, f"{type(e).__name__}: {e}"
+    return ops, None
 
 
 class RMSNorm(nn.Module):
@@ -223,11 +236,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x, residual=None):
-        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) in one fused piece."""
+    def forward(self, x, residual=None, ops: dict | None = None):
+        """rms_norm(x); with a residual, (rms_norm(x + residual), x + residual) in one fused piece. `ops`: the
+        forward's pieces (ForwardContext.ops; None: EAGER_OPS)."""
+        ops = ops or EAGER_OPS
         if residual is None:
-            return OPS["rms_norm"](x, self.weight, self.eps)
-        return OPS["add_rms_norm"](x, residual, self.weight, self.eps)
+            return ops["rms_norm"](x, self.weight, self.eps)
+        return ops["add_rms_norm"](x, residual, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -282,13 +297,13 @@ class Attention(nn.Module):
         if append:
             qk = qkv[:, :s.num_heads + s.num_kv_heads]
             if not rotate_in_kernel:
-                qk = OPS["rope"](qk, cos, sin)      # queries and keys rotated at once
+                qk = ctx.ops["rope"](qk, cos, sin)      # queries and keys rotated at once
             q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
             v = qkv[:, s.num_heads + s.num_kv_heads:]
         else:
             # this forward's K/V written first: both kernels then read history and new positions from the pages
             flat = (-1, s.num_kv_heads, s.head_dim)
-            q = OPS["rope_write"](qkv, cos, sin, k_cache.view(flat), v_cache.view(flat), ctx.slot_mapping)
+            q = ctx.ops["rope_write"](qkv, cos, sin, k_cache.view(flat), v_cache.view(flat), ctx.slot_mapping)
         n = ctx.num_prefill
         outs = []
         if ctx.prefill is not None:
@@ -329,7 +344,8 @@ class MLP(nn.Module):
             from kernels.mlp import gate_up_silu
             from kernels.pdl import MLP_PREFETCH
             return self.down_proj(gate_up_silu(x, self.gate_up_weight, pdl=ctx.pdl, prefetch=MLP_PREFETCH), ctx)
-        return self.down_proj(OPS["silu_mul"](F.linear(x, self.gate_up_weight)), ctx)
+        silu_mul = (ctx.ops if ctx is not None else EAGER_OPS)["silu_mul"]
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)), ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -345,11 +361,11 @@ class DecoderLayer(nn.Module):
         the same kernel that normalises them, so no layer launches a separate residual add. residual=None: the
         first layer, whose input is the embedding itself."""
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm(x, None, ctx.ops)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, ctx.ops)
         h = self.self_attn(h, cos, sin, k_cache, v_cache, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.post_attention_layernorm(h, residual, ctx.ops)
         return self.mlp(h, ctx), residual
 
 
@@ -391,5 +407,5 @@ class Qwen2(nn.Module):
             x, residual = layer(x, residual, cos, sin, kc, vc, ctx)
         if logit_rows is not None:
             x, residual = x[logit_rows], residual[logit_rows]
-        logits = self.lm_head(self.model.norm(x, residual)[0])
+        logits = self.lm_head(self.model.norm(x, residual, ctx.ops)[0])
         return logits.float() if out is None else out.copy_(logits)

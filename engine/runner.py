@@ -19,7 +19,7 @@ from kernels.base import AttentionBackend
 
 from .build_cost import add_graph_sets, timed
 from .census import StepPath, kernel_paths, step_kind
-from .model import ForwardContext, Qwen2
+from .model import EAGER_OPS, ForwardContext, Qwen2
 from .poisoned_reads import poisoned_reads
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
@@ -68,6 +68,9 @@ class ModelRunner:
     mlp_rows = 0
     linear_rows = 0
     pdl = False         # the Triton kernels launched with PDL (EngineConfig.pdl; build_runner sets it)
+    # the elementwise pieces every forward of this runner runs (ForwardContext.ops): EAGER_OPS, or the compiled ones
+    # where its configuration compiles them (EngineConfig.compile_elementwise; build_runner sets them)
+    ops = EAGER_OPS
 
     def __init__(self, model: Qwen2, num_pages: int, page_size: int, backend: str, device, dtype,
                  poison: bool = False, record_topk: int = 0, pad_page: bool = False,
@@ -160,7 +163,7 @@ class ModelRunner:
     def layer_kernels(self) -> dict:
         """A ForwardContext's layer kernel choices and where it records them (every forward this runner makes)."""
         return dict(mlp_rows=self.mlp_rows, mlp_took=self.mlp_dispatched, linear_rows=self.linear_rows,
-                    linear_took=self.linear_dispatched, pdl=self.pdl)
+                    linear_took=self.linear_dispatched, pdl=self.pdl, ops=self.ops)
 
     def build(self, chunks: list[Chunk], decodes, pages_of: dict[str, list[int]], all_logits: bool = False):
         """Packed inputs for one forward: chunk positions first, decode tokens last (engine/packing.py), copied to
@@ -357,8 +360,9 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
         # after the runner, whose backend says whether a step ever rotates without writing the cache (its decode
         # kernel appends K/V but does not rotate: the rotary piece alone)
         with timed(cost, "compile_s"):
-            why = try_compile_elementwise(config.device, dtype, model, tokens=config.chunk_tokens + config.max_batch,
-                                         rotary=b.appends_decode_kv and not b.rotates_decode)
+            runner.ops, why = try_compile_elementwise(config.device, dtype, model,
+                                                      tokens=config.chunk_tokens + config.max_batch,
+                                                      rotary=b.appends_decode_kv and not b.rotates_decode)
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
         compiled = not why

@@ -73,7 +73,7 @@ def import_tree(tree: str):
 
 def build(a):
     import torch
-    from engine.config import LINEAGE
+    from engine.config import LINEAGE, lineage_layers
     from engine.scheduler import WORK_KINDS
     from engine.workload import WORKLOADS
     from gates.step_states import FixedState, ModelCase, States, model_label
@@ -102,10 +102,10 @@ def build(a):
         name, kind = parts[0], parts[1]
         graphs = parts[2:] != ["eager"]
         base = LINEAGE[name]
-        key = (base["backend"], base["page_size"])
-        if key not in fixed:      # one fixed state per (backend, page size), as States.get keeps them
+        key = (base["backend"], base["page_size"], tuple(sorted(lineage_layers(name).items())))
+        if key not in fixed:      # one fixed state per (backend, page size, layers), as States.get keeps them
             if a.rows:
-                fixed[key] = FixedState(case, base["backend"], base["page_size"], a.device, dtype,
+                fixed[key] = FixedState(case, name, base["backend"], base["page_size"], a.device, dtype,
                                         states.loaded(a.model), rows=a.rows)
             else:
                 fixed[key] = states.get(case, name)

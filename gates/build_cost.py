@@ -9,6 +9,7 @@ from engine import build_cost
 
 KEY = "stepgate_build_cost"         # workeroutput: a worker's totals
 RUNS_KEY = "stepgate_run_cost"
+CONFIGS_KEY = "stepgate_build_configs"
 # configuration (engine[backend]) -> [runs, steps, seconds]: this process's candidate runs
 RUNS: dict[str, list] = {}
 
@@ -44,10 +45,28 @@ def line(t: dict) -> str:
             f"graphs; warm-up forwards {t['graph_warm_s']:.1f} s, captures {t['capture_s']:.1f} s)")
 
 
+def by_config(builds: list[dict]) -> dict:
+    """configuration key -> [engines built, their seconds, their graphs]: which configurations' builds the run paid
+    for, and how often (the same configuration built again is what sharing engines between gates would save)."""
+    out: dict[str, list] = {}
+    for b in builds:
+        r = out.setdefault(b["config"], [0, 0.0, 0])
+        r[0], r[1], r[2] = r[0] + 1, r[1] + b["total_s"], r[2] + b["graphs"]
+    return out
+
+
+def configs_line(configs: dict, top: int = 6) -> str:
+    """One line: the configurations whose builds took longest, with how many of each were built."""
+    each = sorted(configs.items(), key=lambda kv: -kv[1][1])
+    return (f"engine builds by configuration ({len(configs)} configurations; the {min(top, len(each))} slowest): "
+            + "; ".join(f"{k} {n}x {s:.1f} s ({int(g)} graphs)" for k, (n, s, g) in each[:top]))
+
+
 def finish_worker(config) -> None:
     """On an xdist worker: its totals to the controller."""
     if hasattr(config, "workeroutput") and build_cost.BUILDS:
         config.workeroutput[KEY] = build_cost.totals()
+        config.workeroutput[CONFIGS_KEY] = by_config(build_cost.BUILDS)
     if hasattr(config, "workeroutput") and RUNS:
         config.workeroutput[RUNS_KEY] = RUNS
 
@@ -60,6 +79,9 @@ def node_down(node) -> None:
     r = getattr(node, "workeroutput", {}).get(RUNS_KEY)
     if r:
         node.config.stash[_RUNS] = add_runs(node.config.stash.get(_RUNS, {}), r)
+    c = getattr(node, "workeroutput", {}).get(CONFIGS_KEY)
+    if c:
+        node.config.stash[_CONFIGS] = add_runs(node.config.stash.get(_CONFIGS, {}), c)
 
 
 def report(config) -> list[str]:
@@ -70,10 +92,13 @@ def report(config) -> list[str]:
     if build_cost.BUILDS:
         t = add(t, build_cost.totals())
     runs = add_runs(config.stash.get(_RUNS, {}), RUNS)
-    return ([line(t)] if t else []) + ([runs_line(runs)] if runs else [])
+    configs = add_runs(config.stash.get(_CONFIGS, {}), by_config(build_cost.BUILDS))
+    return ([line(t)] if t else []) + ([configs_line(configs)] if configs else []) + (
+        [runs_line(runs)] if runs else [])
 
 
 import pytest  # noqa: E402
 
 _STASH = pytest.StashKey[dict]()
 _RUNS = pytest.StashKey[dict]()
+_CONFIGS = pytest.StashKey[dict]()

@@ -146,6 +146,16 @@ def served_problems(engine) -> list[str]:
     elif compiled is not _UNRECORDED and compiled != served.compile_elementwise:
         out.append(f"served: compile_elementwise={served.compile_elementwise} is configured, the pieces run "
                    f"{'compiled' if compiled else 'eagerly'} (a failed torch.compile warns at construction)")
+    # and the pieces its forwards are handed (ForwardContext.ops) are what the record says: per runner, so an eager
+    # reference and the compiled flash engine gate in one process
+    ops = getattr(runner, "ops", None)
+    if ops is not None and compiled in (True, False):
+        from engine.model import EAGER_OPS
+        eager = sorted(n for n in EAGER_OPS if ops.get(n) is EAGER_OPS[n])
+        wrong = eager if compiled else sorted(set(EAGER_OPS) - set(eager))
+        if wrong:
+            out.append(f"served: the runner's build {'compiled' if compiled else 'did not compile'} the elementwise "
+                       f"pieces, its forwards run {', '.join(wrong)} {'eagerly' if compiled else 'compiled'}")
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 
 import kernels
 from engine import Engine, lineage_config
-from engine.config import LINEAGE
+from engine.config import LINEAGE, lineage_layers
 from engine.loader import RANDOM_1P5B, load_model
 from engine.pool import pages_for
 from engine.request import Request, State
@@ -129,8 +129,10 @@ class FixedState:
     """An engine whose cache holds `rows` decoding requests (the workload's first prompts) and one request half way
     through a two-chunk prompt. Step plans over them can be run again and again without changing anything."""
 
-    def __init__(self, case: ModelCase, backend: str, page_size: int, device: str, dtype: str, loaded=None,
-                 rows: int = ROWS):
+    def __init__(self, case: ModelCase, config_name: str, backend: str, page_size: int, device: str, dtype: str,
+                 loaded=None, rows: int = ROWS):
+        """config_name: the lineage configuration whose layers the engine runs (engine.config.lineage_layers: the
+        references' plain PyTorch layers, flash's compiled pieces and Triton MLP), over `backend` at `page_size`."""
         self.case, self.device, self.dtype, self.rows = case, device, dtype, rows
         self.backend, self.page_size = backend, page_size
         self.sync = synchronizer(device)
@@ -145,8 +147,9 @@ class FixedState:
         need = sum(pages_for(len(s.prompt) + s.budget + self.slack, page_size) for s in self.specs)
         need += pages_for(2 * case.chunk + 1, page_size)
         # max_batch rows + 1: the timed chunk's request holds a row too, so a captured loaded step holds all 33
-        cfg = lineage_config("fused", backend=backend, page_size=page_size, device=device, dtype=dtype,
-                             max_batch=rows + 1, chunk_tokens=build_chunk, num_pages=need + 2)
+        # the configuration's own layers over the fused forward (a step's forward mode is the timed call's)
+        cfg = lineage_config(config_name, forward="fused", backend=backend, page_size=page_size, device=device,
+                             dtype=dtype, max_batch=rows + 1, chunk_tokens=build_chunk, num_pages=need + 2)
         self.engine = Engine(cfg, case.model, loaded=loaded)
         self._decodes: list[Request] | None = None
         self._chunk: Chunk | None = None
@@ -237,9 +240,10 @@ class States:
     def get(self, case: ModelCase, config_name: str, backend: str | None = None) -> FixedState:
         base = LINEAGE[config_name]
         backend = backend or base["backend"]
-        key = (case, backend, base["page_size"])
+        # chunked and fused share backend, page size and layers: one state
+        key = (case, backend, base["page_size"], tuple(sorted(lineage_layers(config_name).items())))
         if key not in self.states:
-            self.states[key] = FixedState(case, backend, base["page_size"], self.device, self.dtype,
+            self.states[key] = FixedState(case, config_name, backend, base["page_size"], self.device, self.dtype,
                                           self.loaded(case.model))
         return self.states[key]
 

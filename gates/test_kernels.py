@@ -201,8 +201,9 @@ def test_each_forward_builds_the_steps_it_serves(backend, device, runs, forward)
 def test_engine_builds_the_elementwise_pieces_it_serves(device, runs, compile_elementwise, monkeypatch):
     """An engine compiles the elementwise pieces (norm, rotary, SiLU-mul: engine/model.py) where Engine.served says
     they run compiled, and only there: compile_elementwise=True compiles them and warns of no failure, False compiles
-    nothing, None is True on CUDA and False elsewhere; the runner's record of its build is that, True or False
-    (gates/dispatch.served_problems). The gates' engines build the default alone (compiled on CUDA, eager on a CPU):
+    nothing, None is True on CUDA and False elsewhere; the runner's record of its build is that, True or False, and
+    its forwards run those pieces (gates/dispatch.served_problems). The gates' engines build their lineage's default
+    alone (flash compiled on CUDA; the references and everything on a CPU eager):
     a build that compiled where False is configured, recorded a compile that worked as None, or warned of a failure
     after a compile that worked passed them all (session 19's H200 runner campaign). On a CPU the compile goes
     through Dynamo's eager backend: Inductor's C++ build of the pieces took 25-50 s on two CPU cores, and what is
@@ -216,32 +217,27 @@ def test_engine_builds_the_elementwise_pieces_it_serves(device, runs, compile_el
     want = on_cuda if compile_elementwise is None else compile_elementwise
     if not on_cuda:
         monkeypatch.setattr(M, "COMPILE_BACKEND", "eager")
-    before = dict(M.OPS)
-    try:
-        if not want:
-            # the pieces are process-wide: an engine built before this one (on CUDA, every default one) compiled them
-            M.compile_elementwise(False)
-        ref = runs.engine_reference("fused", "torch", "smoke-cpu", compile_elementwise=compile_elementwise,
-                                    cuda_graphs=False, compile_warmup=False, poison=False)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            engine = ref.engine()
-        label = f"EngineConfig(compile_elementwise={compile_elementwise}) on {device}"
-        assert engine.served.compile_elementwise is want, (
-            f"{label}: Engine.served says compile_elementwise={engine.served.compile_elementwise}, expected {want}")
-        failed = [str(w.message) for w in caught if "elementwise pieces failed" in str(w.message)]
-        got = getattr(engine.runner, "compiled_elementwise", "no record")
-        assert got is want and not failed, (
-            f"{label}: the runner records compiled_elementwise={got!r} (expected {want}); warnings of a failed "
-            f"compile: {failed or 'none'}")
-        eager = sorted(n for n in M.OPS if M.OPS[n] is M._EAGER[n])
-        assert eager == ([] if want else sorted(M.OPS)), (
-            f"{label}: the pieces {eager or 'none'} run eagerly after the build; expected "
-            f"{'none' if want else 'all'} of {sorted(M.OPS)}")
-        problems = served_problems(engine)
-        assert not problems, f"{label}: the runner is not what the engine serves: " + "; ".join(problems)
-    finally:
-        M.OPS.update(before)
+    ref = runs.engine_reference("fused", "torch", "smoke-cpu", compile_elementwise=compile_elementwise,
+                                cuda_graphs=False, compile_warmup=False, poison=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = ref.engine()
+    label = f"EngineConfig(compile_elementwise={compile_elementwise}) on {device}"
+    assert engine.served.compile_elementwise is want, (
+        f"{label}: Engine.served says compile_elementwise={engine.served.compile_elementwise}, expected {want}")
+    failed = [str(w.message) for w in caught if "elementwise pieces failed" in str(w.message)]
+    got = getattr(engine.runner, "compiled_elementwise", "no record")
+    assert got is want and not failed, (
+        f"{label}: the runner records compiled_elementwise={got!r} (expected {want}); warnings of a failed "
+        f"compile: {failed or 'none'}")
+    # the pieces the runner's forwards are handed (per runner: other engines of this process may compile theirs)
+    ops = engine.runner.ops
+    eager = sorted(n for n in M.EAGER_OPS if ops[n] is M.EAGER_OPS[n])
+    assert eager == ([] if want else sorted(M.EAGER_OPS)), (
+        f"{label}: the runner's forwards run {eager or 'none'} of the pieces eagerly; expected "
+        f"{'none' if want else 'all'} of {sorted(M.EAGER_OPS)}")
+    problems = served_problems(engine)
+    assert not problems, f"{label}: the runner is not what the engine serves: " + "; ".join(problems)
 
 
 SPLIT_KERNELS = {"flash": ("flash",)}   # the one kernel that takes a split count: flash-attn's split-KV decode

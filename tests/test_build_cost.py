@@ -71,3 +71,15 @@ def test_candidate_runs_are_summed_by_configuration_and_across_workers():
     finally:
         gate_cost.RUNS.clear()
         gate_cost.RUNS.update(saved)
+
+
+def test_builds_are_grouped_by_configuration_and_across_workers():
+    """The configurations line: each configuration's engines, seconds and graphs, workers' groups added up, the
+    slowest first (how often one configuration was built again: what sharing engines between gates would save)."""
+    a = [dict(config="x", graphs=10, total_s=3.0), dict(config="y", graphs=5, total_s=1.0),
+         dict(config="x", graphs=10, total_s=2.0)]
+    mine = gate_cost.by_config(a)
+    assert mine == {"x": [2, 5.0, 20], "y": [1, 1.0, 5]}
+    both = gate_cost.add_runs(mine, gate_cost.by_config([dict(config="y", graphs=5, total_s=6.5)]))
+    assert gate_cost.configs_line(both, top=1) == (
+        "engine builds by configuration (2 configurations; the 1 slowest): y 2x 7.5 s (10 graphs)")

@@ -26,12 +26,12 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    M.compile_elementwise(False)
+    M.reset_compiled_ops()
     torch._dynamo.reset()
     rec = Recorder()
     monkeypatch.setattr(M, "COMPILE_BACKEND", rec)
     yield rec
-    M.compile_elementwise(False)
+    M.reset_compiled_ops()
     torch._dynamo.reset()
 
 
@@ -76,8 +76,25 @@ def test_engine_warmup_compiles_every_kernel_with_only_tokens_dynamic(recorder, 
              and tuple(t.shape[1:]) == (s.num_kv_heads, s.head_dim)]     # rope_write's caches, flat
     assert len(slots) == 4 and all(isinstance(n, torch.SymInt) for n in slots), (
         f"rope_write's caches compiled for one slot count (a kernel per pool or page size): {slots}")
-    M.compile_elementwise(False)
-    assert _serve(Engine(EngineConfig(compile_elementwise=False, **cfg), loaded=small), [5, 30, 70, 9, 130]) == got
+    eager = Engine(EngineConfig(compile_elementwise=False, **cfg), loaded=small)
+    assert _serve(eager, [5, 30, 70, 9, 130]) == got
+    assert len(recorder.inputs) == warm, "an eager engine's steps compiled a piece"
+
+
+def test_the_pieces_are_each_runners_own(recorder, small):
+    """The compiled pieces are a runner's, not the process's: an eager engine built after a compiled one (the gates
+    build the eager reference configurations and the compiled flash engine in one process) runs the eager pieces,
+    the compiled one keeps its own, and two compiling runners share one table (Dynamo's caches serve both)."""
+    cfg = dict(chunk_tokens=48, num_pages=128)
+    compiled = Engine(EngineConfig(compile_elementwise=True, **cfg), loaded=small)
+    eager = Engine(EngineConfig(compile_elementwise=False, **cfg), loaded=small)
+    again = Engine(EngineConfig(compile_elementwise=True, **cfg), loaded=small)
+    assert eager.runner.ops is M.EAGER_OPS and eager.runner.compiled_elementwise is False
+    assert compiled.runner.ops is again.runner.ops is M.compiled_ops()
+    assert all(compiled.runner.ops[n] is not M.EAGER_OPS[n] for n in M.EAGER_OPS)
+    before = len(recorder.inputs)
+    _serve(eager, [5, 30])
+    assert len(recorder.inputs) == before, "the eager engine's forward called a compiled piece"
 
 
 def test_a_second_model_shape_compiles_static_widths_too(recorder, small):
@@ -90,8 +107,8 @@ def test_a_second_model_shape_compiles_static_widths_too(recorder, small):
                          num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6, max_positions=64,
                          tie_word_embeddings=False)
     for model in (small[0], M.Qwen2(other)):
-        assert M.try_compile_elementwise("cpu", torch.float32, model) is None
-    n = len(M.OPS)      # rotary=True (the default): every piece, the rotary one alone too
+        assert M.try_compile_elementwise("cpu", torch.float32, model)[1] is None
+    n = len(M.EAGER_OPS)      # rotary=True (the default): every piece, the rotary one alone too
     assert len(recorder.inputs) == 2 * 2 * n, f"two graphs for each of {n} pieces per model, got {len(recorder.inputs)}"
     for g in recorder.inputs:
         for i, d in _symbolic_dims(g):
@@ -104,11 +121,11 @@ def test_a_compiler_that_fails_falls_back_to_eager(monkeypatch, small):
     torch._dynamo.reset()
     monkeypatch.setattr(M, "COMPILE_BACKEND", broken)
     try:
-        why = M.try_compile_elementwise("cpu", torch.float32, small[0])
+        ops, why = M.try_compile_elementwise("cpu", torch.float32, small[0])
         assert why is not None and "no compiler here" in why
-        assert all(M.OPS[n] is M._EAGER[n] for n in M.OPS)
+        assert ops is M.EAGER_OPS
     finally:
-        M.compile_elementwise(False)
+        M.reset_compiled_ops()
         torch._dynamo.reset()
 
 

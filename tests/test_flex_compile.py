@@ -80,6 +80,33 @@ def test_dynamic_lengths_share_one_graph_per_kind(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_a_second_engines_warm_up_is_not_run_again_until_dynamo_resets(monkeypatch):
+    """The warm-up of a ladder this process has run, with Dynamo still holding its graphs, is not run again (the
+    gates build about ten fused-flex engines of one model a process): a second backend's returns 0 calls and knows
+    the shapes the first one ran; another ladder (a longer history) runs; after torch._dynamo.reset() the same
+    ladder runs again, since its graphs are gone."""
+    needs_flex()
+    import kernels.flex_backend as fb
+    monkeypatch.setattr(fb, "COMPILER", "aot_eager")
+    monkeypatch.setattr(fb, "_WARMED", {})
+    torch._dynamo.reset()
+    try:
+        args = dict(num_heads=4, kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu", max_prefill_tokens=64,
+                    max_rows=2, kinds=("decode",))
+        first = FlexBackend(dynamic=True)
+        n = first.warmup(max_kv=300, **args)
+        assert n > 0 and first.compiled_shapes
+        second = FlexBackend(dynamic=True)
+        assert second.warmup(max_kv=300, **args) == 0, "a ladder this process ran was warmed up again"
+        assert second.compiled_shapes == first.compiled_shapes
+        assert FlexBackend(dynamic=True).warmup(max_kv=600, **args) > n, "a longer ladder was taken for warmed"
+        torch._dynamo.reset()
+        third = FlexBackend(dynamic=True)
+        assert third.warmup(max_kv=300, **args) == n, "after Dynamo's reset the warm-up was skipped"
+    finally:
+        torch._dynamo.reset()
+
+
 # -- no compile in a measured step ---------------------------------------------------------------------------------
 def flex_engine(warm_kinds=("decode", "prefill")):
     """The small model's fused-flex engine serving requests of at most 256 positions (so that its ladder has few

@@ -90,8 +90,16 @@ def test_served_problems_name_each_difference_between_the_runner_and_what_is_ser
     assert served_problems(e) == [
         "served: decode_kernel='packed' is configured, the flex backend was built with 'rows'",
         "served: compile_elementwise=False is configured, the pieces run compiled (a failed torch.compile warns at "
-        "construction)"]
+        "construction)",
+        "served: the runner's build compiled the elementwise pieces, its forwards run add_rms_norm, rms_norm, rope, "
+        "rope_write, silu_mul eagerly"]
     e.runner.backend.decode_kernel = "packed"
+    e.runner.compiled_elementwise = False
+    from engine.model import EAGER_OPS
+    e.runner.ops = {**EAGER_OPS, "silu_mul": lambda x: x}     # a piece handed to the forwards that is not eager's
+    assert served_problems(e) == [
+        "served: the runner's build did not compile the elementwise pieces, its forwards run silu_mul compiled"]
+    e.runner.ops = EAGER_OPS
     e.runner.compiled_elementwise = None            # a compile that worked recorded as None (its `why`)
     assert served_problems(e) == [
         "served: compile_elementwise=False is configured, the runner's record of what its build did is None, not True "

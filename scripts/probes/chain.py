@@ -80,9 +80,8 @@ class Chain:
         from kernels.mlp import FUSED_ROWS, gate_up_silu
         if self.rows <= FUSED_ROWS:
             return gate_up_silu(h, w, pdl=pdl, prefetch=prefetch)
-        from engine.model import OPS, compile_elementwise
-        compile_elementwise()               # the engine's compiled pieces, as it serves them
-        return OPS["silu_mul"](F.linear(h, w))
+        from engine.model import compiled_ops
+        return compiled_ops()["silu_mul"](F.linear(h, w))     # the flash engine's compiled piece, as it serves it
 
 
 def chain_args(ap) -> None:

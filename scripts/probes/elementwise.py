@@ -51,17 +51,17 @@ def main(argv=None) -> int:
     dev, dt = torch.device("cuda"), torch.float16
     s = M.ModelShape.of(qwen2_config(**QWEN25_1P5B))
     token_counts = [int(t) for t in a.tokens.split(",")]
-    modes = {"eager": dict(M._EAGER)}
-    # all sizes symbolic: what compile_elementwise did before (one kernel per piece for any model width)
-    modes["all-dynamic"] = {n: torch.compile(_fresh(f), dynamic=True, fullgraph=True) for n, f in M._EAGER.items()}
-    modes["tokens-dynamic"] = {n: torch.compile(_fresh(f), dynamic=None, fullgraph=True) for n, f in M._EAGER.items()}
+    modes = {"eager": dict(M.EAGER_OPS)}
+    # all sizes symbolic: what the compiled pieces were before (one kernel per piece for any model width)
+    modes["all-dynamic"] = {n: torch.compile(_fresh(f), dynamic=True, fullgraph=True) for n, f in M.EAGER_OPS.items()}
+    modes["tokens-dynamic"] = {n: torch.compile(_fresh(f), dynamic=None, fullgraph=True) for n, f in M.EAGER_OPS.items()}
     model = types.SimpleNamespace(shape=s, model=types.SimpleNamespace(
         norm=types.SimpleNamespace(weight=torch.nn.Parameter(torch.ones(s.hidden_size, device=dev, dtype=dt)))))
-    why = M.try_compile_elementwise(dev, dt, model, tokens=max(token_counts))
+    ops, why = M.try_compile_elementwise(dev, dt, model, tokens=max(token_counts))
     if why:
         print(f"scripts.probes.elementwise: torch.compile failed: {why}", file=sys.stderr)
         return 2
-    modes["engine"] = dict(M.OPS)
+    modes["engine"] = dict(ops)
     rows = []
     for T in token_counts:
         args = _inputs(s, T, dev, dt)

@@ -24,10 +24,11 @@ from engine.workload import get_workload
 from gates.reference import EngineReference
 
 
-def profile_run(engine: str, backend: str, workload: str, device: str, dtype: str, loaded, top: int) -> str:
+def profile_run(engine: str, backend: str, workload: str, device: str, dtype: str, loaded, top: int,
+                overrides: dict | None = None, kernels: bool = False) -> str:
     wl = get_workload(workload)
     ref = EngineReference(engine, device=device, dtype=dtype, loaded=loaded, backend=backend, poison=True,
-                          chunk_tokens=wl.chunk_tokens)
+                          chunk_tokens=wl.chunk_tokens, **(overrides or {}))
     t0 = time.perf_counter()
     ref.generate(wl.requests())                      # warm-up: compiles, captures
     warm = time.perf_counter() - t0
@@ -43,10 +44,43 @@ def profile_run(engine: str, backend: str, workload: str, device: str, dtype: st
     steps = ref.last_engine.scheduler.step_index
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    head = (f"{engine}[{backend}] on {workload} ({device}, {dtype}): first run {warm:.2f} s; then {plain:.2f} s, "
+    if kernels:
+        out.write(kernel_line(ref, wl, steps))
+    given = "".join(f" {k}={v}" for k, v in (overrides or {}).items())
+    head = (f"{engine}[{backend}]{given} on {workload} ({device}, {dtype}): first run {warm:.2f} s; then "
+            f"{plain:.2f} s, "
             f"{1e3 * plain / max(1, steps):.2f} ms a step; profiled run {wall:.2f} s, {steps} steps, "
             f"{1e3 * wall / max(1, steps):.2f} ms a step (under cProfile)")
     return head + "\n" + out.getvalue()
+
+
+def kernel_line(ref, wl, steps: int) -> str:
+    """One more run under torch.profiler: device kernels launched and their summed device time, per step (host-bound
+    when the device time is a small share of the step's wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ref.generate(wl.requests())
+    wall = time.perf_counter() - t0
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time for e in events) / 1e3          # us -> ms
+    ops = sum(1 for e in prof.events() if e.device_type.name == "CPU" and e.cpu_parent is None)
+    return (f"under torch.profiler: {wall / steps * 1e3:.2f} ms a step wall; {len(events) / steps:.0f} device kernels "
+            f"and copies a step, {busy / steps:.2f} ms of device time a step; {ops / steps:.0f} top-level torch ops a "
+            f"step\n")
+
+
+def parse_set(kv: str) -> tuple[str, object]:
+    name, _, value = kv.partition("=")
+    low = value.lower()
+    if low in ("true", "false"):
+        return name, low == "true"
+    if low == "none":
+        return name, None
+    try:
+        return name, int(value)
+    except ValueError:
+        return name, value
 
 
 def main(argv=None) -> int:
@@ -58,12 +92,17 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="chunked:torch,fused:torch,fused:flex,flash:flash",
                     help="engine:backend pairs, comma-separated")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an EngineConfig override for every configuration (true/false/none/int), repeatable")
+    ap.add_argument("--kernels", action="store_true", help="one more run under torch.profiler: kernels a step")
     a = ap.parse_args(argv)
+    overrides = dict(parse_set(kv) for kv in a.set)
     dtype = a.dtype or ("float16" if a.device.startswith("cuda") else "float32")
     loaded = load_model(a.model, torch_dtype(dtype), a.device)
     for pair in a.configs.split(","):
         engine, backend = pair.split(":")
-        print(profile_run(engine, backend, a.workload, a.device, dtype, loaded, a.top), flush=True)
+        print(profile_run(engine, backend, a.workload, a.device, dtype, loaded, a.top, overrides, a.kernels),
+              flush=True)
     return 0
 
 

@@ -53,9 +53,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gate_up_silu: needs a CUDA device", file=sys.stderr)
         return 2
-    from engine.model import OPS, compile_elementwise
-    compile_elementwise(True)
-    silu_mul = OPS["silu_mul"]
+    from engine.model import compiled_ops
+    silu_mul = compiled_ops()["silu_mul"]
     dev, dt = torch.device("cuda"), torch.float16
     g = torch.Generator(device=dev).manual_seed(0)
     k, n = a.hidden, a.intermediate

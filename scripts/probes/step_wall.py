@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     from gates.step_states import FixedState, ModelCase, States
     states = States(a.device, a.dtype)
     base = LINEAGE[a.engine]
-    st = FixedState(ModelCase(a.model, MIXED.scaled(max(a.rows, 32))), base["backend"], base["page_size"], a.device,
-                    a.dtype, states.loaded(a.model), rows=a.rows)
+    st = FixedState(ModelCase(a.model, MIXED.scaled(max(a.rows, 32))), a.engine, base["backend"], base["page_size"],
+                    a.device, a.dtype, states.loaded(a.model), rows=a.rows)
     runner, owned, mode = st.engine.runner, st.engine.pool.owned, base["forward"]
     sync = torch.cuda.synchronize
     report = {}

@@ -305,8 +305,9 @@ def graphs_problem(config) -> str | None:
 # The lineage: each generation is a golden reference for the next. `hf` is transformers itself (gates/reference.py).
 # The reference generations run their layers in plain PyTorch on every device: no Inductor-compiled elementwise piece
 # and no Triton MLP kernel, so they share none of those kernels with the flash engine they check (a bug there shows
-# as flash against its references), and their steps, host-bound on the small model, ran 18-28% faster on an H100
-# without the compiled pieces' call overhead (docs/RESULTS.md, session 40). Their attention is their backend's.
+# as flash against its references), and a gate process or worker that runs only them compiles nothing (under -n 4
+# the workers' summed compile fell from 40.7 to 13.4 s on an H100; their host-bound steps on the small model ran 0-13%
+# faster: docs/RESULTS.md, session 40). Their attention is their backend's.
 REFERENCE_LAYERS = dict(compile_elementwise=False, mlp_kernel="torch")
 LINEAGE = {
     "chunked": dict(forward="chunked", backend="torch", page_size=64, **REFERENCE_LAYERS),

@@ -131,8 +131,9 @@ class FixedState:
 
     def __init__(self, case: ModelCase, config_name: str, backend: str, page_size: int, device: str, dtype: str,
                  loaded=None, rows: int = ROWS):
-        """config_name: the lineage configuration whose layers the engine runs (engine.config.lineage_layers: the
-        references' plain PyTorch layers, flash's compiled pieces and Triton MLP), over `backend` at `page_size`."""
+        """config_name: the lineage configuration whose engine it builds, over `backend` at `page_size` and with the
+        fused forward (a timed step's forward is its call's): its layers (the references' plain PyTorch, flash's
+        compiled pieces and Triton MLP: engine.config.REFERENCE_LAYERS)."""
         self.case, self.device, self.dtype, self.rows = case, device, dtype, rows
         self.backend, self.page_size = backend, page_size
         self.sync = synchronizer(device)

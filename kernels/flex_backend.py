@@ -109,16 +109,19 @@ def _flex_import_error() -> str | None:
 # A warm-up already run in this process: (compile mode, compiler, heads, kv heads, head dim, dtype, device, scale,
 # page size, decode layout, kind, max_kv, max_prefill_tokens, max_prefill_kv, max_rows) -> (the padded shapes its
 # calls ran (FlexBackend.compiled_shapes' keys), the ids of Dynamo's compiled entries for the attention after it).
-# The gates build about ten fused-flex engines of one model a process, and each ran its whole ladder again (their
-# backend warm-ups: 14.9-17.6 s of the cold serial GPU suite, of which the first engine's compile about 10).
+# The serial GPU gates build 14 fused-flex engines of one configuration (session 40's by-configuration line), and each
+# ran its whole ladder again; the first one's compile is most of the suite's flex warm-up (9.9-17.6 s cold).
 _WARMED: dict[tuple, tuple[frozenset, frozenset]] = {}
 
 
-def _compiled_entries() -> frozenset:
+def _compiled_entries() -> frozenset | None:
     """Ids of Dynamo's compiled entries for the attention's code: torch._dynamo.reset() drops them (tests reset it),
-    so a warm-up recorded before a reset no longer counts as done."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    return frozenset(map(id, _debug_get_cache_entry_list(_attend_blocks.__code__)))
+    so a warm-up recorded before a reset no longer counts as done. None where this torch cannot say (never skip)."""
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        return frozenset(map(id, _debug_get_cache_entry_list(_attend_blocks.__code__)))
+    except Exception:  # noqa: BLE001 (a private helper: without it, every warm-up runs, as before)
+        return None
 
 
 class FlexBackend(AttentionBackend):
@@ -351,8 +354,8 @@ class FlexBackend(AttentionBackend):
         dynamic = self._dynamic_given if self._dynamic_given is not None else dynamic_shapes(device.type)
         memo = (dynamic, COMPILER, num_heads, kv_heads, head_dim, dtype, str(device), float(scale),
                 page_size, self.decode_layout, tuple(kinds), max_kv, max_prefill_tokens, max_prefill_kv, max_rows)
-        done = _WARMED.get(memo)
-        if done is not None and done[1] <= _compiled_entries():
+        done, entries = _WARMED.get(memo), _compiled_entries()
+        if done is not None and entries is not None and done[1] is not None and done[1] <= entries:
             self.compiled_shapes |= done[0]
             return 0
         kept, self.compiled_shapes = self.compiled_shapes, set()     # to record the shapes this warm-up runs

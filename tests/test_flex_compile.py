@@ -103,6 +103,8 @@ def test_a_second_engines_warm_up_is_not_run_again_until_dynamo_resets(monkeypat
         torch._dynamo.reset()
         third = FlexBackend(dynamic=True)
         assert third.warmup(max_kv=300, **args) == n, "after Dynamo's reset the warm-up was skipped"
+        monkeypatch.setattr(fb, "_compiled_entries", lambda: None)     # a torch that cannot say: never skip
+        assert FlexBackend(dynamic=True).warmup(max_kv=300, **args) == n
     finally:
         torch._dynamo.reset()
 

@@ -19,7 +19,8 @@ from kernels.base import AttentionBackend
 
 from .build_cost import add_graph_sets, timed
 from .census import StepPath, kernel_paths, step_kind
-from .model import EAGER_OPS, ForwardContext, Qwen2
+from .layer_kernels import EAGER_OPS, warm_linear, warm_mlp
+from .model import ForwardContext, Qwen2
 from .poisoned_reads import poisoned_reads
 from .pool import NULL_PAGE
 from .graphs import DecodeGraphs
@@ -315,32 +316,6 @@ class ModelRunner:
                 t[page] += (torch.randn(t[page].shape, generator=g) * scale).to(t.device, t.dtype)
 
 
-@torch.inference_mode()
-def warm_mlp(model, device, dtype, pdl: bool = False) -> None:
-    """The fused MLP kernel at each of its row tilings (kernels/mlp.py), over the first layer's weights."""
-    from kernels.mlp import FUSED_ROWS, gate_up_silu
-    mlp = getattr(model, "shard", model).model.layers[0].mlp      # a tensor-parallel rank's model wraps its shard
-    from kernels.pdl import MLP_PREFETCH
-    for rows in (1, FUSED_ROWS):
-        gate_up_silu(torch.zeros(rows, model.shape.hidden_size, device=device, dtype=dtype), mlp.gate_up_weight,
-                     pdl=pdl, prefetch=MLP_PREFETCH)
-
-
-@torch.inference_mode()
-def warm_linear(model, device, dtype, pdl: bool = False) -> None:
-    """The split-K linear kernel (kernels/linear.py) at each of its row tilings over the first layer's q/k/v, o and
-    down: compiled, and its workspace made at its largest, before any CUDA graph captures a call (a capture cannot
-    grow it)."""
-    from kernels.linear import SKINNY_ROWS, splitk_linear
-    from kernels.pdl import LINEAR_PREFETCH
-    layer = getattr(model, "shard", model).model.layers[0]
-    attn, down = layer.self_attn, layer.mlp.down_proj
-    for rows in (1, SKINNY_ROWS):
-        for w, b in ((attn.qkv_weight, attn.qkv_bias), (attn.o_proj.weight, None), (down.weight, None)):
-            splitk_linear(torch.zeros(rows, w.shape[1], device=device, dtype=dtype), w, b, pdl=pdl,
-                          prefetch=LINEAR_PREFETCH)
-
-
 def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
                  graphs: bool = False, runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
     """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
@@ -354,7 +329,7 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
                         backend_options=config.backend_options(), **runner_kw)
     compiled = False
     if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
-        from .model import try_compile_elementwise
+        from .layer_kernels import try_compile_elementwise
         b = runner.backend
         # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's;
         # after the runner, whose backend says whether a step ever rotates without writing the cache (its decode

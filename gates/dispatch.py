@@ -150,7 +150,7 @@ def served_problems(engine) -> list[str]:
     # reference and the compiled flash engine gate in one process
     ops = getattr(runner, "ops", None)
     if ops is not None and compiled in (True, False):
-        from engine.model import EAGER_OPS
+        from engine.layer_kernels import EAGER_OPS
         eager = sorted(n for n in EAGER_OPS if ops.get(n) is EAGER_OPS[n])
         wrong = eager if compiled else sorted(set(EAGER_OPS) - set(eager))
         if wrong:

@@ -167,7 +167,8 @@ def rotary_case(case: PagedCase):
     its rows' last keys are taken as unrotated, with cos and sin at each row's new position (its last one). Returns
     (the case the reference attends: queries and last keys rotated as the model's rope does it, in fp32 rounded
     once; (cos, sin) for the kernel; the rotation)."""
-    from engine.model import Rotary, rope
+    from engine.layer_kernels import rope
+    from engine.model import Rotary
     kvh, d = case.k_cache.shape[2], case.k_cache.shape[3]
     dtype, dev = case.k_cache.dtype, case.k_cache.device
     pos = torch.tensor([n - 1 for n in case.kv_lens], device=dev)

@@ -199,7 +199,7 @@ def test_each_forward_builds_the_steps_it_serves(backend, device, runs, forward)
 
 @pytest.mark.parametrize("compile_elementwise", [None, False, True])
 def test_engine_builds_the_elementwise_pieces_it_serves(device, runs, compile_elementwise, monkeypatch):
-    """An engine compiles the elementwise pieces (norm, rotary, SiLU-mul: engine/model.py) where Engine.served says
+    """An engine compiles the elementwise pieces (norm, rotary, SiLU-mul: engine/layer_kernels.py) where Engine.served says
     they run compiled, and only there: compile_elementwise=True compiles them and warns of no failure, False compiles
     nothing, None is True on CUDA and False elsewhere; the runner's record of its build is that, True or False, and
     its forwards run those pieces (gates/dispatch.served_problems). The gates' engines build their lineage's default
@@ -209,7 +209,7 @@ def test_engine_builds_the_elementwise_pieces_it_serves(device, runs, compile_el
     through Dynamo's eager backend: Inductor's C++ build of the pieces took 25-50 s on two CPU cores, and what is
     checked here is the build's choice, not Inductor's code (on CUDA, Inductor as served). Built, not run."""
     import warnings
-    from engine import model as M
+    from engine import layer_kernels as M
     from .dispatch import served_problems
     if "torch" not in runs.opts.backends:       # the pieces are the model's, any backend's: built over the reference
         pytest.skip(f"not selected (--backend {','.join(runs.opts.backends)}): built over the torch backend")

@@ -20,7 +20,7 @@ that grows keeps its old buffers alive, since a captured graph still writes to t
 In the engine with EngineConfig.linear_kernel "triton" (off by default: on an H200 in session 36 the 32-row pure
 decode step took 1.071x as long with it as with cuBLAS, docs/RESULTS.md):
 q/k/v, o and down of forwards of at most SKINNY_ROWS positions (engine/model.py: ForwardContext.linear), its
-workspace made before capture (engine/runner.py: warm_linear). scripts/probes/splitk_gemm.py (`--kernel serial`)
+workspace made before capture (engine/layer_kernels.py: warm_linear). scripts/probes/splitk_gemm.py (`--kernel serial`)
 times it against cuBLAS in a graph over 28 layers' weights. Checked by the GPU kernel gate (gates/test_linear.py),
 on CPU through Triton's interpreter (tests/test_linear_kernel.py) and compiled there to sm_90 PTX."""
 from __future__ import annotations

@@ -16,7 +16,7 @@ def gate_up_silu(x_ptr, w_ptr, out_ptr, M, stride_xm, stride_wn, stride_om, N: t
     """out[M, N] = silu(x @ w[:N]^T) * (x @ w[N:]^T), w the fused [gate; up] weight [2N, K]. A program computes
     BLOCK_N columns of gate and the same columns of up for BLOCK_M rows over the whole K (each x tile loaded once
     for both), rounds each to the output dtype as the GEMM's output is rounded, and applies SiLU-mul in fp32, as the
-    compiled piece does (engine/model.py's silu_mul). PRECISION: "ieee" for fp32 inputs (cuBLAS multiplies them in
+    compiled piece does (engine/layer_kernels.py's silu_mul). PRECISION: "ieee" for fp32 inputs (cuBLAS multiplies them in
     fp32 unless torch allows TF32; tl.dot's default would round them to TF32). PDL: as kernels/linear_kernels.py's,
     the first PREFETCH elements of the program's gate and up rows fetched into L2 before it waits."""
     launch_dependents(PDL)

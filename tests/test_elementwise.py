@@ -1,4 +1,4 @@
-"""The compiled elementwise pieces (engine/model.py): only the token dimension is dynamic, so the generated kernels
+"""The compiled elementwise pieces (engine/layer_kernels.py): only the token dimension is dynamic, so the generated kernels
 index with constant hidden sizes, and the engine's warm-up compiles every kernel a step needs (none in a later step,
 none during a CUDA graph capture, where a compile fails). Checked on CPU through a torch.compile backend that records
 Dynamo's graphs and runs them as they are."""
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, RequestSpec
-from engine import model as M
+from engine import layer_kernels as M
+from engine.model import ModelShape, Qwen2
 from engine.loader import load_model
 
 
@@ -103,10 +104,10 @@ def test_a_second_model_shape_compiles_static_widths_too(recorder, small):
     two into a symbolic one, and its profile of them (kept in the compile cache folder, read by later processes:
     "local PGO") did the same across processes: on the H200 a cache carried from a run of the gates on the small
     model made the 1.5B shape's SiLU-mul 3.6x slower (docs/RESULTS.md)."""
-    other = M.ModelShape(vocab_size=64, hidden_size=96, intermediate_size=200, num_layers=1, num_heads=6,
+    other = ModelShape(vocab_size=64, hidden_size=96, intermediate_size=200, num_layers=1, num_heads=6,
                          num_kv_heads=2, head_dim=16, rope_theta=1e4, rms_norm_eps=1e-6, max_positions=64,
                          tie_word_embeddings=False)
-    for model in (small[0], M.Qwen2(other)):
+    for model in (small[0], Qwen2(other)):
         assert M.try_compile_elementwise("cpu", torch.float32, model)[1] is None
     n = len(M.EAGER_OPS)      # rotary=True (the default): every piece, the rotary one alone too
     assert len(recorder.inputs) == 2 * 2 * n, f"two graphs for each of {n} pieces per model, got {len(recorder.inputs)}"
@@ -132,7 +133,7 @@ def test_a_compiler_that_fails_falls_back_to_eager(monkeypatch, small):
 def test_bench_byte_counts_and_no_cuda(capsys):
     """bench.elementwise's bandwidth figures divide by the bytes each piece must move; without CUDA it says so."""
     from scripts.probes import elementwise
-    s = M.ModelShape(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=1, num_heads=6, num_kv_heads=2,
+    s = ModelShape(vocab_size=64, hidden_size=48, intermediate_size=80, num_layers=1, num_heads=6, num_kv_heads=2,
                      head_dim=8, rope_theta=1e4, rms_norm_eps=1e-6, max_positions=64, tie_word_embeddings=False)
     args = elementwise._inputs(s, 4, "cpu", torch.float16)
     x, nbytes = args["silu_mul"]

@@ -171,7 +171,7 @@ def test_the_gate_hands_a_rotating_decode_unrotated_rows_and_catches_what_it_get
 
     class QueriesUnrotated(RotatingTorch):
         def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None, rope=None):
-            from engine.model import rope as rotate
+            from engine.layer_kernels import rope as rotate
             k, v = new_kv
             return AppendingTorch.decode(self, q, k_cache, v_cache, batch, scale, (rotate(k, *rope), v))
     with pytest.raises(AssertionError, match=r"unrotated with cos and sin.*wrong values"):

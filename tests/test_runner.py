@@ -98,7 +98,7 @@ class RotatingTorch(AppendingTorch):
     rotated_calls = 0
 
     def decode(self, q, k_cache, v_cache, batch, scale, new_kv=None, rope=None):
-        from engine.model import rope as rotate
+        from engine.layer_kernels import rope as rotate
         if rope is None:        # a loaded step's decode rows: the model rotated them and wrote their keys
             assert new_kv is None, "an appending decode got its new keys without cos and sin"
             return super().decode(q, k_cache, v_cache, batch, scale)

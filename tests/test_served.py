@@ -95,7 +95,7 @@ def test_served_problems_name_each_difference_between_the_runner_and_what_is_ser
         "rope_write, silu_mul eagerly"]
     e.runner.backend.decode_kernel = "packed"
     e.runner.compiled_elementwise = False
-    from engine.model import EAGER_OPS
+    from engine.layer_kernels import EAGER_OPS
     e.runner.ops = {**EAGER_OPS, "silu_mul": lambda x: x}     # a piece handed to the forwards that is not eager's
     assert served_problems(e) == [
         "served: the runner's build did not compile the elementwise pieces, its forwards run silu_mul compiled"]

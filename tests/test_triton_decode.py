@@ -156,7 +156,8 @@ def test_the_append_with_rope_rotates_the_queries_and_the_new_key_as_the_model_d
     """rope=(cos, sin): q and the new key come unrotated (as the QKV projection leaves them) and the kernel rotates
     both as the model's rope does (fp32, rounded once): the output is attention with rotated queries over the
     history and the rotated new key, and the key written to the cache is the rotated one (to an fp16 ulp)."""
-    from engine.model import Rotary, rope
+    from engine.layer_kernels import rope
+    from engine.model import Rotary
     lengths = [0, 255, 256, 600]
     full = [n + 1 for n in lengths]
     q, k, v, table, keys, values = paged_case(full, seed=4)

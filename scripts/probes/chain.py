@@ -80,7 +80,7 @@ class Chain:
         from kernels.mlp import FUSED_ROWS, gate_up_silu
         if self.rows <= FUSED_ROWS:
             return gate_up_silu(h, w, pdl=pdl, prefetch=prefetch)
-        from engine.model import compiled_ops
+        from engine.layer_kernels import compiled_ops
         return compiled_ops()["silu_mul"](F.linear(h, w))     # the flash engine's compiled piece, as it serves it
 
 

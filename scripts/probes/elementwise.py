@@ -1,4 +1,4 @@
-"""The elementwise pieces (engine/model.py) at the 1.5B shape: microseconds and achieved bandwidth per call, for each
+"""The elementwise pieces (engine/layer_kernels.py) at the 1.5B shape: microseconds and achieved bandwidth per call, for each
 token count, in four modes: eager; compiled with every size dynamic (torch.compile's dynamic=True, the engine's
 earlier mode); compiled with static sizes and a dynamic token count; and what the engine runs now (its warm-up's
 compile: the same, unless the engine changes it). Each timing is a CUDA graph of `--layers` calls (as a step's
@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-from engine import model as M
+from engine import layer_kernels as M
+from engine.model import ModelShape
 from engine.loader import QWEN25_1P5B, qwen2_config
 
 from bench.stats import graph_time
 
 
-def _inputs(s: M.ModelShape, T: int, dev, dt):
+def _inputs(s: ModelShape, T: int, dev, dt):
     """Each piece's arguments at T tokens, in the model's layouts, and the bytes a call must move (read + write)."""
     def r(*shape):
         return torch.randn(*shape, device=dev, dtype=dt)
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
         print("scripts.probes.elementwise: needs CUDA (the pieces are compiled for the GPU)", file=sys.stderr)
         return 2
     dev, dt = torch.device("cuda"), torch.float16
-    s = M.ModelShape.of(qwen2_config(**QWEN25_1P5B))
+    s = ModelShape.of(qwen2_config(**QWEN25_1P5B))
     token_counts = [int(t) for t in a.tokens.split(",")]
     modes = {"eager": dict(M.EAGER_OPS)}
     # all sizes symbolic: what the compiled pieces were before (one kernel per piece for any model width)

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gate_up_silu: needs a CUDA device", file=sys.stderr)
         return 2
-    from engine.model import compiled_ops
+    from engine.layer_kernels import compiled_ops
     silu_mul = compiled_ops()["silu_mul"]
     dev, dt = torch.device("cuda"), torch.float16
     g = torch.Generator(device=dev).manual_seed(0)

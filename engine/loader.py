@@ -102,6 +102,26 @@ def qwen2_config(**kw):
     return cfg
 
 
+# The config.json fields engine/model.py's ModelShape reads (head_dim may be absent: hidden_size / heads), and the
+# rotary base, in rope_theta or rope_parameters as transformers 4.x or 5 writes it.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+
+
+def checkpoint_config(path: Path):
+    """A checkpoint directory's config: its config.json as it stands where that is a Qwen2 config naming every field
+    of the model's shape (as transformers' save_pretrained writes one: both embedded models' do), read without
+    importing transformers, which cost a gate process about 8 s from a fresh start (session 41's profile of the
+    GPU gate suite: a passing gate run needs transformers for nothing else); else transformers' AutoConfig, which
+    fills what is missing with its defaults. tests/test_loader.py holds both to the same shape."""
+    from types import SimpleNamespace
+    raw = json.loads((path / "config.json").read_text())
+    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta"))
+    if raw.get("model_type") == "qwen2" and theta is not None and all(raw.get(f) is not None for f in SHAPE_FIELDS):
+        return SimpleNamespace(**{**raw, "rope_theta": theta})
+    return transformers_models().AutoConfig.from_pretrained(str(path))
+
+
 def resolve(source) -> str | Path | object:
     if source is None:
         return SMALL_MODEL_DIR
@@ -159,8 +179,7 @@ def load_model(source=None, dtype=torch.float32, device="cpu") -> tuple[Qwen2, o
                     f": the embedded model {named!r} ships with stepgate (golden/models in a checkout, the "
                     f"stepgate_models package once installed); reinstall stepgate (`pip install .`), or pass a "
                     f"Hugging Face checkpoint directory" if named else ""))
-        AutoConfig = transformers_models().AutoConfig
-        cfg = AutoConfig.from_pretrained(str(path))
+        cfg = checkpoint_config(path)
         sd = load_state_dict(path)
         name = path.name
     else:   # an in-memory transformers model

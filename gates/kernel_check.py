@@ -92,13 +92,15 @@ def make_case(*, device, dtype, num_heads, kv_heads, head_dim, page_size, kv_len
     vc = torch.full_like(kc, fill)
     kc[0] = 0
     vc[0] = 0
-    g = torch.Generator().manual_seed(seed)
+    # drawn where the case lives: on a GPU, drawing on the host and copying took 5 s of the serial GPU gate suite
+    # (session 41's profile); the same seed gives the same case on one kind of device
+    g = torch.Generator(device=device).manual_seed(seed)
     slots = torch.cat([torch.tensor(t).repeat_interleave(P)[:k] * P + torch.arange(k) % P
                        for t, k in zip(tables, kv_lens)]).to(device)
     n = int(slots.numel())
-    kc.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(device, dtype)
-    vc.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g).to(device, dtype)
-    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(device, dtype)
+    kc.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g, device=device).to(dtype)
+    vc.view(-1, kv_heads, head_dim)[slots] = torch.randn(n, kv_heads, head_dim, generator=g, device=device).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g, device=device).to(dtype)
     return PagedCase(kc, vc, tables, list(kv_lens), q_lens, q, P)
 
 

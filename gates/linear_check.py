@@ -16,11 +16,11 @@ EPS = 1e-5          # relative to the largest output: fp32's summation-order dif
 
 def linear_case(rows: int, n: int, k: int, bias: bool, dtype, device, seed: int = 0):
     """x [rows, k], a weight [n, k] scaled as a trained layer's, and a bias [n] (or None)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(rows, k, generator=g)
-    w = torch.randn(n, k, generator=g) * k ** -0.5
-    b = torch.randn(n, generator=g) if bias else None
-    return x.to(device, dtype), w.to(device, dtype), None if b is None else b.to(device, dtype)
+    g = torch.Generator(device=device).manual_seed(seed)     # drawn on the device (gates/kernel_check.make_case)
+    x = torch.randn(rows, k, generator=g, device=device)
+    w = torch.randn(n, k, generator=g, device=device) * k ** -0.5
+    b = torch.randn(n, generator=g, device=device) if bias else None
+    return x.to(dtype), w.to(dtype), None if b is None else b.to(dtype)
 
 
 def linear_problems(x, w, b, label: str = "", **tiling) -> list[str]:

@@ -16,10 +16,10 @@ EPS = 1e-5          # relative to the largest output: fp32's summation-order dif
 
 def mlp_case(rows: int, hidden: int, intermediate: int, dtype, device, seed: int = 0):
     """x [rows, hidden] and a fused [gate; up] weight [2 * intermediate, hidden], scaled as a trained layer's."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    x = torch.randn(rows, hidden, generator=g)
-    w = torch.randn(2 * intermediate, hidden, generator=g) * hidden ** -0.5
-    return x.to(device, dtype), w.to(device, dtype)
+    g = torch.Generator(device=device).manual_seed(seed)     # drawn on the device (gates/kernel_check.make_case)
+    x = torch.randn(rows, hidden, generator=g, device=device)
+    w = torch.randn(2 * intermediate, hidden, generator=g, device=device) * hidden ** -0.5
+    return x.to(dtype), w.to(dtype)
 
 
 def mlp_kernel_problems(rows: int, hidden: int, intermediate: int, dtype, device, seed: int = 0,

@@ -44,6 +44,8 @@
 #   gates_n4 the same with -n 4, from an empty compile cache again
 #   gates_mps gates_n4_mps gates_n8_mps  serial, -n 4 and -n 8, first, under NVIDIA MPS (started here, stopped at the
 #            end): the workers' and the prewarm's processes share one GPU context instead of time-slicing it
+#   gatesprof  the serial one under cProfile (the whole process: where the suite's host time goes, by function;
+#            the top lines by own and cumulative time go to its log's end, the profile to $OUT/gatesprof.prof)
 #   gates_noprewarm  the serial one with --no-prewarm (the FlexAttention prewarm's own figure, gates/prewarm.py)
 #   eagerprof  scripts/probes/gate_run_profile.py: each lineage configuration's gate run (small-trained, mixed-cpu,
 #            poison mode) under cProfile: where the eager reference engines' host time goes (session 23's next step)
@@ -88,6 +90,20 @@ part() {   # part NAME MAX_SECONDS CMD...: its exit status and time go to status
   echo "$name: rc=$? in $(( $(date +%s) - t0 ))s (limit ${max}s)" >> "$OUT/logs/status.txt"
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null; } > "$OUT/logs/env.log"
+# Bytecode, as `pip install` leaves it on a CI runner: the device's venv has none and its processes write none, so
+# every process (each xdist worker and prewarm process too) compiled some 2,500 modules from source, about 10 s
+# (session 41's profile of the serial suite: 9.7 s in compile() under imports). PYC=0: as before. Compiled once a
+# call, untimed, into PYTHONPYCACHEPREFIX (a base tree run after this one in the call reads the same).
+if [ "${PYC:-1}" = 1 ]; then
+  export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/pyc}
+  if [ ! -f "$PYTHONPYCACHEPREFIX/.done" ]; then
+    t0=$(date +%s)
+    python3 -m compileall -q -j 0 "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+      /usr/lib/python3*/ . > "$OUT/logs/pyc.log" 2>&1
+    echo "pyc: rc=$? in $(( $(date +%s) - t0 ))s into $PYTHONPYCACHEPREFIX" >> "$OUT/logs/status.txt"
+    touch "$PYTHONPYCACHEPREFIX/.done"
+  fi
+fi
 part tests 150 python3 -m pytest tests/test_triton_decode.py tests/test_mlp_kernel.py tests/test_linear_kernel.py -q -p no:cacheprovider -rfEs
 need_flash
 part pdlchain 150 python3 -m scripts.probes.pdl_chain --out "$OUT/pdlchain.json"
@@ -181,7 +197,9 @@ gates() {   # gates NAME ARGS...: the GPU gate suite from an empty compile cache
   rm -rf /tmp/stepgate-prewarm-*
   part "$name" ${GATES_S:-330} env CI=1 STEPGATE_COMPILE_CACHE=/tmp/sg-cache-$name python3 -m pytest gates/ --device cuda \
     --model small-trained -p no:cacheprovider -q -rfEs --durations=0 --durations-min=0 "$@"
-  cat /tmp/stepgate-prewarm-*/prewarm-*.log > "$OUT/logs/$name-prewarm.log" 2>/dev/null   # what the prewarm reached
+  if ls /tmp/stepgate-prewarm-*/prewarm-*.log > /dev/null 2>&1; then     # what the prewarm reached (no empty file:
+    cat /tmp/stepgate-prewarm-*/prewarm-*.log > "$OUT/logs/$name-prewarm.log"   # a call brings back 8 at most)
+  fi
 }
 mps() {    # mps on|off: NVIDIA's multi-process service, so that the processes of one run (xdist workers, the prewarm's)
   # share the GPU's one context instead of time-slicing it (session 24: a step ran 2.6 times slower under -n 4)
@@ -200,6 +218,14 @@ if want gates_mps || want gates_n4_mps || want gates_n8_mps; then   # MPS first,
 fi
 gates gates
 gates gates_n4 -n 4
+if want gatesprof; then
+  rm -rf /tmp/sg-cache-gatesprof /tmp/stepgate-prewarm-*
+  part gatesprof ${GATES_S:-330} env CI=1 STEPGATE_COMPILE_CACHE=/tmp/sg-cache-gatesprof python3 -m cProfile \
+    -o "$OUT/gatesprof.prof" -m pytest gates/ --device cuda --model small-trained -p no:cacheprovider -q -rfEs \
+    --durations=0 --durations-min=0
+  python3 -c "import pstats,sys; s=pstats.Stats('$OUT/gatesprof.prof'); s.sort_stats('tottime').print_stats(60); \
+s.sort_stats('cumulative').print_stats(120)" > "$OUT/logs/gatesprof-top.log" 2>&1
+fi
 gates gates_noprewarm --no-prewarm
 part eagerprof 150 python3 -m scripts.probes.gate_run_profile --device cuda --model small-trained
 cat "$OUT/logs/status.txt"

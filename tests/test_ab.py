@@ -17,6 +17,7 @@ import pytest
 
 from gates import ab, ab_rounds, ab_tree
 from gates.ab_stats import IMPROVED, OK, REGRESSION, THRESHOLDS, StatsError, compare
+from tests.child import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 # the tests' state: the small model, 4 decode rows at the uniform control's 64-position histories (a step of a few
@@ -236,8 +237,8 @@ def clone(tmp_path) -> Path:
 
 
 def run_ab(clone: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "GITHUB_STEP_SUMMARY"}
-    env["PYTHONPATH"] = str(REPO)
+    env = child_env(PYTHONPATH=str(REPO))
+    env.pop("GITHUB_STEP_SUMMARY", None)
     return subprocess.run([sys.executable, "-m", "gates.ab", "--base", "HEAD", "--head-tree", str(clone), "--out",
                            str(out), *SMALL_STATE, *extra], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -259,7 +260,7 @@ def test_the_command_exits_0_on_aa_and_1_on_a_planted_slowdown(clone, tmp_path):
 
 def test_refresh_baseline_saves_the_step_timings_with_their_commit(tmp_path):
     storage = tmp_path / "benchmarks" / "mymachine"
-    env = dict(os.environ, STEPGATE_BENCH_ROUNDS="3", PYTHONPATH=str(REPO))
+    env = child_env(STEPGATE_BENCH_ROUNDS="3", PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, "-m", "gates.ab", "refresh-baseline", "--storage", str(storage),
                         "--allow-dirty", "-k", "test_step_time and cpu-small-fused-chunk-only"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)

@@ -5,7 +5,6 @@ sleep planted inside the timed step), and by the fused-vs-chunked ratio gate (th
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from gates import alert
+from tests.child import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -167,7 +167,7 @@ def test_alert_cli_defaults_to_newest_two_runs(tmp_path):
     time.sleep(0.01)
     slow = {k: v * 1.5 for k, v in BASE.items()}
     write(machine, "0002_bbb.json", bench_json(slow))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = child_env(PYTHONPATH=str(REPO))
     p = subprocess.run([sys.executable, "-m", "gates.alert", "--storage", f"file://{tmp_path}"], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stdout + p.stderr
@@ -196,7 +196,7 @@ CASE = "cpu-small-fused-chunk-only"     # the smallest step: needs no decoding r
 
 
 def run_bench(storage: Path, *extra: str, plant_ms: float = 0.0) -> subprocess.CompletedProcess:
-    env = dict(os.environ, STEPGATE_BENCH_ROUNDS="3", PYTHONPATH=str(REPO))
+    env = child_env(STEPGATE_BENCH_ROUNDS="3", PYTHONPATH=str(REPO))
     env.pop("STEPGATE_PLANT_SLOWDOWN_MS", None)
     if plant_ms:
         env["STEPGATE_PLANT_SLOWDOWN_MS"] = str(plant_ms)

@@ -110,7 +110,7 @@ def _tokens_dynamic(*tensors):
 
 
 def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64,
-                            rotary: bool = True) -> tuple[dict, str | None]:
+                            rotary: bool = True, names=None) -> tuple[dict, str | None]:
     """compiled_ops(), then calls of each piece on `device` as the model's forward makes them (inference
     mode, the model's norm weight, the rotary input a slice of the fused qkv output), so that every kernel a step
     needs is compiled here, none in a step or a CUDA graph capture; and a compiler that cannot run here falls back
@@ -120,9 +120,14 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64,
     (s7), the SiLU-mul kernel it chose ran at a quarter of the bandwidth at 640 tokens on the H200 (28 us a call
     against 6: docs/RESULTS.md). rope_write's caches: any slot count (made outside inference mode, as the runner's
     are). `rotary`: compile the rotary piece alone too (only a pure decode step whose kernel appends K/V without
-    rotating calls it). Returns (the pieces to run, None), or (EAGER_OPS, why the compile failed)."""
+    rotating calls it). `names`: only these pieces (None: all; the gate prewarm compiles one a process into the
+    shared compile cache, gates/prewarm.py). Returns (the pieces to run, None), or (EAGER_OPS, why the compile
+    failed)."""
     s = model.shape
-    ops = compiled_ops()
+    compiled = compiled_ops()
+    wanted = set(EAGER_OPS if names is None else names)
+    # a piece not wanted runs eagerly here (its compile is left to whoever wants it)
+    ops = {name: fn if name in wanted else EAGER_OPS[name] for name, fn in compiled.items()}
     w = getattr(model, "shard", model).model.norm.weight     # a tensor-parallel rank's model wraps its shard
     caches = _tokens_dynamic(*(torch.zeros(2 * max(2, tokens), s.num_kv_heads, s.head_dim, device=device,
                                            dtype=dtype) for _ in "kv"))         # the slot count: any
@@ -143,7 +148,7 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64,
                 ops["silu_mul"](*_tokens_dynamic(gate_up))
     except Exception as e:  # noqa: BLE001 (any compiler failure means: run eagerly)
         return EAGER_OPS, f"{type(e).__name__}: {e}"
-    return ops, None
+    return compiled, None
 
 
 @torch.inference_mode()

@@ -316,6 +316,23 @@ class ModelRunner:
                 t[page] += (torch.randn(t[page].shape, generator=g) * scale).to(t.device, t.dtype)
 
 
+def compiles_elementwise(config: "EngineConfig") -> bool:
+    """Whether a runner of `config` runs torch.compile'd elementwise pieces: where the configuration asks, and by
+    default on CUDA."""
+    return bool(config.compile_elementwise or (config.compile_elementwise is None
+                                               and torch.device(config.device).type == "cuda"))
+
+
+def elementwise_sizes(config: "EngineConfig", backend) -> dict:
+    """try_compile_elementwise's sizes for a runner of `config` over `backend`: the most tokens a step carries (the
+    compile is made at that count: Inductor sizes its kernels' launches from the first call's), and
+    whether a step ever rotates without writing the cache (its decode kernel appends K/V but does not rotate: the
+    rotary piece alone). build_runner's, and the gate prewarm's (gates/prewarm.py), which compiles the same pieces
+    ahead into the shared compile cache."""
+    return dict(tokens=config.chunk_tokens + config.max_batch,
+                rotary=backend.appends_decode_kv and not backend.rotates_decode)
+
+
 def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: int, table_width: int,
                  graphs: bool = False, runner_cls=ModelRunner, **runner_kw) -> ModelRunner:
     """A runner ready to serve: fused elementwise pieces, the runner over `num_pages` pages, the backend's warm-up
@@ -328,16 +345,12 @@ def build_runner(model, config: "EngineConfig", dtype, num_pages: int, max_kv: i
                         poison=config.poison, record_topk=config.record_topk, pad_page=graphs,
                         backend_options=config.backend_options(), **runner_kw)
     compiled = False
-    if config.compile_elementwise or (config.compile_elementwise is None and on_cuda):
+    if compiles_elementwise(config):
         from .layer_kernels import try_compile_elementwise
-        b = runner.backend
-        # compiled at the largest step's token count: Inductor sizes its kernels' launches from the first call's;
-        # after the runner, whose backend says whether a step ever rotates without writing the cache (its decode
-        # kernel appends K/V but does not rotate: the rotary piece alone)
+        # after the runner, whose backend decides the rotary piece (elementwise_sizes)
         with timed(cost, "compile_s"):
             runner.ops, why = try_compile_elementwise(config.device, dtype, model,
-                                                      tokens=config.chunk_tokens + config.max_batch,
-                                                      rotary=b.appends_decode_kv and not b.rotates_decode)
+                                                      **elementwise_sizes(config, runner.backend))
         if why:
             warnings.warn(f"torch.compile of the elementwise pieces failed; running them eagerly ({why})")
         compiled = not why

@@ -8,7 +8,11 @@ TRITON_CACHE_DIR, which kernels/compile_cache.py points into the same folder. In
 on-disk cache, shared by the processes of one user and cache folder (STEPGATE_COMPILE_CACHE where set): a second
 process loads a flex_attention graph instead of compiling it (on CPU, 13.7 s cold against 2.0 s from the cache).
 So at the start of a CUDA gate run, a few processes run one case of each such kernel, each through the gate's own
-check (kernel_check.check_gate_case), and the gate, reaching those cases later, loads what they compiled. Their
+check (kernel_check.check_gate_case), and the gate, reaching those cases later, loads what they compiled. They
+first compile the flash engine's elementwise pieces (engine/layer_kernels.py), one piece a process, exactly as its
+first build will (engine/runner.py: elementwise_sizes): in the serial suite the gate process reaches that build about
+14 s in, after the smoke gate's FlexAttention engine, and compiled the pieces there one after another (6.7 s of
+Inductor on an H100, session 41). Their
 results are ignored: the gate judges every case itself, and a case the prewarm has not reached yet is compiled by
 the gate as before (both write the cache atomically). `--no-prewarm` turns it off; on a CPU it never runs (two CI
 cores would only compile slower side by side).
@@ -65,6 +69,46 @@ def cases_to_prewarm(items, compiling: set[str]) -> list[dict]:
     return out
 
 
+def piece_cases(o) -> list[dict]:
+    """One case a piece of the flash configuration's compiled elementwise pieces, where the run gates it and its
+    runner compiles them (on CUDA, by default), with the configuration its first engine is built with: the smoke
+    gate's candidate (Runs.candidate). Its sizes come from that configuration in the prewarm process."""
+    from engine.layer_kernels import EAGER_OPS
+    from engine.runner import compiles_elementwise
+    from engine.workload import SMOKE_CPU
+
+    from .reference import EngineReference
+    from .runs import candidate_overrides, workload_for
+    if not o.selects("flash", "flash"):
+        return []
+    kw = candidate_overrides(o, "flash", workload_for(o, SMOKE_CPU.name))
+    if not compiles_elementwise(EngineReference.config_for("flash", o.device, o.dtype, **kw)):
+        return []
+    return [{"piece": name, "engine": "flash", "overrides": kw, "model": o.model_arg, "dtype": o.dtype}
+            for name in EAGER_OPS]
+
+
+def compile_piece(case: dict, device: str, models: dict) -> None:
+    """A piece compiled as the case's configuration's runner compiles it (into the shared compile cache)."""
+    from engine.dtypes import torch_dtype
+    from engine.layer_kernels import try_compile_elementwise
+    from engine.loader import load_model
+    from engine.runner import elementwise_sizes
+    from kernels import get_backend
+
+    from .reference import EngineReference
+    config = EngineReference.config_for(case["engine"], device, case["dtype"], **case["overrides"])
+    dtype = torch_dtype(case["dtype"])
+    key = (case["model"], case["dtype"])
+    if key not in models:
+        models[key] = load_model(case["model"], dtype, device)[0]
+    backend = get_backend(config.backend, device, config.page_size, **config.backend_options())
+    _, why = try_compile_elementwise(device, dtype, models[key], names=(case["piece"],),
+                                     **elementwise_sizes(config, backend))
+    if why:
+        raise RuntimeError(why)
+
+
 def compiling_backends(backends) -> set[str]:
     """The selected backends with a path whose kernel is compiled per shape."""
     import kernels
@@ -110,17 +154,21 @@ def run_cases(cases: list[dict], device: str, out=sys.stdout) -> int:
 
     from .kernel_check import check_gate_case
     paths = {p.name: p for p in kernels.declared_paths()}
-    done = 0
+    done, models = 0, {}
     for case in cases:
         t0 = time.perf_counter()
         try:
-            check_gate_case(paths[case["path"]], case["heads"], case["kv_heads"], case["head_dim"],
-                            case["page_size"], getattr(torch, case["dtype"]), case["lens_name"], device)
+            if "piece" in case:
+                compile_piece(case, device, models)
+            else:
+                check_gate_case(paths[case["path"]], case["heads"], case["kv_heads"], case["head_dim"],
+                                case["page_size"], getattr(torch, case["dtype"]), case["lens_name"], device)
             verdict = "passed"
         except Exception as e:  # noqa: BLE001 (the gate reports it, with its own message)
             verdict = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         done += 1
-        print(f"prewarm {compile_key(case)}: {time.perf_counter() - t0:.2f} s, {verdict}", file=out, flush=True)
+        what = f"{case['engine']} piece {case['piece']}" if "piece" in case else compile_key(case)
+        print(f"prewarm {what}: {time.perf_counter() - t0:.2f} s, {verdict}", file=out, flush=True)
     return done
 
 
@@ -149,9 +197,10 @@ def begin(session) -> None:
     if (not o.is_cuda or config.getoption("--no-prewarm") or worker not in (None, "gw0")
             or config.getoption("collectonly")):
         return
-    compiling = compiling_backends(o.backends)
-    if compiling:
-        config.stash[_PROCS] = start(cases_to_prewarm(getattr(session, "items", []), compiling), o.device)
+    # the pieces first: dealt round-robin, each process compiles one before its kernel cases
+    cases = piece_cases(o) + cases_to_prewarm(getattr(session, "items", []), compiling_backends(o.backends))
+    if cases:
+        config.stash[_PROCS] = start(cases, o.device)
 
 
 def end(session) -> None:

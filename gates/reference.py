@@ -108,13 +108,18 @@ class EngineReference(Reference):
 
     def __init__(self, name: str, model=None, device="cpu", dtype="float32", loaded=None, **overrides):
         self.name = name
+        self.config = self.config_for(name, device, dtype, **overrides)
+        self.model = model
+        self.loaded = loaded or load_model(model, torch_dtype(dtype), device)
+
+    @staticmethod
+    def config_for(name: str, device="cpu", dtype="float32", **overrides) -> EngineConfig:
+        """The configuration such a reference runs (the gate prewarm reads it without loading the model)."""
         kw = dict(device=device, dtype=dtype, record_topk=TOPK)
         if KV_BYTES is not None:
             kw["kv_cache_bytes"] = KV_BYTES
         kw.update(overrides)
-        self.config = lineage_config(name, **kw) if name in ("chunked", "fused", "flash") else EngineConfig(**kw)
-        self.model = model
-        self.loaded = loaded or load_model(model, torch_dtype(dtype), device)
+        return lineage_config(name, **kw) if name in ("chunked", "fused", "flash") else EngineConfig(**kw)
 
     def engine(self, **parts) -> Engine:
         """A new engine of this configuration; `parts`: Engine's bookkeeping classes (pool_cls, scheduler_cls)."""

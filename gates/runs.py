@@ -34,6 +34,18 @@ def assert_gate(report, engine=None, reference=None, score=None):
         raise GateFailure(triage.failure_message(report, engine, reference, score))
 
 
+def tp_overrides(opts: GateOptions) -> dict:
+    """--tp N: every candidate engine runs at tp N (references stay tp 1: the one-GPU engine)."""
+    return {"tp": opts.tp} if opts.tp > 1 else {}
+
+
+def candidate_overrides(opts: GateOptions, backend: str, workload: str) -> dict:
+    """The EngineConfig fields a candidate on `backend` serves `workload` with (Runs.candidate): poison mode, the
+    workload's chunk budget, this run's options."""
+    return dict(backend=backend, poison=True, chunk_tokens=get_workload(workload).chunk_tokens, **tp_overrides(opts),
+                **opts.overrides(backend))
+
+
 def workload_for(opts: GateOptions, name: str) -> str:
     """The CPU-scaled workloads serve a small model on every device; a large model gets the gate workloads."""
     return name if opts.model_class == "small" else name.replace("-cpu", "-gate")
@@ -103,10 +115,7 @@ class Runs:
     def engine_reference(self, engine: str, backend: str, workload: str, **overrides) -> EngineReference:
         """The configuration candidate() serves a workload with (poison mode, the workload's chunk budget, this
         run's options), for a gate that drives an engine of its own through the same configuration."""
-        wl = get_workload(workload)
-        kw = dict(backend=backend, poison=True, chunk_tokens=wl.chunk_tokens, **self.tp_overrides,
-                  **self.opts.overrides(backend))
-        kw.update(overrides)
+        kw = {**candidate_overrides(self.opts, backend, workload), **overrides}
         return EngineReference(engine, device=self.opts.device, dtype=self.opts.dtype, loaded=self.loaded, **kw)
 
     def candidate(self, engine: str, backend: str, workload: str, repeat: int = 0, **overrides):
@@ -140,8 +149,7 @@ class Runs:
 
     @property
     def tp_overrides(self) -> dict:
-        """--tp N: every candidate engine runs at tp N (references stay tp 1: the one-GPU engine)."""
-        return {"tp": self.opts.tp} if self.opts.tp > 1 else {}
+        return tp_overrides(self.opts)
 
     @staticmethod
     def finish(engine) -> None:

@@ -89,6 +89,7 @@ def test_the_processes_run_their_cases_and_a_runs_end_stops_the_rest(tmp_path):
 def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, starts):
     o = SimpleNamespace(is_cuda=device == "cuda", backends=backends, device=device)
     monkeypatch.setattr(options, "gate_options", lambda config: o)
+    monkeypatch.setattr(prewarm, "piece_cases", lambda o: [])     # the pieces: test_the_flash_engines_pieces_*
     started = []
     monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append((cases, dev)) or ["proc"])
     flags = {"--no-prewarm": no_prewarm is True, "collectonly": no_prewarm == "collectonly"}
@@ -105,3 +106,74 @@ def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, 
         assert "2 processes" in prewarm.report(config) and "1 finished, 1 stopped" in prewarm.report(config)
     else:
         assert prewarm.report(config) is None
+
+
+def gate_opts(device="cuda", gated=("flash",)):
+    return SimpleNamespace(device=device, dtype="float16", model_arg=None, model_class="small", tp=1,
+                           is_cuda=device == "cuda", backends=("torch", "flex", "flash"),
+                           selects=lambda engine, backend: engine in gated, overrides=lambda backend: {})
+
+
+def test_the_flash_engines_pieces_one_case_each_first(monkeypatch):
+    """Where the run gates flash and its runner compiles the elementwise pieces (CUDA), one case a piece, with the
+    smoke gate's candidate configuration; dealt first, so that each process compiles one before its kernel cases.
+    None where flash is not gated or its pieces are not compiled (a CPU)."""
+    from engine import config as engine_config
+    from engine import layer_kernels as M
+    from engine.workload import SMOKE_CPU
+    monkeypatch.setattr(engine_config, "device_problem", lambda device, count=None: None)   # no GPU here
+    cases = prewarm.piece_cases(gate_opts())
+    assert [c["piece"] for c in cases] == list(M.EAGER_OPS)
+    assert cases[0]["overrides"]["chunk_tokens"] == SMOKE_CPU.chunk_tokens and cases[0]["engine"] == "flash"
+    json.dumps(cases)
+    assert prewarm.piece_cases(gate_opts(gated=("fused",))) == []
+    assert prewarm.piece_cases(gate_opts(device="cpu")) == []
+    monkeypatch.setattr(options, "gate_options", lambda config: gate_opts())
+    started = []
+    monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append(cases) or ["proc"])
+    config = SimpleNamespace(getoption={}.get, stash={})
+    prewarm.begin(SimpleNamespace(config=config, items=[item(FLEX[0])]))
+    assert [c.get("piece", c.get("path")) for c in started[0]] == list(M.EAGER_OPS) + [FLEX[0]]
+
+
+def graph_signature(graph) -> tuple:
+    """A recorded graph's inputs: each tensor's sizes (a symbolic one as '*' and the size it was traced at, which
+    Inductor sizes its launches from), anything else as written."""
+    def size(n):
+        return f"*{n.node.hint}" if isinstance(n, torch.SymInt) else int(n)
+    return tuple(tuple(map(size, t.shape)) if isinstance(t, torch.Tensor) else
+                 size(t) if isinstance(t, (int, torch.SymInt)) else repr(t) for t in graph)
+
+
+def test_the_pieces_compile_as_the_engines_first_build_does(monkeypatch):
+    """A prewarm process compiles each piece into the graphs the configuration's first engine compiles (the same
+    inputs, the same dynamic token dimension), so that the gate process finds them in the compile cache. On CPU,
+    through a compile backend that records Dynamo's graphs (tests/test_elementwise.py)."""
+    from engine import Engine
+    from engine import layer_kernels as M
+    from engine.loader import load_model
+    from gates.reference import EngineReference
+    from tests.test_elementwise import Recorder
+
+    kw = dict(backend="torch", chunk_tokens=48, compile_elementwise=True)
+    cases = [{"piece": n, "engine": "fused", "overrides": kw, "model": None, "dtype": "float32"} for n in M.EAGER_OPS]
+    rec = Recorder()
+    monkeypatch.setattr(M, "COMPILE_BACKEND", rec)
+
+    def graphs_of(compile_them) -> list[tuple]:
+        M.reset_compiled_ops()
+        torch._dynamo.reset()
+        rec.inputs = []
+        compile_them()
+        return sorted((graph_signature(g) for g in rec.inputs), key=repr)
+    try:
+        out = io.StringIO()
+        prewarmed = graphs_of(lambda: prewarm.run_cases(cases, "cpu", out=out))
+        built = graphs_of(lambda: Engine(EngineReference.config_for("fused", "cpu", "float32", **kw),
+                                         loaded=load_model("small", torch.float32, "cpu")))
+    finally:
+        M.reset_compiled_ops()
+        torch._dynamo.reset()
+    assert out.getvalue().count("passed") == len(cases), out.getvalue()
+    # the CPU's torch backend appends no K/V in its decode: no rotary piece alone, so 4 pieces of 2 graphs each
+    assert len(prewarmed) == 8 and prewarmed == built

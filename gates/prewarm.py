@@ -73,6 +73,7 @@ def piece_cases(o) -> list[dict]:
     """One case a piece of the flash configuration's compiled elementwise pieces, where the run gates it and its
     runner compiles them (on CUDA, by default), with the configuration its first engine is built with: the smoke
     gate's candidate (Runs.candidate). Its sizes come from that configuration in the prewarm process."""
+    from engine.errors import ConfigError
     from engine.layer_kernels import EAGER_OPS
     from engine.runner import compiles_elementwise
     from engine.workload import SMOKE_CPU
@@ -82,7 +83,11 @@ def piece_cases(o) -> list[dict]:
     if not o.selects("flash", "flash"):
         return []
     kw = candidate_overrides(o, "flash", workload_for(o, SMOKE_CPU.name))
-    if not compiles_elementwise(EngineReference.config_for("flash", o.device, o.dtype, **kw)):
+    try:
+        config = EngineReference.config_for("flash", o.device, o.dtype, **kw)
+    except ConfigError:         # a device this torch cannot use: the gates say so themselves, nothing to compile
+        return []
+    if not compiles_elementwise(config):
         return []
     return [{"piece": name, "engine": "flash", "overrides": kw, "model": o.model_arg, "dtype": o.dtype}
             for name in EAGER_OPS]

@@ -121,8 +121,8 @@ def try_compile_elementwise(device, dtype, model: "Qwen2", tokens: int = 64,
     against 6: docs/RESULTS.md). rope_write's caches: any slot count (made outside inference mode, as the runner's
     are). `rotary`: compile the rotary piece alone too (only a pure decode step whose kernel appends K/V without
     rotating calls it). `names`: only these pieces (None: all; the gate prewarm compiles one a process into the
-    shared compile cache, gates/prewarm.py). Returns (the pieces to run, None), or (EAGER_OPS, why the compile
-    failed)."""
+    shared compile cache, gates/prewarm.py; the table returned compiles the others at their first call). Returns
+    (the pieces to run, None), or (EAGER_OPS, why the compile failed)."""
     s = model.shape
     compiled = compiled_ops()
     wanted = set(EAGER_OPS if names is None else names)

@@ -95,7 +95,7 @@ def pytest_collection_modifyitems(config, items):
     fused engine's run covers it within the CPU gate budget."""
     o = gate_options(config)
     if not config.getoption("order_as_given"):
-        items[:] = gate_order(items)
+        items[:] = prewarm.order(gate_order(items), prewarm.built_by_prewarm(config, o))
     # deselected, not skipped: a candidate the options leave out was asked to be left out, not hidden
     unselected = {item for item in items if is_gate_file(item.nodeid) and not o.selects(*candidate_of(item, o))}
     if o.is_cuda:

@@ -12,9 +12,12 @@ check (kernel_check.check_gate_case), and the gate, reaching those cases later, 
 first compile the flash engine's elementwise pieces (engine/layer_kernels.py), one piece a process, exactly as its
 first build will (engine/runner.py: elementwise_sizes): in the serial suite the gate process reaches that build about
 14 s in, after the smoke gate's FlexAttention engine, and compiled the pieces there one after another (6.7 s of
-Inductor on an H100, session 41). Their
-results are ignored: the gate judges every case itself, and a case the prewarm has not reached yet is compiled by
-the gate as before (both write the cache atomically). `--no-prewarm` turns it off; on a CPU it never runs (two CI
+Inductor on an H100, session 41). A serial run also builds, in a process of its own, the smoke gate's engine of
+each configuration whose attention is compiled per shape (FlexAttention's: its first build compiled the ladder
+in the gate process, 8.4-10.3 s), and runs that configuration's smoke items after the kernel gate instead of
+first (`order`), by when the build is in the cache. Their results are ignored: the gate judges every case
+itself, and a case the prewarm has not reached yet is compiled by the gate as before (both write the cache
+atomically). `--no-prewarm` turns it off; on a CPU it never runs (two CI
 cores would only compile slower side by side).
 
     python -m gates.prewarm --device cuda CASES.json     (what a prewarm process runs; CASES: a list of cases)
@@ -73,45 +76,104 @@ def piece_cases(o) -> list[dict]:
     """One case a piece of the flash configuration's compiled elementwise pieces, where the run gates it and its
     runner compiles them (on CUDA, by default), with the configuration its first engine is built with: the smoke
     gate's candidate (Runs.candidate). Its sizes come from that configuration in the prewarm process."""
-    from engine.errors import ConfigError
     from engine.layer_kernels import EAGER_OPS
     from engine.runner import compiles_elementwise
+    if not o.selects("flash", "flash"):
+        return []
+    kw, config = smoke_config(o, "flash", "flash")
+    if config is None or not compiles_elementwise(config):
+        return []
+    return [{"piece": name, "engine": "flash", "overrides": kw, "model": o.model_arg, "dtype": o.dtype}
+            for name in EAGER_OPS]
+
+
+def smoke_config(o, engine: str, backend: str):
+    """(overrides, EngineConfig) of the smoke gate's candidate `engine`[`backend`] (Runs.candidate), the
+    configuration its first engine is built with; (overrides, None) where it refuses the device (a CPU-only torch
+    asked for cuda: the gates say so themselves, nothing to compile)."""
+    from engine.errors import ConfigError
     from engine.workload import SMOKE_CPU
 
     from .reference import EngineReference
     from .runs import candidate_overrides, workload_for
-    if not o.selects("flash", "flash"):
-        return []
-    kw = candidate_overrides(o, "flash", workload_for(o, SMOKE_CPU.name))
+    kw = candidate_overrides(o, backend, workload_for(o, SMOKE_CPU.name))
     try:
-        config = EngineReference.config_for("flash", o.device, o.dtype, **kw)
-    except ConfigError:         # a device this torch cannot use: the gates say so themselves, nothing to compile
-        return []
-    if not compiles_elementwise(config):
-        return []
-    return [{"piece": name, "engine": "flash", "overrides": kw, "model": o.model_arg, "dtype": o.dtype}
-            for name in EAGER_OPS]
+        return kw, EngineReference.config_for(engine, o.device, o.dtype, **kw)
+    except ConfigError:
+        return kw, None
+
+
+def engine_cases(o) -> list[dict]:
+    """One case a gated configuration whose attention is torch.compile'd per shape (AttentionBackend.
+    compiles_per_shape: FlexAttention), its smoke gate's engine built in a prewarm process of its own: the build's
+    warm-up compiles the attention's ladder (the serial suite's smoke[fused-flex], 8.4-10.3 s on an H100 in sessions
+    41-42) into the shared cache while the gates run, and the configuration's smoke items run after the kernel gate
+    (`order`), by when it is there to load. For a serial run only (see begin)."""
+    import kernels
+
+    from .runs import CANDIDATES
+    out = []
+    for engine, backend in CANDIDATES:
+        if not (o.selects(engine, backend) and kernels.backend_class(backend).compiles_per_shape):
+            continue
+        kw, config = smoke_config(o, engine, backend)
+        if config is not None:
+            out.append({"build": engine, "overrides": kw, "model": o.model_arg, "dtype": o.dtype})
+    return out
+
+
+def order(items, built: set[tuple[str, str]]) -> list:
+    """The smoke gate's items of the configurations prewarm builds (`built`: (engine, backend)) moved to just after
+    the kernel gate's last item; unchanged where the run has no kernel gate (nothing else would give the prewarm its
+    head start)."""
+    def moved(item):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        return item.path.name == "test_smoke.py" and (params.get("engine"), params.get("backend")) in built
+    last = max((i for i, item in enumerate(items) if item.path.name == "test_kernels.py"), default=None)
+    if last is None or not built:
+        return items
+    head, tail = items[:last + 1], items[last + 1:]
+    return [i for i in head if not moved(i)] + [i for i in head if moved(i)] + tail
 
 
 def compile_piece(case: dict, device: str, models: dict) -> None:
     """A piece compiled as the case's configuration's runner compiles it (into the shared compile cache)."""
     from engine.dtypes import torch_dtype
     from engine.layer_kernels import try_compile_elementwise
-    from engine.loader import load_model
     from engine.runner import elementwise_sizes
     from kernels import get_backend
 
     from .reference import EngineReference
     config = EngineReference.config_for(case["engine"], device, case["dtype"], **case["overrides"])
-    dtype = torch_dtype(case["dtype"])
-    key = (case["model"], case["dtype"])
-    if key not in models:
-        models[key] = load_model(case["model"], dtype, device)[0]
     backend = get_backend(config.backend, device, config.page_size, **config.backend_options())
-    _, why = try_compile_elementwise(device, dtype, models[key], names=(case["piece"],),
-                                     **elementwise_sizes(config, backend))
+    _, why = try_compile_elementwise(device, torch_dtype(case["dtype"]), loaded_model(case, device, models)[0],
+                                     names=(case["piece"],), **elementwise_sizes(config, backend))
     if why:
         raise RuntimeError(why)
+
+
+def loaded_model(case: dict, device: str, models: dict):
+    """The case's model, loaded once a process: load_model's (model, config, name)."""
+    from engine.dtypes import torch_dtype
+    from engine.loader import load_model
+    key = (case["model"], case["dtype"])
+    if key not in models:
+        models[key] = load_model(case["model"], torch_dtype(case["dtype"]), device)
+    return models[key]
+
+
+def build_engine(case: dict, device: str, models: dict) -> None:
+    """The case's engine built as its smoke gate builds it (its warm-up compiles into the shared compile cache),
+    then closed and its memory handed back (the gate process needs the GPU's)."""
+    import torch
+
+    from .reference import EngineReference
+    ref = EngineReference(case["build"], device=device, dtype=case["dtype"], loaded=loaded_model(case, device, models),
+                          **case["overrides"])
+    ref.engine().close()
+    del ref
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def compiling_backends(backends) -> set[str]:
@@ -165,6 +227,8 @@ def run_cases(cases: list[dict], device: str, out=sys.stdout) -> int:
         try:
             if "piece" in case:
                 compile_piece(case, device, models)
+            elif "build" in case:
+                build_engine(case, device, models)
             else:
                 check_gate_case(paths[case["path"]], case["heads"], case["kv_heads"], case["head_dim"],
                                 case["page_size"], getattr(torch, case["dtype"]), case["lens_name"], device)
@@ -172,7 +236,8 @@ def run_cases(cases: list[dict], device: str, out=sys.stdout) -> int:
         except Exception as e:  # noqa: BLE001 (the gate reports it, with its own message)
             verdict = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         done += 1
-        what = f"{case['engine']} piece {case['piece']}" if "piece" in case else compile_key(case)
+        what = f"{case['engine']} piece {case['piece']}" if "piece" in case else \
+            f"{case['build']}[{case['overrides']['backend']}] engine" if "build" in case else compile_key(case)
         print(f"prewarm {what}: {time.perf_counter() - t0:.2f} s, {verdict}", file=out, flush=True)
     return done
 
@@ -192,20 +257,40 @@ def main(argv=None) -> int:
 _PROCS = pytest.StashKey[list]()
 
 
+def worker_id(config) -> str | None:
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+def prewarms(config, o) -> bool:
+    """Whether this process starts the prewarm: on CUDA, unless --no-prewarm or --collect-only, under xdist on the
+    first worker only (the cache is shared, and every worker collects every case)."""
+    return bool(o.is_cuda and not config.getoption("--no-prewarm") and worker_id(config) in (None, "gw0")
+                and not config.getoption("collectonly"))
+
+
+def built_by_prewarm(config, o) -> set[tuple[str, str]]:
+    """The (engine, backend) configurations whose engine a serial run's prewarm builds (engine_cases)."""
+    if not prewarms(config, o) or worker_id(config) is not None:
+        return set()
+    return {(case["build"], case["overrides"]["backend"]) for case in engine_cases(o)}
+
+
 def begin(session) -> None:
     """After collection: on CUDA, with compiling backends selected and --no-prewarm not given, start the prewarm
     (under xdist on the first worker only: the cache is shared, and every worker collects every case)."""
     from .options import gate_options
     config = session.config
     o = gate_options(config)
-    worker = getattr(config, "workerinput", {}).get("workerid")
-    if (not o.is_cuda or config.getoption("--no-prewarm") or worker not in (None, "gw0")
-            or config.getoption("collectonly")):
+    if not prewarms(config, o):
         return
     # the pieces first: dealt round-robin, each process compiles one before its kernel cases
     cases = piece_cases(o) + cases_to_prewarm(getattr(session, "items", []), compiling_backends(o.backends))
-    if cases:
-        config.stash[_PROCS] = start(cases, o.device)
+    procs = start(cases, o.device) if cases else []
+    engines = engine_cases(o) if worker_id(config) is None else []
+    if engines:     # serial: each engine in a process of its own (under xdist, its worker's first gate builds it)
+        procs += start(engines, o.device)
+    if procs:
+        config.stash[_PROCS] = procs
 
 
 def end(session) -> None:

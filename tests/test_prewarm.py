@@ -8,6 +8,7 @@ import io
 import json
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -90,6 +91,7 @@ def test_when_a_run_prewarms(monkeypatch, device, no_prewarm, worker, backends, 
     o = SimpleNamespace(is_cuda=device == "cuda", backends=backends, device=device)
     monkeypatch.setattr(options, "gate_options", lambda config: o)
     monkeypatch.setattr(prewarm, "piece_cases", lambda o: [])     # the pieces: test_the_flash_engines_pieces_*
+    monkeypatch.setattr(prewarm, "engine_cases", lambda o: [])    # the engines: test_a_serial_run_builds_*
     started = []
     monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append((cases, dev)) or ["proc"])
     flags = {"--no-prewarm": no_prewarm is True, "collectonly": no_prewarm == "collectonly"}
@@ -136,6 +138,65 @@ def test_the_flash_engines_pieces_one_case_each_first(monkeypatch):
     config = SimpleNamespace(getoption={}.get, stash={})
     prewarm.begin(SimpleNamespace(config=config, items=[item(FLEX[0])]))
     assert [c.get("piece", c.get("path")) for c in started[0]] == list(M.EAGER_OPS) + [FLEX[0]]
+
+
+def smoke_item(file, engine=None, backend=None):
+    spec = SimpleNamespace(params=dict(engine=engine, backend=backend)) if engine else None
+    return SimpleNamespace(path=Path("gates", file), callspec=spec, name=f"{file}[{engine}-{backend}]")
+
+
+def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the_kernel_gate(monkeypatch):
+    """A serial GPU run builds the smoke gate's engine of each gated configuration whose attention compiles per
+    shape (FlexAttention) in a prewarm process of its own, and runs that configuration's smoke items right after
+    the kernel gate, by when its compiled ladder is in the cache; under xdist (each worker builds its configurations'
+    engines first) and where the run has no kernel gate, nothing moves."""
+    from engine import config as engine_config
+    from engine.workload import SMOKE_CPU
+    monkeypatch.setattr(engine_config, "device_problem", lambda device, count=None: None)   # as if a GPU were here
+    o = gate_opts(gated=("fused", "flash"))
+    cases = prewarm.engine_cases(o)
+    assert [(c["build"], c["overrides"]["backend"]) for c in cases] == [("fused", "flex")], cases
+    assert cases[0]["overrides"]["chunk_tokens"] == SMOKE_CPU.chunk_tokens and cases[0]["overrides"]["poison"]
+    json.dumps(cases)
+    assert prewarm.engine_cases(gate_opts(gated=("flash",))) == []
+    serial = SimpleNamespace(getoption={}.get, stash={})
+    assert prewarm.built_by_prewarm(serial, o) == {("fused", "flex")}
+    assert prewarm.built_by_prewarm(SimpleNamespace(getoption={}.get, workerinput={"workerid": "gw0"}), o) == set()
+    assert prewarm.built_by_prewarm(SimpleNamespace(getoption={"--no-prewarm": True}.get), o) == set()
+    smoke = [smoke_item("test_smoke.py", "chunked", "torch"), smoke_item("test_smoke.py", "fused", "flex"),
+             smoke_item("test_smoke.py", "flash", "flash"), smoke_item("test_smoke.py", "fused", "flex"),
+             smoke_item("test_smoke.py")]
+    kernel, later = [smoke_item("test_kernels.py"), smoke_item("test_kernels.py")], [smoke_item("test_mlp.py")]
+    ordered = prewarm.order(smoke + kernel + later, {("fused", "flex")})
+    assert ordered == [smoke[0], smoke[2], smoke[4], *kernel, smoke[1], smoke[3], *later], [i.name for i in ordered]
+    assert prewarm.order(smoke + later, {("fused", "flex")}) == smoke + later
+    assert prewarm.order(smoke + kernel, set()) == smoke + kernel
+    started = []
+    monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append(cases) or ["proc"])
+    monkeypatch.setattr(options, "gate_options", lambda config: o)
+    prewarm.begin(SimpleNamespace(config=serial, items=[]))
+    assert [[c.get("build", c.get("piece")) for c in s] for s in started][-1] == ["fused"]     # a process of its own
+
+
+def test_the_prewarm_builds_the_engine_its_smoke_gate_builds(monkeypatch):
+    """The prewarm's engine case builds the smoke gate's configuration (Runs.engine_reference's): its attention
+    warm-up is called with the same ladder as the gate's own build. On CPU, the warm-up recorded, not run."""
+    from engine.loader import load_model
+    from gates.reference import EngineReference
+    from gates.runs import candidate_overrides
+    from kernels.flex_backend import FlexBackend
+    calls = []
+    monkeypatch.setattr(FlexBackend, "warmup", lambda self, *a, **kw: calls.append((a, kw)) or 0)
+    o = SimpleNamespace(**{**vars(gate_opts(device="cpu", gated=("fused",))), "dtype": "float32",
+                           "overrides": lambda backend: {"compile_warmup": True}})     # warm as on CUDA
+    [case] = prewarm.engine_cases(o)
+    out = io.StringIO()
+    assert prewarm.run_cases([case], "cpu", out=out) == 1 and out.getvalue().rstrip().endswith("passed"), \
+        out.getvalue()
+    assert out.getvalue().startswith("prewarm fused[flex] engine:")
+    EngineReference("fused", device="cpu", dtype="float32", loaded=load_model(None, torch.float32, "cpu"),
+                    **candidate_overrides(o, "flex", "smoke-cpu")).engine().close()
+    assert len(calls) == 2 and calls[0] == calls[1], calls
 
 
 def graph_signature(graph) -> tuple:

@@ -29,6 +29,7 @@ class Workload:
     token_range: tuple[int, int] = (3, 4000)   # prompt token ids drawn from [lo, hi)
     chunk_tokens: int = CHUNK_TOKENS     # the chunk budget this workload is served with (scaled on CPU)
     lengths_in_order: bool = False       # request i takes prompt_lengths[i % len] instead of a draw
+    budgets: tuple[int, ...] = ()        # when given, request i takes budgets[i % len] instead of a draw
 
     def requests(self, vocab_size: int | None = None) -> list[RequestSpec]:
         rng, rand = self.draw(vocab_size)
@@ -36,7 +37,7 @@ class Workload:
         for i in range(self.num_requests):
             n = self.prompt_lengths[i % len(self.prompt_lengths)] if self.lengths_in_order else \
                 rng.choice(self.prompt_lengths)
-            budget = rng.randint(*self.budget_range)
+            budget = self.budgets[i % len(self.budgets)] if self.budgets else rng.randint(*self.budget_range)
             out.append(RequestSpec(f"{self.name}-{i:04d}", rand(n), budget))
         return out
 
@@ -112,8 +113,14 @@ SMOKE_CPU = Workload("smoke-cpu", (63, 64, 65, 127, 128, 129, 255, 256, 257), (8
                      lengths_in_order=True)
 SMOKE_GATE = Workload("smoke-gate", (63, 64, 65, 255, 256, 257, 511, 512, 513), (8, 12), 9, lengths_in_order=True)
 
+# The loaded-step gate's requests: short prompts decode at once while long ones are still read in chunks of 64, so
+# that most steps carry prompt chunks and decode tokens in one forward. Token ids from the whole small vocabulary.
+LOADED_CPU = Workload("loaded-cpu", (3, 9, 700, 5, 450, 300), (8, 40), 6, seed=7, token_range=(3, 4096),
+                      chunk_tokens=64, lengths_in_order=True, budgets=(40, 40, 8, 40, 8, 12))
+LOADED_GATE = replace(LOADED_CPU, name="loaded-gate")
+
 WORKLOADS = {w.name: w for w in (MIXED, UNIFORM, MIXED_CPU, UNIFORM_CPU, MIXED_GATE, UNIFORM_GATE, SHARED,
-                                 SHARED_CPU, SMOKE_CPU, SMOKE_GATE)}
+                                 SHARED_CPU, SMOKE_CPU, SMOKE_GATE, LOADED_CPU, LOADED_GATE)}
 
 
 def get_workload(name: str) -> Workload:

@@ -7,7 +7,7 @@ import pytest
 
 from engine.config import PREDECESSOR
 from engine.scheduler import StepKind
-from engine.workload import RequestSpec
+from engine.workload import get_workload
 
 from .compare import compare
 from .reference import LazyReference
@@ -50,27 +50,18 @@ def test_against_predecessor(runs, opts, engine, backend):
     assert_gate(report, eng, golden, runs.reference(pred, workload).score)
 
 
-def loaded_step_workload(vocab: int) -> list[RequestSpec]:
-    """Requests that keep prompt chunks and decode tokens together in most steps: short prompts start decoding
-    at once while long prompts are still being read in chunks."""
-    import random
-    rng = random.Random(7)
-    specs = []
-    for i, (n, budget) in enumerate([(3, 40), (9, 40), (700, 8), (5, 40), (450, 8), (300, 12)]):
-        specs.append(RequestSpec(f"loaded-{i}", [rng.randrange(3, vocab) for _ in range(n)], budget))
-    return specs
-
-
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])
 def test_loaded_step(runs, opts, engine, backend):
-    """The step shape where prompt chunks and decode tokens share one forward, gated on its own against `hf`."""
+    """The step shape where prompt chunks and decode tokens share one forward (engine.workload.LOADED_CPU: short
+    prompts decode while long ones are read in chunks of 64), gated on its own against the stored `hf` golden."""
     skip_unless_runs(opts, engine, backend)
     from .reference import EngineReference
-    ref = runs.reference("hf", "loaded")
-    specs = loaded_step_workload(runs.loaded[0].shape.vocab_size)
+    workload = workload_for(opts, "loaded-cpu")
+    golden = runs.golden("hf", workload)
+    wl = get_workload(workload)
     cand_ref = EngineReference(engine, device=opts.device, dtype=opts.dtype, loaded=runs.loaded, backend=backend,
-                               poison=True, chunk_tokens=64, **runs.tp_overrides)
-    cand = cand_ref.generate(specs)
+                               poison=True, chunk_tokens=wl.chunk_tokens, **runs.tp_overrides)
+    cand = cand_ref.generate(wl.requests())
     runs.finish(cand_ref.last_engine)
     trace = cand_ref.last_engine.trace
     loaded = [s for s in trace if s.kind == StepKind.LOADED]
@@ -78,10 +69,10 @@ def test_loaded_step(runs, opts, engine, backend):
     loaded_steps = {s.index for s in loaded}
     emitted_in_loaded = sum(st in loaded_steps for r in cand.values() for st in r.steps)
     assert emitted_in_loaded >= 50, f"only {emitted_in_loaded} tokens were emitted in loaded steps"
-    golden = ref.generate(specs)      # small: generated live rather than stored
-    report = compare(f"{engine}[{backend}] loaded steps vs hf", golden, cand, ref.score, opts.threshold,
+    score = LazyReference(lambda: runs.reference("hf", workload)).score     # made at the first flip, as above
+    report = compare(f"{engine}[{backend}] loaded steps vs hf", golden, cand, score, opts.threshold,
                      opts.flip_cap, check_steps=False)
-    assert_gate(report, cand_ref.last_engine, golden, ref.score)
+    assert_gate(report, cand_ref.last_engine, golden, score)
 
 
 @pytest.mark.parametrize("engine,backend", CANDIDATES, ids=[f"{e}-{b}" for e, b in CANDIDATES])

@@ -211,6 +211,16 @@ def test_the_requests_gate_fails_a_broken_request_side(plant, gate):
     assert re.search(plants.PLANTS[plant].cause, p.stdout), p.stdout[-3000:]
 
 
+def test_the_loaded_step_gate_fails_a_chunk_bug_against_its_stored_golden():
+    """The loaded-step gate reads its stored `hf` golden (golden/<model>/loaded-cpu) and makes the hf reference only
+    at the first flip: a prompt chunk a position late fails it, the provenance naming the chunk and the loaded step."""
+    p = pytest_run("gates/test_tokens.py::test_loaded_step[fused-torch]", "-p", "tests.plants", "--plant",
+                   "chunk-position")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "fused[torch] loaded steps vs hf" in p.stdout and "a loaded step" in p.stdout, p.stdout[-3000:]
+    assert re.search(plants.PLANTS["chunk-position"].cause, p.stdout), p.stdout[-3000:]
+
+
 CANARY = "gates/test_page_safety.py::test_a_read_of_a_poisoned_page_is_caught"
 
 

@@ -14,11 +14,11 @@ first build will (engine/runner.py: elementwise_sizes): in the serial suite the 
 14 s in, after the smoke gate's FlexAttention engine, and compiled the pieces there one after another (6.7 s of
 Inductor on an H100, session 41). A serial run also builds, in a process of its own, the smoke gate's engine of
 each configuration whose attention is compiled per shape (FlexAttention's: its first build compiled the ladder
-in the gate process, 8.4-10.3 s), and runs that configuration's smoke items after the kernel gate instead of
-first (`order`), by when the build is in the cache. Their results are ignored: the gate judges every case
-itself, and a case the prewarm has not reached yet is compiled by the gate as before (both write the cache
-atomically). `--no-prewarm` turns it off; on a CPU it never runs (two CI
-cores would only compile slower side by side).
+in the gate process, 8.4-12.3 s), and runs the smoke items of those configurations and of flash after the kernel
+gate instead of first (`order`, built_by_prewarm), by when what their first builds compile is in the cache.
+Their results are ignored: the gate judges every case itself, and a case the prewarm has not reached yet is
+compiled by the gate as before (both write the cache atomically). `--no-prewarm` turns it off; on a CPU it never
+runs (two CI cores would only compile slower side by side).
 
     python -m gates.prewarm --device cuda CASES.json     (what a prewarm process runs; CASES: a list of cases)
 """
@@ -123,9 +123,9 @@ def engine_cases(o) -> list[dict]:
 
 
 def order(items, built: set[tuple[str, str]]) -> list:
-    """The smoke gate's items of the configurations prewarm builds (`built`: (engine, backend)) moved to just after
-    the kernel gate's last item; unchanged where the run has no kernel gate (nothing else would give the prewarm its
-    head start)."""
+    """The smoke gate's items of the configurations the prewarm compiles for (`built`: (engine, backend)) moved to
+    just after the kernel gate's last item; unchanged where the run has no kernel gate (nothing else would give the
+    prewarm its head start)."""
     def moved(item):
         params = getattr(getattr(item, "callspec", None), "params", {})
         return item.path.name == "test_smoke.py" and (params.get("engine"), params.get("backend")) in built
@@ -269,10 +269,15 @@ def prewarms(config, o) -> bool:
 
 
 def built_by_prewarm(config, o) -> set[tuple[str, str]]:
-    """The (engine, backend) configurations whose engine a serial run's prewarm builds (engine_cases)."""
+    """The (engine, backend) configurations whose first build a serial run's prewarm compiles: the engines it builds
+    (engine_cases) and the flash engine, whose pieces it compiles (piece_cases). Their smoke items wait for it (order):
+    on an H100 in session 42, with the FlexAttention smoke moved and the flash one not, the gate reached the flash
+    build about 2 s in, before the pieces' processes were done, and compiled them itself (smoke[flash] 11.89 s
+    against 3.71 s when it came after the FlexAttention smoke)."""
     if not prewarms(config, o) or worker_id(config) is not None:
         return set()
-    return {(case["build"], case["overrides"]["backend"]) for case in engine_cases(o)}
+    return {(case["build"], case["overrides"]["backend"]) for case in engine_cases(o)} | \
+        {(case["engine"], case["overrides"]["backend"]) for case in piece_cases(o)}
 
 
 def begin(session) -> None:

@@ -147,8 +147,8 @@ def smoke_item(file, engine=None, backend=None):
 
 def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the_kernel_gate(monkeypatch):
     """A serial GPU run builds the smoke gate's engine of each gated configuration whose attention compiles per
-    shape (FlexAttention) in a prewarm process of its own, and runs that configuration's smoke items right after
-    the kernel gate, by when its compiled ladder is in the cache; under xdist (each worker builds its configurations'
+    shape (FlexAttention) in a prewarm process of its own, and runs the smoke items of that configuration and of
+    flash (whose pieces the prewarm compiles) right after the kernel gate, by when what they compile is cached; under xdist (each worker builds its configurations'
     engines first) and where the run has no kernel gate, nothing moves."""
     from engine import config as engine_config
     from engine.workload import SMOKE_CPU
@@ -160,7 +160,9 @@ def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the
     json.dumps(cases)
     assert prewarm.engine_cases(gate_opts(gated=("flash",))) == []
     serial = SimpleNamespace(getoption={}.get, stash={})
-    assert prewarm.built_by_prewarm(serial, o) == {("fused", "flex")}
+    # flash too: the prewarm compiles its pieces (the first build's compile, test_the_flash_engines_pieces_*)
+    assert prewarm.built_by_prewarm(serial, o) == {("fused", "flex"), ("flash", "flash")}
+    assert prewarm.built_by_prewarm(serial, gate_opts(gated=("fused",))) == {("fused", "flex")}
     assert prewarm.built_by_prewarm(SimpleNamespace(getoption={}.get, workerinput={"workerid": "gw0"}), o) == set()
     assert prewarm.built_by_prewarm(SimpleNamespace(getoption={"--no-prewarm": True}.get), o) == set()
     smoke = [smoke_item("test_smoke.py", "chunked", "torch"), smoke_item("test_smoke.py", "fused", "flex"),

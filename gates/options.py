@@ -93,8 +93,9 @@ def pytest_addoption(parser):
                 help="run the gates in the command line's order, not the suite's (smoke first): a mutation suite "
                 "names first the gates most likely to fail for its module (gates/mutation.toml)")
     g.addoption("--no-prewarm", action="store_true",
-                help="on CUDA, do not compile the compile-heavy kernel-gate cases (FlexAttention's, the Triton decode's) "
-                "and the flash engine's elementwise pieces ahead in parallel processes (gates/prewarm.py)")
+                help="on CUDA, do not compile the compile-heavy kernel-gate cases (FlexAttention's, the Triton decode's), "
+                "the flash engine's elementwise pieces and (serial runs) the FlexAttention engine ahead in parallel "
+                "processes, nor run the flex and flash smoke items after the kernel gate (gates/prewarm.py)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
 

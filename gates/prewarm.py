@@ -164,12 +164,21 @@ def loaded_model(case: dict, device: str, models: dict):
 
 def build_engine(case: dict, device: str, models: dict) -> None:
     """The case's engine built as its smoke gate builds it (its warm-up compiles into the shared compile cache),
-    then closed and its memory handed back (the gate process needs the GPU's)."""
+    then closed and its memory handed back (the gate process needs the GPU's). Its pool holds one request of the
+    longest length served and no more: the warm-up's ladder runs to that length on a cache of its own, so it is
+    the gate's (which a pool as large as the gate's, 16 GiB on CUDA beside the gate process's, would not fit on a
+    smaller GPU)."""
     import torch
 
+    from engine.pool import pages_for
+
     from .reference import EngineReference
-    ref = EngineReference(case["build"], device=device, dtype=case["dtype"], loaded=loaded_model(case, device, models),
-                          **case["overrides"])
+    loaded = loaded_model(case, device, models)
+    config = EngineReference.config_for(case["build"], device, case["dtype"], **case["overrides"])
+    positions = loaded[0].shape.max_positions
+    longest = min(config.max_model_len or positions, positions)
+    ref = EngineReference(case["build"], device=device, dtype=case["dtype"], loaded=loaded,
+                          **{**case["overrides"], "num_pages": pages_for(longest, config.page_size) + 1})  # + null
     ref.engine().close()
     del ref
     if torch.device(device).type == "cuda":

@@ -182,7 +182,8 @@ def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the
 
 def test_the_prewarm_builds_the_engine_its_smoke_gate_builds(monkeypatch):
     """The prewarm's engine case builds the smoke gate's configuration (Runs.engine_reference's): its attention
-    warm-up is called with the same ladder as the gate's own build. On CPU, the warm-up recorded, not run."""
+    warm-up is called with the same ladder as the gate's own build, its longest history included, though its pool
+    holds one longest request only (a pool too small for it fails this). On CPU, the warm-up recorded, not run."""
     from engine.loader import load_model
     from gates.reference import EngineReference
     from gates.runs import candidate_overrides

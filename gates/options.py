@@ -95,7 +95,7 @@ def pytest_addoption(parser):
     g.addoption("--no-prewarm", action="store_true",
                 help="on CUDA, do not compile the compile-heavy kernel-gate cases (FlexAttention's, the Triton decode's), "
                 "the flash engine's elementwise pieces and (serial runs) the FlexAttention engine ahead in parallel "
-                "processes, nor run the flex and flash smoke items after the kernel gate (gates/prewarm.py)")
+                "processes, nor reorder a serial run's gates around it (gates/prewarm.py order)")
     g.addoption("--allow-skipped-files", action="store_true",
                 help="let a gate file whose collected tests all skipped pass (by default it fails the run)")
 

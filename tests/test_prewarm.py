@@ -147,8 +147,9 @@ def smoke_item(file, engine=None, backend=None):
 
 def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the_kernel_gate(monkeypatch):
     """A serial GPU run builds the smoke gate's engine of each gated configuration whose attention compiles per
-    shape (FlexAttention) in a prewarm process of its own, and runs the smoke items of that configuration and of
-    flash (whose pieces the prewarm compiles) right after the kernel gate, by when what they compile is cached; under xdist (each worker builds its configurations'
+    shape (FlexAttention) in a prewarm process of its own, runs first what needs none of the prewarm's compiles
+    (the other smoke items, the admission, MLP and linear gates), then the kernel gate, then the smoke items of
+    that configuration and of flash (whose pieces the prewarm compiles), by when what they compile is cached; under xdist (each worker builds its configurations'
     engines first) and where the run has no kernel gate, nothing moves."""
     from engine import config as engine_config
     from engine.workload import SMOKE_CPU
@@ -168,10 +169,16 @@ def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the
     smoke = [smoke_item("test_smoke.py", "chunked", "torch"), smoke_item("test_smoke.py", "fused", "flex"),
              smoke_item("test_smoke.py", "flash", "flash"), smoke_item("test_smoke.py", "fused", "flex"),
              smoke_item("test_smoke.py")]
-    kernel, later = [smoke_item("test_kernels.py"), smoke_item("test_kernels.py")], [smoke_item("test_mlp.py")]
-    ordered = prewarm.order(smoke + kernel + later, {("fused", "flex")})
-    assert ordered == [smoke[0], smoke[2], smoke[4], *kernel, smoke[1], smoke[3], *later], [i.name for i in ordered]
-    assert prewarm.order(smoke + later, {("fused", "flex")}) == smoke + later
+    kernel = [smoke_item("test_kernels.py"), smoke_item("test_kernels.py")]
+    early = [smoke_item("test_mlp.py"), smoke_item("test_admission.py")]       # need none of the prewarm's compiles
+    later = [smoke_item("test_tokens.py", "fused", "flex"), smoke_item("test_zzz_new.py")]
+    ordered = prewarm.order(smoke + kernel + [early[0], later[0], early[1], later[1]], {("fused", "flex")})
+    assert [id(i) for i in ordered] == [id(i) for i in (smoke[0], smoke[2], smoke[4], *early, *kernel, smoke[1],
+                                                        smoke[3], *later)], [i.name for i in ordered]
+    ordered = prewarm.order(smoke + kernel + early, {("fused", "flex"), ("flash", "flash")})
+    assert [id(i) for i in ordered] == [id(i) for i in (smoke[0], smoke[4], *early, *kernel, smoke[1], smoke[2],
+                                                        smoke[3])], [i.name for i in ordered]
+    assert prewarm.order(smoke + early, {("fused", "flex")}) == smoke + early
     assert prewarm.order(smoke + kernel, set()) == smoke + kernel
     started = []
     monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append(cases) or ["proc"])

@@ -107,9 +107,9 @@ def smoke_config(o, engine: str, backend: str):
 def engine_cases(o) -> list[dict]:
     """One case a gated configuration whose attention is torch.compile'd per shape (AttentionBackend.
     compiles_per_shape: FlexAttention), its smoke gate's engine built in a prewarm process of its own: the build's
-    warm-up compiles the attention's ladder (the serial suite's smoke[fused-flex], 8.4-10.3 s on an H100 in sessions
-    41-42) into the shared cache while the gates run, and the configuration's smoke items run after the kernel gate
-    (`order`), by when it is there to load. For a serial run only (see begin)."""
+    warm-up compiles the attention's ladder (the serial suite's smoke[fused-flex], 8.4-12.3 s on an H100 in sessions
+    41-42) into the shared cache while the gates run, and `order` runs the configuration's smoke items after the
+    kernel gate, by when it is there to load. For a serial run only (see begin)."""
     import kernels
 
     from .runs import CANDIDATES
@@ -318,7 +318,7 @@ def begin(session) -> None:
     procs = start(cases, o.device) if cases else []
     engines = engine_cases(o) if worker_id(config) is None else []
     if engines:     # serial: each engine in a process of its own (under xdist, its worker's first gate builds it)
-        procs += start(engines, o.device)
+        procs += start(engines, o.device, processes=len(engines))
     if procs:
         config.stash[_PROCS] = procs
 
@@ -333,7 +333,7 @@ def report(config) -> str | None:
     if not procs:
         return None
     codes = [p.returncode for p in procs]
-    return (f"prewarm: {len(procs)} processes compiled the kernel gate's compile-heavy cases ahead "
+    return (f"prewarm: {len(procs)} processes compiled ahead what the gates compile (kernel cases, pieces, engines) "
             f"({sum(c == 0 for c in codes)} finished, {sum(c != 0 for c in codes)} stopped at the run's end or failed; "
             f"--no-prewarm turns it off)")
 

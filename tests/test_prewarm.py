@@ -134,7 +134,7 @@ def test_the_flash_engines_pieces_one_case_each_first(monkeypatch):
     assert prewarm.piece_cases(gate_opts(device="cpu")) == []
     monkeypatch.setattr(options, "gate_options", lambda config: gate_opts())
     started = []
-    monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append(cases) or ["proc"])
+    monkeypatch.setattr(prewarm, "start", lambda cases, dev, **kw: started.append(cases) or ["proc"])
     config = SimpleNamespace(getoption={}.get, stash={})
     prewarm.begin(SimpleNamespace(config=config, items=[item(FLEX[0])]))
     assert [c.get("piece", c.get("path")) for c in started[0]] == list(M.EAGER_OPS) + [FLEX[0]]
@@ -181,7 +181,7 @@ def test_a_serial_run_builds_the_flex_engine_ahead_and_gates_its_smoke_after_the
     assert prewarm.order(smoke + early, {("fused", "flex")}) == smoke + early
     assert prewarm.order(smoke + kernel, set()) == smoke + kernel
     started = []
-    monkeypatch.setattr(prewarm, "start", lambda cases, dev: started.append(cases) or ["proc"])
+    monkeypatch.setattr(prewarm, "start", lambda cases, dev, **kw: started.append(cases) or ["proc"])
     monkeypatch.setattr(options, "gate_options", lambda config: o)
     prewarm.begin(SimpleNamespace(config=serial, items=[]))
     assert [[c.get("build", c.get("piece")) for c in s] for s in started][-1] == ["fused"]     # a process of its own

@@ -48,6 +48,12 @@ if TYPE_CHECKING:
 
 SECTIONS = ("tokens", "positions", "slots", "kv_lens")
 MIB = 1 << 20
+# (CapturedSteps.warm_signature(), key) of every warm-up forward this process ran before a capture. A warm-up makes
+# the kernels a capture will record compile and load outside it (Triton's, Inductor's pieces, cuBLAS's choice); in a
+# process that already ran the same forward at the same shapes (a gate suite builds one configuration's engine about
+# 15 times) they are loaded, and the warm-up is a synchronised eager forward for nothing (session 42's serial cold
+# suite: 7.7 s of warm-up forwards for 583 graphs). A kernel that still compiled in a capture fails it loudly
+WARMED: set[tuple] = set()
 
 
 def ladder(max_batch: int) -> list[int]:
@@ -130,7 +136,8 @@ class CapturedSteps:
         self.replays = 0
         self.last_key: tuple | None = None
         self.capture_s = 0.0            # the whole capture: warm-up forwards and the captures
-        self.warm_s = 0.0               # of it, the warm-up forwards (one a key, synchronised)
+        self.warm_s = 0.0               # of it, the warm-up forwards (synchronised; warm_keys says which keys)
+        self.warmed = 0                 # how many keys had one
         self.pool_bytes = 0
 
     def upload(self, upto: int | None = None) -> None:
@@ -161,6 +168,26 @@ class CapturedSteps:
         """A rough upper bound of one forward's activations at `key` (for planning where nothing is captured)."""
         raise NotImplementedError
 
+    def warm_signature(self) -> tuple:
+        """What decides the kernels, and the shapes they are launched at, of this graph set's forwards besides the
+        key: the graph kind and its static buffers' layout, the model's shape, the backend and its kernel choices,
+        the cache's pages, dtype and device, and the runner's layer kernels (elementwise pieces, MLP, projections,
+        PDL)."""
+        r = self.runner
+        return (self.kind, tuple(self.offsets.items()), self.host.numel(), self.logits.shape[0], r.shape,
+                r.backend.name, tuple(sorted(r.backend_options.items())), r.page_size, r.num_pages,
+                r.pad_page, str(r.device), r.dtype, tuple((n, id(f)) for n, f in sorted(r.ops.items())),
+                r.mlp_rows, r.linear_rows, r.pdl)
+
+    def warm_keys(self, keys: list[tuple]) -> list[tuple]:
+        """The keys whose warm-up forward runs before the captures: the first always (this capture's new stream:
+        its cuBLAS workspace is made outside the capture), and each one this process has not run yet under the
+        same signature (WARMED). Records them."""
+        sig = self.warm_signature()
+        out = [k for i, k in enumerate(keys) if i == 0 or (sig, k) not in WARMED]
+        WARMED.update((sig, k) for k in out)
+        return out
+
     @torch.inference_mode()
     def capture(self, keys: list[tuple], progress: bool, desc: str) -> None:
         """Capture every key, largest first (the smaller graphs reuse the memory the largest one took)."""
@@ -175,7 +202,9 @@ class CapturedSteps:
         stream = torch.cuda.Stream(r.device)
         stream.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(stream):   # warm-up launches (allocator, kernel selection) off the default stream
-            for key in self.keys:
+            warm = self.warm_keys(self.keys)
+            self.warmed = len(warm)
+            for key in warm:
                 self.prime(key)
                 self.forward(key)
                 stream.synchronize()      # the next prime rewrites the pinned buffer this one's copy reads
@@ -237,7 +266,7 @@ class CapturedSteps:
     def describe(self) -> str:
         r = self.report()
         done = (f"{r['graphs']} {self.kind} graphs captured in {r['capture_s']:.2f} s (warm-up forwards "
-                f"{r['warm_s']:.2f} s)" if r["captured"] else
+                f"{r['warm_s']:.2f} s, {self.warmed} of them)" if r["captured"] else
                 f"{r['keys']} {self.kind} step shapes emulated (off CUDA: nothing captured)")
         pool = (f"graph pool +{r['pool_bytes'] / MIB:.1f} MiB" if r["captured"] else
                 f"graph pool about {r['pool_estimate_bytes'] / MIB:.1f} MiB (estimate)")

@@ -87,7 +87,8 @@ class ModelRunner:
         self.num_pages = num_pages
         self.poison = poison
         self.record_topk = record_topk
-        self.backend: AttentionBackend = get_backend(backend, self.device, page_size, **(backend_options or {}))
+        self.backend_options = dict(backend_options or {})
+        self.backend: AttentionBackend = get_backend(backend, self.device, page_size, **self.backend_options)
         # refused here, before any launch, rather than computed wrong (a head dim a kernel is not built for)
         reason = self.backend.why_unsupported(model.shape.head_dim, dtype, model.shape.num_heads,
                                               model.shape.num_kv_heads)

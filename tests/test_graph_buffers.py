@@ -156,6 +156,29 @@ def test_a_width_free_decode_captures_one_table_width(mode, monkeypatch):
     assert report.ok, report.problems()
 
 
+def test_a_second_build_warms_up_only_what_this_process_has_not_run(mode, monkeypatch):
+    """A capture's warm-up forwards run each key once a process (engine.graphs.WARMED), plus the first key of every
+    capture (its new stream); an engine built again in the same configuration serves the same tokens with one
+    warm-up, and a change of what its forwards launch (here the runner's layer kernels) warms every key again. Off
+    CUDA nothing is captured, so the choice is checked on the graph set directly."""
+    import engine.graphs as graphs_module
+    monkeypatch.setattr(graphs_module, "WARMED", set())
+    _, first = run(mode, True)
+    ref, second = run(mode, True)
+    g = ref.last_engine.runner.graphs
+    keys = g.keys
+    assert len(keys) > 1
+    if g.capture_graphs:
+        assert g.warmed == 1, g.describe()
+        report = compare("rebuilt vs first", first, second, ref.score, 0.02, 3, check_steps=True)
+        assert report.ok, report.problems()
+    else:
+        assert g.warm_keys(keys) == keys
+    assert g.warm_keys(keys) == keys[:1]
+    ref.last_engine.runner.mlp_rows += 1       # this engine's own runner: nothing else sees it
+    assert g.warm_keys(keys) == keys
+
+
 def test_padding_rows_touch_only_the_pad_page(mode):
     ref, _ = run(mode, True)
     e = ref.last_engine

@@ -174,7 +174,8 @@ class CapturedSteps:
         the cache's pages, dtype and device, and the runner's layer kernels (elementwise pieces, MLP, projections,
         PDL)."""
         r = self.runner
-        return (self.kind, tuple(self.offsets.items()), self.host.numel(), self.logits.shape[0], r.shape,
+        return (self.kind, tuple(self.offsets.items()), self.host.numel(), self.logits.shape[0],
+                getattr(self, "max_batch", None), r.shape,
                 r.backend.name, tuple(sorted(r.backend_options.items())), r.page_size, r.num_pages,
                 r.pad_page, str(r.device), r.dtype, tuple((n, id(f)) for n, f in sorted(r.ops.items())),
                 r.mlp_rows, r.linear_rows, r.pdl)

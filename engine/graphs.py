@@ -52,7 +52,8 @@ MIB = 1 << 20
 # the kernels a capture will record compile and load outside it (Triton's, Inductor's pieces, cuBLAS's choice); in a
 # process that already ran the same forward at the same shapes (a gate suite builds one configuration's engine about
 # 15 times) they are loaded, and the warm-up is a synchronised eager forward for nothing (session 42's serial cold
-# suite: 7.7 s of warm-up forwards for 583 graphs). A kernel that still compiled in a capture fails it loudly
+# suite: 7.7 s of warm-up forwards for 583 graphs). A kernel that the signature missed compiles inside the capture:
+# allowed there (the same graph, slower to build) or the capture fails loudly; never other tokens
 WARMED: set[tuple] = set()
 
 

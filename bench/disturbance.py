@@ -19,9 +19,10 @@ token of A, B and C in <out>/tokens.csv, and a plot <out>/disturbance.png when m
   median wait while A was alone);
 - a_rate_alone: A's tokens/s while alone; a_rate_during_b: A's tokens/s from B's arrival to B's first token;
   a_rate_ratio = a_rate_during_b / a_rate_alone (expected about 1 - p for a long B);
-- decode_time_share: while B fills, pure decode time / (pure decode time + the loaded steps' time beyond a pure
-  decode step): the debt rule's own measure, 1 - p when the debt does not saturate (B's last 512 positions are a
-  short prompt: they never wait and owe nothing, so a short B reads a little under 1 - p);
+- decode_time_share: while B fills (from the step that admits it), pure decode time / (pure decode time + the
+  loaded steps' time beyond a pure decode step): the debt rule's own measure, 1 - p when the debt does not
+  saturate (B's last 512 positions are a short prompt: they never wait and owe nothing, so a short B reads a
+  little under 1 - p);
 - withheld_steps: steps that withheld a long-prompt chunk for the decoders' debt;
 - tokens_identical: A's, B's and C's tokens equal those of the first share's run over their common length;
   tokens_check says where they first differ and whether that is a near tie: the gap between the two tokens' logits,
@@ -151,7 +152,8 @@ def measure(engine: Engine, sc: Scenario) -> dict:
     kinds = [s.kind for s in engine.trace]
     share = None
     if b_first is not None:     # pure decode time / (that + prompt work's extra time) while B fills: about 1 - p
-        fill = [s for s in engine.trace if sc.b_at < s.start <= b_first]
+        # from the step that admitted B: a step can start after b_at yet have been planned before B was delivered
+        fill = [s for s in engine.trace if B.admit_time <= s.start <= b_first]
         pure = [s.duration for s in fill if s.kind == StepKind.PURE_DECODE]
         t_d = statistics.median(pure) if pure else (statistics.median(gaps(alone)) if len(alone) > 2 else 0.0)
         extra = sum(max(0.0, s.duration - t_d) for s in fill if s.kind == StepKind.LOADED)

@@ -12,6 +12,7 @@ from bench import disturbance
 from engine.config import lineage_config
 from engine.engine import Engine
 from engine.loader import load_model
+from engine.scheduler import StepKind
 
 
 @pytest.fixture(scope="module")
@@ -83,3 +84,19 @@ def test_strict_tokens_flag():
     assert disturbance.parse_args([]).strict_tokens is None           # the default: strict in float32 only
     assert disturbance.parse_args(["--strict-tokens"]).strict_tokens is True
     assert disturbance.parse_args(["--no-strict-tokens"]).strict_tokens is False
+
+
+def test_decode_share_counts_from_b_admission():
+    """A pure decode step that starts after B's arrival time but was planned before B was delivered (a slow
+    host) is not B's fill: at p = 1 every step from B's admission to its first token is loaded, share 0."""
+    from types import SimpleNamespace as NS
+    sc = NS(b_at=0.3)
+    a = NS(token_times=[0.27, 0.28, 0.29, 0.35, 0.45, 0.55], output=[1] * 6, state=NS(value="running"), finish_time=None)
+    b = NS(output=[7], first_token_time=0.6, arrival_time=0.3, admit_time=0.31)
+    c = NS(output=[8], first_token_time=0.58, arrival_time=0.35)
+    trace = [NS(kind=StepKind.PURE_DECODE, start=t, duration=0.01) for t in (0.1, 0.2, 0.295, 0.305)]
+    trace += [NS(kind=StepKind.LOADED, start=t, duration=0.05) for t in (0.31, 0.4, 0.5)]
+    e = NS(requests={"A": a, "B": b, "C": c}, trace=trace, scheduler=NS(withheld_steps=0))
+    assert disturbance.measure(e, sc)["decode_time_share"] == 0.0
+    trace.insert(5, NS(kind=StepKind.PURE_DECODE, start=0.35, duration=0.01))   # one inside the fill counts
+    assert disturbance.measure(e, sc)["decode_time_share"] > 0.0

@@ -91,7 +91,8 @@ def test_decode_share_counts_from_b_admission():
     host) is not B's fill: at p = 1 every step from B's admission to its first token is loaded, share 0."""
     from types import SimpleNamespace as NS
     sc = NS(b_at=0.3)
-    a = NS(token_times=[0.27, 0.28, 0.29, 0.35, 0.45, 0.55], output=[1] * 6, state=NS(value="running"), finish_time=None)
+    a = NS(token_times=[0.27, 0.28, 0.29, 0.35, 0.45, 0.55], output=[1] * 6, state=NS(value="running"),
+           finish_time=None)
     b = NS(output=[7], first_token_time=0.6, arrival_time=0.3, admit_time=0.31)
     c = NS(output=[8], first_token_time=0.58, arrival_time=0.35)
     trace = [NS(kind=StepKind.PURE_DECODE, start=t, duration=0.01) for t in (0.1, 0.2, 0.295, 0.305)]
